@@ -1,0 +1,203 @@
+"""Quality tiers, decided at launch on every rank before the model is built.
+
+Every rank describes its device (:func:`local_device_facts`), the facts are gathered with
+``all_gather_object`` (:func:`gather_device_facts`), and every rank runs the same PURE decision
+(:func:`quality_failures`) on the same list, so all ranks agree and exit together without any
+further collective: a failed check cannot hang.
+
+Tiers (``--quality``):
+    absent      no constraint; every backend (Sage included) and any topology the config allows.
+    "lossless"  exact bf16 kernels only; an 8-bit backend (Sage, fp8, int8) is an error.
+    "high"      the strict H3 deployment: exactly 4 ranks on one host, each on its own GPU, every
+                GPU an H200 with compute capability 9.0, all four identical, every pair
+                peer-accessible (P2P), Ulysses degree 4, ring 1, tensor parallel 1. Sage allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from dist_attn.config import QUALITY_TIERS
+
+__all__ = [
+    "DeviceFacts",
+    "Topology",
+    "QualityError",
+    "HIGH_WORLD_SIZE",
+    "local_device_facts",
+    "gather_device_facts",
+    "quality_failures",
+    "is_8bit_backend",
+    "check_tier_name",
+]
+
+#: quality="high" is the 4 x H200 H3 deployment (shared/h3.md).
+HIGH_WORLD_SIZE = 4
+_HIGH_GPU = "H200"
+_HIGH_CAPABILITY = (9, 0)
+
+
+class QualityError(RuntimeError):
+    """The launch does not meet its quality tier; the message lists every failed condition."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class DeviceFacts:
+    """What one rank reports about itself (picklable; gathered with all_gather_object)."""
+
+    rank: int
+    """Global rank."""
+    hostname: str
+    """Host the rank runs on."""
+    device_type: str
+    """"cuda" or "cpu"."""
+    device_index: int | None = None
+    """CUDA ordinal the rank uses, as seen by the process."""
+    device_uuid: str | None = None
+    """GPU UUID (identifies a physical GPU even when ordinals are remapped)."""
+    gpu_name: str | None = None
+    """torch.cuda.get_device_name, e.g. "NVIDIA H200"."""
+    capability: tuple[int, int] | None = None
+    """Compute capability (major, minor)."""
+    total_memory: int | None = None
+    """Bytes of device memory."""
+    peer_access: dict[int, bool] = field(default_factory=dict)
+    """Other visible CUDA ordinal -> can this rank's device access it peer-to-peer."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Topology:
+    """The parallel layout being launched (from the config and the world size)."""
+
+    world_size: int
+    ulysses_degree: int
+    ring_degree: int = 1
+    tensor_parallel: int = 1
+
+
+def local_device_facts(rank: int, device: torch.device) -> DeviceFacts:
+    """Describes ``device`` as used by ``rank`` (queries CUDA only if the device is CUDA)."""
+    host = socket.gethostname()
+    if device.type != "cuda":
+        return DeviceFacts(rank=rank, hostname=host, device_type=device.type)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(idx)
+    peers = {j: bool(torch.cuda.can_device_access_peer(idx, j))
+             for j in range(torch.cuda.device_count()) if j != idx}
+    return DeviceFacts(rank=rank, hostname=host, device_type="cuda", device_index=idx,
+                       device_uuid=str(getattr(props, "uuid", "")) or None,
+                       gpu_name=props.name, capability=(props.major, props.minor),
+                       total_memory=int(props.total_memory), peer_access=peers)
+
+
+def gather_device_facts(facts: DeviceFacts, group: Any = None) -> list[DeviceFacts]:
+    """All ranks' facts, in rank order (one all_gather_object; local list if not distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [facts]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, dataclasses.asdict(facts), group=group)
+    return [DeviceFacts(**{**d, "capability": tuple(d["capability"]) if d["capability"] else None})
+            for d in out]
+
+
+def is_8bit_backend(name: str, backend: Any = None) -> bool:
+    """Whether a backend quantizes to 8 bits: by the backend object's ``exact`` attribute (the
+    core's AttentionBackend: False for 8-bit kernels) when it has one, else by its name (sage,
+    fp8, int8, 8bit)."""
+    for attr, quantized_if in (("exact", False), ("quantized", True)):
+        value = getattr(backend, attr, None)
+        if isinstance(value, bool):
+            return value is quantized_if
+    lowered = name.lower()
+    return any(tag in lowered for tag in ("sage", "fp8", "int8", "8bit"))
+
+
+def check_tier_name(tier: str | None) -> None:
+    """Raises ValueError listing the valid values if ``tier`` is not a quality tier."""
+    if tier is not None and tier not in QUALITY_TIERS:
+        raise ValueError(f"--quality {tier!r} is not a quality tier; valid values: "
+                         + ", ".join(map(repr, QUALITY_TIERS)) + " (or omit the flag)")
+
+
+def _fmt(values: Sequence[Any]) -> str:
+    return "[" + ", ".join(f"rank {i}: {v}" for i, v in enumerate(values)) + "]"
+
+
+def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: Topology,
+                     *, backend: str = "auto", backend_obj: Any = None) -> list[str]:
+    """Every condition of ``tier`` that the gathered ``facts`` and ``topology`` fail, each with
+    the value observed. Empty list: the launch meets the tier. PURE: no device or process-group
+    access, so it is unit-tested with fake facts.
+
+    Args:
+        tier: None, "lossless" or "high".
+        facts: one DeviceFacts per rank, in rank order.
+        topology: the parallel layout being launched.
+        backend: the (resolved, if known) attention backend name; ``backend_obj`` its object.
+    """
+    check_tier_name(tier)
+    failures: list[str] = []
+    if tier is None:
+        return failures
+    if tier == "lossless":
+        if is_8bit_backend(backend, backend_obj):
+            failures.append(f"backend: quality='lossless' admits exact bf16 kernels only, but "
+                            f"backend {backend!r} is 8-bit")
+        return failures
+
+    # tier == "high"
+    n = len(facts)
+    if topology.world_size != HIGH_WORLD_SIZE or n != HIGH_WORLD_SIZE:
+        failures.append(f"world size: exactly {HIGH_WORLD_SIZE} ranks required, observed "
+                        f"{topology.world_size}")
+    hosts = sorted({f.hostname for f in facts})
+    if len(hosts) != 1:
+        failures.append(f"one host: all ranks must share one host, observed {len(hosts)} hosts "
+                        f"{hosts}")
+    not_cuda = [f.rank for f in facts if f.device_type != "cuda"]
+    if not_cuda:
+        failures.append(f"GPU per rank: every rank must run on a CUDA GPU, observed device "
+                        f"types {_fmt([f.device_type for f in facts])}")
+    gpus = [(f.hostname, f.device_uuid or f.device_index) for f in facts if f.device_type == "cuda"]
+    if len(set(gpus)) != len(gpus):
+        failures.append(f"own GPU: each rank needs its own GPU, observed devices "
+                        f"{_fmt([f.device_uuid or f.device_index for f in facts])}")
+    names = [f.gpu_name for f in facts]
+    if not all(name and _HIGH_GPU in name for name in names):
+        failures.append(f"GPU model: every GPU name must contain {_HIGH_GPU}, observed "
+                        f"{_fmt(names)}")
+    caps = [f.capability for f in facts]
+    if not all(c == _HIGH_CAPABILITY for c in caps):
+        want = ".".join(map(str, _HIGH_CAPABILITY))
+        failures.append(f"compute capability: every GPU must be {want}, observed "
+                        f"{_fmt(['.'.join(map(str, c)) if c else None for c in caps])}")
+    kinds = {(f.gpu_name, f.capability, f.total_memory) for f in facts}
+    if len(kinds) > 1:
+        failures.append(f"identical GPUs: all GPUs must be the same model, observed "
+                        f"{_fmt([(f.gpu_name, f.total_memory) for f in facts])}")
+    cuda = [f for f in facts if f.device_type == "cuda" and f.device_index is not None]
+    no_p2p = []
+    for a in cuda:
+        for b in cuda:
+            if a.rank < b.rank and a.hostname == b.hostname and a.device_index != b.device_index:
+                if not (a.peer_access.get(b.device_index) and b.peer_access.get(a.device_index)):
+                    no_p2p.append(f"{a.rank}<->{b.rank}")
+    if no_p2p:
+        failures.append(f"P2P: every GPU pair must be peer-accessible, observed no peer access "
+                        f"between ranks {', '.join(no_p2p)}")
+    if topology.ulysses_degree != HIGH_WORLD_SIZE:
+        failures.append(f"Ulysses degree: must be {HIGH_WORLD_SIZE}, observed "
+                        f"{topology.ulysses_degree}")
+    if topology.ring_degree != 1:
+        failures.append(f"ring degree: must be 1, observed {topology.ring_degree}")
+    if topology.tensor_parallel != 1:
+        failures.append(f"tensor parallel: must be 1, observed {topology.tensor_parallel}")
+    return failures
