@@ -616,14 +616,19 @@ def serve(cfg: Config, ctx: DistContext, engine: Engine, *, once: Request | None
 
     once_result: dict[str, Any] | None = None
     try:
+        last_broadcast = time.monotonic()
         while not stop.is_set():
             try:
-                job = jobs.get(timeout=cfg.runtime.heartbeat_s)
+                # Short polls so a signal (which only sets a flag) is noticed within 0.2 s.
+                job = jobs.get(timeout=min(0.2, cfg.runtime.heartbeat_s))
             except queue.Empty:
                 if once is not None:
                     break
-                _broadcast({"op": "heartbeat"}, ctx)
+                if time.monotonic() - last_broadcast >= cfg.runtime.heartbeat_s:
+                    _broadcast({"op": "heartbeat"}, ctx)
+                    last_broadcast = time.monotonic()
                 continue
+            last_broadcast = time.monotonic()
             started = time.perf_counter()
             _broadcast({"op": "run", "request": job.request.to_wire()}, ctx)
             try:

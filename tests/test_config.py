@@ -1,0 +1,164 @@
+"""Config loading and self-validation: every error names the field, its value and the rule."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+
+import pytest
+
+from dist_attn.config import (DEFAULT_CONFIG_TOML, Config, ModelConfig, RuntimeConfig,
+                              TokenConfig, apply_overrides, load_config, parse_config,
+                              request_layout)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+
+
+def test_h3_config_matches_the_reference_workload():
+    cfg = load_config(os.path.join(ROOT, "configs", "h3.toml"))
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.head_dim, m.ffn_size, m.rope_dims) == (
+        50, 5376, 56, 128, 14336, 96)
+    assert cfg.tokens.alignment == 64
+    r = cfg.request
+    layout = request_layout(cfg, frames=r.frames, height=r.height, width=r.width)
+    # shared/h3.md: latent 37 x 42 x 24 = 37,296 video rows; h3-ref used 37,980, total 38,016.
+    assert layout.latent_shape == (37, 42, 24)
+    assert (layout.used, layout.total) == (37_980, 38_016)
+    assert layout.cu_seqlens() == [0, 37_980, 38_016]
+    cfg.check_world(4)
+
+
+def test_tiny_file_is_the_embedded_default():
+    path = os.path.join(ROOT, "configs", "tiny.toml")
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == DEFAULT_CONFIG_TOML
+    cfg = load_config(None)
+    assert cfg == load_config(path)
+    r = cfg.request
+    layout = request_layout(cfg, frames=r.frames, height=r.height, width=r.width)
+    assert 100 <= layout.used <= 1000 and layout.total % 64 == 0  # "a few hundred tokens"
+    assert cfg.model.head_dim == 64
+    for world in (1, 2, 4):
+        cfg.check_world(world)
+
+
+@pytest.mark.parametrize("world, match", [
+    (3, r"ModelConfig.num_heads=4 is not divisible by the Ulysses degree 3"),
+    (8, r"ModelConfig.num_heads=4 is not divisible by the Ulysses degree 8"),
+])
+def test_heads_vs_ulysses_degree(world, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None).check_world(world)
+
+
+def test_alignment_vs_world_size():
+    cfg = apply_overrides(load_config(None), {"tokens.alignment": 96, "model.num_heads": 6})
+    cfg.check_world(2)
+    with pytest.raises(ValueError, match=r"TokenConfig.alignment=96 is not divisible by the "
+                                         r"world size 64"):
+        apply_overrides(cfg, {"model.num_heads": 64}).check_world(64)
+    cfg = apply_overrides(load_config(None), {"tokens.alignment": 6, "model.num_heads": 4})
+    with pytest.raises(ValueError, match=r"TokenConfig.alignment=6 is not divisible by the world "
+                                         r"size 4"):
+        cfg.check_world(4)
+
+
+def test_ulysses_times_ring_times_tp_is_world():
+    cfg = apply_overrides(load_config(None), {"parallel.ulysses_degree": 2})
+    cfg.check_world(2)
+    with pytest.raises(ValueError, match=r"ParallelConfig.ulysses_degree=2 .* must equal the "
+                                         r"world size 4"):
+        cfg.check_world(4)
+
+
+def test_head_dim_vs_backend():
+    with pytest.raises(ValueError, match=r"ModelConfig.head_dim=80 is not supported by backend "
+                                         r"'sage' \(accepts head_dim in \[64, 96, 128\]\)"):
+        apply_overrides(load_config(None), {"model.head_dim": 80, "model.rope_dims": 48,
+                                            "runtime.backend": "sage"})
+    # sdpa takes any head_dim
+    apply_overrides(load_config(None), {"model.head_dim": 80, "runtime.backend": "sdpa"})
+
+
+def test_quality_values_listed_and_lossless_rejects_sage():
+    with pytest.raises(ValueError, match=r"quality='medium' is not a quality tier; valid values: "
+                                         r"absent \(no constraint\), 'lossless', 'high'"):
+        RuntimeConfig(quality="medium")
+    with pytest.raises(ValueError, match=r"backend='sage' is an 8-bit backend, not allowed under "
+                                         r"quality='lossless'"):
+        RuntimeConfig(quality="lossless", backend="sage")
+    with pytest.raises(ValueError, match=r"'sage8' is an 8-bit backend"):
+        RuntimeConfig(quality="lossless", backend="sage8")
+    assert RuntimeConfig(quality="lossless", backend="sdpa").quality == "lossless"
+    assert RuntimeConfig(quality="high", backend="sage").backend == "sage"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_heads": 0}, r"ModelConfig.num_heads=0 must be a positive integer"),
+    ({"rope_dims": 63}, r"ModelConfig.rope_dims=63 must be even and at most head_dim=64"),
+    ({"rope_dims": 66}, r"ModelConfig.rope_dims=66 must be even and at most head_dim=64"),
+    ({"hidden_size": 2.5}, r"ModelConfig.hidden_size=2.5 must be a positive integer"),
+])
+def test_model_field_rules(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kwargs)
+
+
+def test_heartbeat_must_be_well_below_timeout():
+    with pytest.raises(ValueError, match=r"RuntimeConfig.heartbeat_s=20.0 must be > 0 and below "
+                                         r"pg_timeout_s/2=15.0"):
+        RuntimeConfig(pg_timeout_s=30.0, heartbeat_s=20.0)
+
+
+def test_unknown_fields_and_sections_are_named(tmp_path):
+    data = tomllib.loads(DEFAULT_CONFIG_TOML)
+    data["model"]["num_head"] = 4
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['num_head'\] in \[model\]"):
+        parse_config(data)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEFAULT_CONFIG_TOML + "\n[modle]\nx = 1\n")
+    with pytest.raises(ValueError, match=r"bad.toml: unknown config section\(s\) \['modle'\]"):
+        load_config(bad)
+
+
+def test_request_geometry_rules():
+    cfg = load_config(None)
+    with pytest.raises(ValueError, match=r"request.height=250 must be a multiple of "
+                                         r"tokens.spatial_compression=32"):
+        request_layout(cfg, frames=9, height=250, width=256)
+    layout = request_layout(cfg, frames=1, height=32, width=32, num_tokens=100)
+    assert (layout.used, layout.total, layout.latent_shape) == (100, 128, None)
+    layout = request_layout(cfg, frames=1, height=32, width=32, num_tokens=128)
+    assert layout.cu_seqlens() == [0, 128]  # no padding segment when already aligned
+    assert TokenConfig().alignment == 64
+
+
+def test_default_request_must_fit_max_tokens():
+    with pytest.raises(ValueError, match=r"gives 100000 rows, above serve.max_tokens=16384"):
+        apply_overrides(load_config(None), {"request.num_tokens": 100_000})
+
+
+def test_command_line_flags_override_config_fields():
+    import serve as launcher  # launch/serve.py
+
+    args = launcher.build_parser().parse_args(
+        ["--config", os.path.join(ROOT, "configs", "h3.toml"), "--layers", "1", "--backend",
+         "sdpa", "--port", "0", "--num-tokens", "1000", "--set", "serve.max_steps=7",
+         "--set", "model.name=\"h3-1layer\"", "--quality", "high"])
+    cfg = launcher.config_from_args(args)
+    assert isinstance(cfg, Config)
+    assert cfg.model.num_layers == 1 and cfg.model.name == "h3-1layer"
+    assert cfg.runtime.backend == "sdpa" and cfg.runtime.quality == "high"
+    assert cfg.serve.port == 0 and cfg.serve.max_steps == 7
+    assert cfg.request.num_tokens == 1000
+    assert cfg.model.hidden_size == 5376  # untouched fields keep the file's values
+    args = launcher.build_parser().parse_args(["--quality", "medium"])
+    with pytest.raises(ValueError, match=r"valid values: absent \(no constraint\), 'lossless', "
+                                         r"'high'"):
+        launcher.config_from_args(args)
+    args = launcher.build_parser().parse_args(["--set", "model.nope=1"])
+    with pytest.raises(ValueError, match=r"override 'model.nope': no such config field"):
+        launcher.config_from_args(args)
