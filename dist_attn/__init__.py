@@ -1,0 +1,35 @@
+"""dist_attn: Ulysses sequence-parallel attention with 8-bit Sage kernels for video DiTs."""
+
+from dist_attn.backends import (
+    AttentionBackend,
+    BackendUnavailableError,
+    available_backends,
+    get_backend,
+    register_backend,
+    resolve_backend,
+    unregister_backend,
+)
+from dist_attn.bridge import sage_varlen, trailing_padding_used_len
+from dist_attn.buffers import StagingBuffers, StagingCapacityError, default_staging_buffers
+from dist_attn.profiling import PhaseTimer
+from dist_attn.ulysses import UlyssesSageAttention, ulysses_attention
+
+__all__ = [
+    "AttentionBackend",
+    "BackendUnavailableError",
+    "PhaseTimer",
+    "StagingBuffers",
+    "StagingCapacityError",
+    "UlyssesSageAttention",
+    "available_backends",
+    "default_staging_buffers",
+    "get_backend",
+    "register_backend",
+    "resolve_backend",
+    "sage_varlen",
+    "trailing_padding_used_len",
+    "ulysses_attention",
+    "unregister_backend",
+]
+
+__version__ = "0.1.0"

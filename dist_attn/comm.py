@@ -1,0 +1,122 @@
+"""Packing and the two all-to-alls of a Ulysses forward, as pure functions.
+
+Layout of the input staging buffer on every rank (destination-major): for each destination rank
+j, a block ``[S_local, 3, H_j, D]`` holding this rank's rows of q, k, v for j's heads. After ONE
+all-to-all, rank r's receive buffer is ``[W, S_local, 3, H_r, D] = [S, 3, H_r, D]``: all S rows of
+q, k and v for its own heads, readable as strided ``[S, H_r, D]`` views with a contiguous last dim.
+
+The attention output ``[S, H_r, D]`` is already destination-major by rows (rank i needs rows
+``[i*S_local, (i+1)*S_local)``), so the output all-to-all needs no packing, only the unpack of the
+received ``[S_local, H_j, D]`` blocks into ``[S_local, H, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "pack_qkv",
+    "unpack_qkv",
+    "unpack_output",
+    "all_to_all_flat",
+]
+
+
+def _strided_source(t: torch.Tensor, head_ranges: list[tuple[int, int]]) -> torch.Tensor | None:
+    """``[W, S_local, w, D]`` view of ``t`` covering ``head_ranges`` when the ranges are equally
+    wide and spaced H/W apart (even heads, chunked or not); None when a loop is needed."""
+    s_local, num_heads, head_dim = t.shape
+    world = len(head_ranges)
+    widths = {b - a for a, b in head_ranges}
+    if len(widths) != 1 or num_heads % world:
+        return None
+    hw = num_heads // world
+    base = head_ranges[0][0]
+    if any(a != base + j * hw for j, (a, _) in enumerate(head_ranges)) or base + widths.pop() > hw:
+        return None
+    w = head_ranges[0][1] - base
+    # [S_local, H, D] -> [S_local, W, H/W, D] -> [S_local, W, w, D] -> [W, S_local, w, D]
+    return t.view(s_local, world, hw, head_dim)[:, :, base:base + w].transpose(0, 1)
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tensor,
+             head_ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Writes q, k, v into a destination-major send buffer.
+
+    Args:
+        q, k, v: ``[S_local, H, D]``, this rank's rows.
+        send: flat buffer of ``S_local * 3 * sum(widths) * D`` elements, q's dtype and device.
+        head_ranges: for each destination rank j, the global heads ``(start, stop)`` it receives
+            in this all-to-all (all of its heads, or one chunk of them).
+
+    Returns:
+        ``send`` (filled): for each destination a block ``[S_local, 3, width_j, D]``.
+    """
+    s_local, _, head_dim = q.shape
+    world = len(head_ranges)
+    w = head_ranges[0][1] - head_ranges[0][0]
+    if _strided_source(q, head_ranges) is not None:
+        dst = send.view(world, s_local, 3, w, head_dim)  # [W, S_local, 3, w, D]
+        for i, t in enumerate((q, k, v)):
+            dst[:, :, i].copy_(_strided_source(t, head_ranges))  # one strided copy per role
+        return send
+    start = 0
+    for a, b in head_ranges:
+        n = s_local * 3 * (b - a) * head_dim
+        dst = send[start:start + n].view(s_local, 3, b - a, head_dim)  # [S_local, 3, H_j, D]
+        for i, t in enumerate((q, k, v)):
+            dst[:, i].copy_(t[:, a:b])
+        start += n
+    return send
+
+
+def unpack_qkv(recv: torch.Tensor, seq: int, local_heads: int, head_dim: int):
+    """Views of q, k, v for this rank's heads in the input receive buffer.
+
+    Args:
+        recv: flat receive buffer of ``seq * 3 * local_heads * head_dim`` elements.
+
+    Returns:
+        q, k, v: ``[S, H_r, D]`` strided views (strides ``(3*H_r*D, D, 1)``), no copy.
+    """
+    qkv = recv.view(seq, 3, local_heads, head_dim)  # [W, S_local, 3, H_r, D] -> [S, 3, H_r, D]
+    return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+
+
+def unpack_output(recv: torch.Tensor, out: torch.Tensor, head_ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Scatters an output receive buffer into the caller's layout.
+
+    Args:
+        recv: flat buffer, for each source rank j a block ``[S_local, width_j, D]``.
+        out: destination ``[S_local, H, D]``.
+        head_ranges: for each source rank j, the global heads ``(start, stop)`` its block holds.
+
+    Returns:
+        ``out`` (filled at those heads).
+    """
+    s_local, _, head_dim = out.shape
+    world = len(head_ranges)
+    dst = _strided_source(out, head_ranges)
+    if dst is not None:
+        w = head_ranges[0][1] - head_ranges[0][0]
+        dst.copy_(recv.view(world, s_local, w, head_dim))  # [W, S_local, w, D], one copy
+        return out
+    start = 0
+    for a, b in head_ranges:
+        n = s_local * (b - a) * head_dim
+        out[:, a:b].copy_(recv[start:start + n].view(s_local, b - a, head_dim))
+        start += n
+    return out
+
+
+def all_to_all_flat(recv: torch.Tensor, send: torch.Tensor, *, recv_splits: list[int],
+                    send_splits: list[int], group, async_op: bool = False):
+    """One ``all_to_all_single`` of flat buffers; equal splits are passed as None (NCCL's fast path)."""
+    even = len(set(recv_splits)) == 1 and len(set(send_splits)) == 1
+    return dist.all_to_all_single(
+        recv, send,
+        output_split_sizes=None if even else recv_splits,
+        input_split_sizes=None if even else send_splits,
+        group=group, async_op=async_op,
+    )
