@@ -92,7 +92,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     s_local, n_heads, d = q.shape
     seq = s_local * world
     check_bounds(cu_seqlens, device=q.device, total=seq)
-    bounds = host_bounds(cu_seqlens, cu_seqlens_host, total=seq, max_seqlen=max_seqlen)
+    bounds = host_bounds(
+        cu_seqlens, cu_seqlens_host, total=seq, max_seqlen=max_seqlen,
+        total_desc=f"S = S_local*W = {s_local}*{world} = {seq} (each of the W={world} ranks holds "
+                   f"S_local={s_local} rows; pad the packed sequence to a multiple of W)",
+    )
     be = resolve_backend(backend, q)
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())

@@ -77,7 +77,7 @@ def check_bounds(cu_seqlens, *, device: torch.device, total: int) -> None:
 
 
 def host_bounds(cu_seqlens: torch.Tensor, cu_seqlens_host: Sequence[int] | None, *, total: int,
-                max_seqlen) -> tuple[int, ...]:
+                max_seqlen, total_desc: str | None = None) -> tuple[int, ...]:
     """Validates the segment bounds and returns them as host ints.
 
     When ``cu_seqlens_host`` is given it is trusted to equal ``cu_seqlens`` (no device read, so no
@@ -112,7 +112,8 @@ def host_bounds(cu_seqlens: torch.Tensor, cu_seqlens_host: Sequence[int] | None,
             )
     if bounds[-1] != total:
         raise ValueError(
-            f"{src}[-1]={bounds[-1]}; bounds must end at the global token count {total}"
+            f"{src}[-1]={bounds[-1]}; bounds must end at the global token count "
+            f"{total_desc or total}"
         )
     if not _is_int(max_seqlen):
         raise TypeError(f"max_seqlen={max_seqlen!r} must be a Python int")
