@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from dist_attn.config import load_config
-from dist_attn.serving import Metrics, RequestError, parse_request
+from dist_attn.serving import (DistContext, Metrics, RequestError, _latent_checksum,
+                               parse_request)
 from dist_attn.weights import load_safetensors, save_safetensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +81,9 @@ def test_once_on_4_ranks_matches_a_single_rank(tmp_path):
     err = (a - b).norm() / b.norm()
     assert err < RTOL_F32, err
     assert abs(r4["checksum"]["sum"] - r1["checksum"]["sum"]) <= 1e-4 * r1["checksum"]["abs_sum"]
+    # the checksum reduced from 4 shards is the checksum of the saved (gathered) latent
+    ctx1 = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    assert _latent_checksum(a, 0, 276, ctx1)["bits64"] == r4["checksum"]["bits64"]
     # per-step progress logged on rank 0 only, with the rank in every line
     assert "[rank 0] INFO dist_attn.serve: once-5 step 2/2" in dist_run.stderr
     assert "[rank 1] INFO" not in dist_run.stderr
@@ -125,7 +130,7 @@ def test_server_under_torchrun(tmp_path, world):
         first = json.loads(body)
         assert first["tokens"] == {"used": 200, "total": 256, "latent_shape": None}
         assert len(first["step_latency_ms"]) == 2 and first["world_size"] == world
-        assert len(first["checksum"]["sha256"]) == 64
+        assert len(first["checksum"]["bits64"]) == 16
 
         status, body = _http("POST", base + "/v1/generate", b'{"steps": "many"}')
         assert status == 400 and "steps='many' must be an integer" in json.loads(body)["error"][
@@ -140,7 +145,7 @@ def test_server_under_torchrun(tmp_path, world):
         assert status == 200, body
         second = json.loads(body)
         assert second["request_id"] != first["request_id"]
-        assert second["checksum"]["sha256"] == first["checksum"]["sha256"]
+        assert second["checksum"] == first["checksum"]
 
         status, metrics = _http("GET", base + "/metrics")
         assert status == 200
@@ -190,22 +195,39 @@ def test_quality_high_on_cpu_fails_fast_naming_conditions():
     assert "shut down" not in msg  # no model was built, nothing was served
 
 
-def test_single_process_launch_checks(tmp_path):
+def test_single_process_check_only_ok():
     ok = _run([sys.executable, SERVE, "--check-only"], STARTUP_S)
     assert ok.returncode == 0 and "check-only: OK" in ok.stdout, ok.stderr
-    lossless = _run([sys.executable, SERVE, "--check-only", "--quality", "lossless",
-                     "--backend", "sage"], STARTUP_S)
-    assert lossless.returncode == 1
-    assert "backend='sage' is an 8-bit backend, not allowed under quality='lossless'" in \
-        lossless.stderr
-    bad_tier = _run([sys.executable, SERVE, "--check-only", "--quality", "best"], STARTUP_S)
-    assert bad_tier.returncode == 1 and "'lossless', 'high'" in bad_tier.stderr
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """launch/serve.py's main() in this process as world 1 (no torchrun env), logging restored."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "launch"))
+    import serve
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield serve
+    root.handlers[:], root.level = handlers, level
+
+
+def test_launch_rejects_bad_tier_backend_and_weights(launcher, tmp_path, capsys):
+    assert launcher.main(["--check-only", "--quality", "lossless", "--backend", "sage"]) == 1
+    err = capsys.readouterr().err
+    assert "backend='sage' is an 8-bit backend, not allowed under quality='lossless'" in err
+    assert launcher.main(["--check-only", "--quality", "best"]) == 1
+    assert "valid values: absent (no constraint), 'lossless', 'high'" in capsys.readouterr().err
     weights = tmp_path / "w.safetensors"
     save_safetensors({"patch_in.weight": torch.zeros(3, 3)}, weights)
-    bad = _run([sys.executable, SERVE, "--once", "--weights", str(weights)], STARTUP_S)
-    assert bad.returncode == 1
-    assert "mis-shaped keys (1): patch_in.weight: file [3, 3] vs model [256, 16]" in bad.stderr
-    assert "missing keys" in bad.stderr and "blocks.1.qkv.weight" in bad.stderr
+    assert launcher.main(["--once", "--weights", str(weights)]) == 1
+    err = capsys.readouterr().err
+    assert "mis-shaped keys (1): patch_in.weight: file [3, 3] vs model [256, 16]" in err
+    assert "missing keys" in err and "blocks.1.qkv.weight" in err
+    assert launcher.main(["--once", "--layers", "0"]) == 1
+    assert "ModelConfig.num_layers=0 must be a positive integer" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- in-process units
@@ -242,3 +264,17 @@ def test_metrics_histogram_is_cumulative():
     assert 'dist_attn_request_latency_seconds_bucket{le="5.0"} 2\n' in text
     assert 'dist_attn_request_errors_total{code="400"} 1\n' in text
     assert "dist_attn_tokens_total 200\n" in text and "dist_attn_queue_depth 1\n" in text
+
+
+def test_checksum_is_independent_of_sharding():
+    ctx1 = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    z = torch.randn(128, 16)
+    full = _latent_checksum(z, 0, 100, ctx1)
+    parts = [_latent_checksum(z[r * 32:(r + 1) * 32], r * 32, 100, ctx1) for r in range(4)]
+    assert sum(int(p["bits64"], 16) for p in parts) % 2**64 == int(full["bits64"], 16)
+    assert abs(sum(p["sum"] for p in parts) - full["sum"]) < 1e-9
+    z2 = z.clone()
+    z2[100:] = 7.0  # padding rows do not count
+    assert _latent_checksum(z2, 0, 100, ctx1) == full
+    z2[99, 15] = torch.nextafter(z[99, 15], torch.tensor(1e9))  # one ulp of one element does
+    assert _latent_checksum(z2, 0, 100, ctx1)["bits64"] != full["bits64"]
