@@ -1,0 +1,502 @@
+"""Shared helpers of the dist_attn benchmarks: what ran, how it was timed, where results go.
+
+Every benchmark script records the full config, library versions, GPU name and date, and writes
+``<theme>_<hardware>_<YYYY-MM-DD>.{json,md,png}`` (torchtitan's ``benchmarks/README.md`` naming).
+Timing is warm-up then median of N: CUDA events around each iteration on GPU (no host sync inside
+the timed region), ``time.perf_counter`` on CPU, or wall clock with a device sync on both sides
+when the timed work includes host-side communication (gloo collectives).
+
+Nothing here may crash a benchmark: a kernel that cannot run becomes a row with its reason, a
+plot that cannot be drawn becomes a placeholder PNG plus a note, and a ``--budget-s`` deadline
+turns the remaining measurements into ``skipped`` rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+# Benchmarks run as scripts (python benchmarks/x.py): make the repo importable without install.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+import torch  # noqa: E402
+
+__all__ = [
+    "DEFAULT_OUT_DIR",
+    "H3_REF",
+    "Budget",
+    "DistContext",
+    "ResultWriter",
+    "Timing",
+    "add_common_args",
+    "attention_tflops",
+    "collect_versions",
+    "describe_exception",
+    "gpu_name",
+    "hardware_tag",
+    "init_distributed",
+    "markdown_table",
+    "time_fn",
+    "utc_now",
+]
+
+DEFAULT_OUT_DIR = os.path.join(_REPO, "benchmarks", "results")
+
+#: The reference workload of shared/h3.md: one H3 denoise step's packed attention.
+H3_REF = {"used": 37_980, "total": 38_016, "heads": 56, "head_dim": 128, "dtype": "bfloat16"}
+
+
+# ---------------------------------------------------------------------------------------------
+# what ran
+# ---------------------------------------------------------------------------------------------
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    except Exception:  # a broken metadata dir must not stop a benchmark
+        pass
+    try:
+        return str(getattr(importlib.import_module(name), "__version__", None) or "") or None
+    except Exception:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", _REPO, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        commit = out.stdout.strip()
+        if not commit:
+            return None
+        dirty = subprocess.run(["git", "-C", _REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except Exception:
+        return None
+
+
+def collect_versions() -> dict[str, Any]:
+    """Versions of everything a number depends on (None = not installed)."""
+    try:
+        import dist_attn
+
+        da = getattr(dist_attn, "__version__", None)
+    except Exception as exc:  # noqa: BLE001
+        da = f"import failed: {describe_exception(exc)}"
+    cudnn = None
+    try:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception:
+        pass
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "triton": _dist_version("triton"),
+        "sageattention": _dist_version("sageattention"),
+        "dist_attn": da,
+        "dist_attn_commit": _git_commit(),
+        "numpy": _dist_version("numpy"),
+        "matplotlib": _dist_version("matplotlib"),
+    }
+
+
+def gpu_name(device: torch.device | None = None) -> str:
+    """The GPU's marketing name, or ``"cpu"``."""
+    if device is not None and device.type != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    try:
+        return torch.cuda.get_device_name(device)
+    except Exception:
+        return "cuda (name unavailable)"
+
+
+_KNOWN_GPUS = ("gh200", "h200", "h100", "h20", "b200", "b100", "gb200", "a100", "a10g", "l40s",
+               "l40", "l4", "a6000", "4090", "3090", "v100", "t4", "mi300x", "mi250")
+
+
+def hardware_tag(name: str) -> str:
+    """Short file-name tag of a GPU name: ``"NVIDIA H200" -> "h200"``, ``"cpu" -> "cpu"``."""
+    low = name.lower()
+    for tag in _KNOWN_GPUS:
+        if re.search(rf"(?<![a-z0-9]){tag}(?![0-9])", low):
+            return tag
+    return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "unknown"
+
+
+def describe_exception(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    first = msg[0] if msg else ""
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+def attention_tflops(n_rows: int, heads: int, head_dim: int, ms: float | None) -> float | None:
+    """TFLOP/s-equivalent of non-causal attention: 4 * N^2 * H * D / time (shared/h3.md)."""
+    if not ms or ms <= 0 or not math.isfinite(ms):
+        return None
+    return 4.0 * n_rows * n_rows * heads * head_dim / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+class Budget:
+    """A wall-time budget for the whole script (``--budget-s``); None or <= 0 = unlimited."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds if seconds and seconds > 0 else None
+        self.start = time.monotonic()
+        self.deadline = None if self.seconds is None else self.start + self.seconds
+
+    def left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+
+    def expired(self, reserve_s: float = 0.0) -> bool:
+        return self.left() <= reserve_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+@dataclass
+class Timing:
+    """Milliseconds per call over the timed iterations."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    iters: int
+    method: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "max_ms": self.max_ms,
+                "iters": self.iters, "timing": self.method}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], Any], *, device: torch.device, iters: int, warmup: int,
+            budget: Budget | None = None, method: str = "auto",
+            barrier: Callable[[], None] | None = None, min_iters: int = 1) -> Timing:
+    """Warm-up, then ``iters`` timed calls of ``fn``; returns their median.
+
+    Args:
+        fn: the work, a no-argument callable.
+        device: where the work runs (CUDA -> events or synced wall clock; CPU -> perf_counter).
+        iters, warmup: timed and untimed calls.
+        budget: stops timing early (after at least ``min_iters`` calls) once it is spent.
+        method: ``"events"`` (CUDA events per call, one sync at the end), ``"wall"`` (device sync
+            and optional ``barrier`` before each call, perf_counter around call + sync: use it
+            when host-side communication is part of the work), or ``"auto"`` (events on CUDA,
+            wall on CPU).
+        barrier: called before every timed call in ``"wall"`` mode (aligns ranks).
+    """
+    if method == "auto":
+        method = "events" if device.type == "cuda" else "wall"
+    for _ in range(max(0, warmup)):
+        fn()
+        if budget is not None and budget.expired():
+            break
+    _sync(device)
+    times: list[float] = []
+    if method == "events":
+        pairs = []
+        for i in range(max(1, iters)):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            pairs.append((s, e))
+            if budget is not None and i + 1 >= min_iters and budget.expired():
+                break
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in pairs]
+    else:
+        for i in range(max(1, iters)):
+            if barrier is not None:
+                barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            if budget is not None and i + 1 >= min_iters and budget.expired():
+                break
+    return Timing(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times),
+                  iters=len(times), method="cuda-events" if method == "events" else
+                  ("wall+sync" if device.type == "cuda" else "perf_counter"))
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed setup (torchrun or a single process)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DistContext:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    shared_gpu: bool
+    note: str = ""
+
+    def barrier(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, by rank (a list of one outside torchrun)."""
+        if not torch.distributed.is_initialized() or self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+
+def init_distributed(backend: str = "auto", device: str = "auto", *,
+                     single_process_group: bool = False) -> DistContext:
+    """Sets up ranks from torchrun's environment (or one process without it).
+
+    Args:
+        backend: ``"auto"`` (NCCL when every local rank has its own GPU, else gloo), ``"gloo"``,
+            ``"nccl"``. NCCL on fewer GPUs than ranks falls back to gloo (NCCL refuses two ranks
+            on one GPU: "Duplicate GPU detected"), and the note says so.
+        device: ``"auto"`` (CUDA when available), ``"cuda"`` or ``"cpu"``. With gloo and fewer
+            GPUs than local ranks, ranks share ``cuda:0`` (``shared_gpu=True``).
+        single_process_group: outside torchrun, still create a 1-rank gloo group (collectives
+            then work on one rank).
+    """
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for but torch.cuda.is_available() is False")
+    ngpu = torch.cuda.device_count() if use_cuda else 0
+    note = ""
+    if backend == "auto":
+        backend = "nccl" if use_cuda and ngpu >= local_world and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and (not use_cuda or ngpu < local_world):
+        note = (f"nccl asked for with {ngpu} GPU(s) for {local_world} local rank(s); NCCL needs one GPU "
+                "per rank, so gloo is used instead")
+        backend = "gloo"
+    shared = bool(use_cuda and ngpu < local_world)
+    if use_cuda:
+        dev = torch.device("cuda", local_rank % ngpu if not shared else 0)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 or "RANK" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    **({"device_id": dev} if backend == "nccl" else {}))
+    elif single_process_group and not dist.is_initialized():
+        path = tempfile.mktemp(prefix="dist_attn_bench_store_")
+        dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
+    return DistContext(rank=rank, world=world, local_rank=local_rank, device=dev, backend=backend,
+                       shared_gpu=shared, note=note)
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------
+def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
+                    budget_s: float) -> None:
+    g = parser.add_argument_group("common benchmark options")
+    g.add_argument("--smoke", action="store_true",
+                   help="tiny shapes that run on CPU in seconds (CI); results are not for committing")
+    g.add_argument("--out", default=None,
+                   help=f"output folder (default {os.path.relpath(DEFAULT_OUT_DIR, _REPO)}; with "
+                        "--smoke a fresh temp folder)")
+    g.add_argument("--iters", type=int, default=iters, help="timed iterations (median is reported)")
+    g.add_argument("--warmup", type=int, default=warmup, help="untimed iterations first")
+    g.add_argument("--budget-s", type=float, default=budget_s,
+                   help="wall-time budget of the whole script; measurements left when it is spent "
+                        "are recorded as skipped rows (0 = unlimited)")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    g.add_argument("--theme", default=None, help="override the theme part of the file names")
+    g.add_argument("--hardware", default=None, help="override the hardware part of the file names")
+
+
+def resolve_out_dir(args: argparse.Namespace) -> str:
+    if args.out:
+        return os.path.abspath(args.out)
+    if args.smoke:
+        return tempfile.mkdtemp(prefix="dist_attn_bench_smoke_")
+    return DEFAULT_OUT_DIR
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A GitHub markdown table; ``columns`` = (row key, header, format spec such as ``".2f"``)."""
+    def cell(row, key, fmt):
+        val = row.get(key)
+        if val is None or (isinstance(val, float) and not math.isfinite(val)):
+            return ""
+        if fmt and isinstance(val, (int, float)) and not isinstance(val, bool):
+            try:
+                return format(val, fmt)
+            except (ValueError, TypeError):
+                return str(val)
+        return str(val).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row, k, f) for k, _, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def _json_clean(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_clean(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    return str(obj)
+
+
+def _placeholder_png(path: str, width: int = 8, height: int = 8) -> None:
+    """A blank grey PNG (written when matplotlib is missing or the plot fails)."""
+    raw = b"".join(b"\x00" + b"\xc0" * width for _ in range(height))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    with open(path, "wb") as f:
+        f.write(png)
+
+
+class ResultWriter:
+    """Collects rows and writes ``<theme>_<hardware>_<date>.{json,md,png}``.
+
+    :meth:`save` may be called after every measurement (JSON + markdown only), so a run killed
+    by an outer ``timeout`` still leaves what it measured; :meth:`finish` also draws the PNG.
+    """
+
+    def __init__(self, *, theme: str, args: argparse.Namespace, config: dict[str, Any],
+                 device: torch.device, out_dir: str | None = None, title: str = "") -> None:
+        now = utc_now()
+        self.gpu = gpu_name(device)
+        self.hardware = args.hardware or hardware_tag(self.gpu)
+        self.theme = args.theme or theme
+        self.date = now.strftime("%Y-%m-%d")
+        self.out_dir = out_dir or resolve_out_dir(args)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.stem = os.path.join(self.out_dir, f"{self.theme}_{self.hardware}_{self.date}")
+        self.title = title or self.theme
+        self.payload: dict[str, Any] = {
+            "theme": self.theme,
+            "hardware": self.hardware,
+            "gpu": self.gpu,
+            "date": self.date,
+            "timestamp_utc": now.isoformat(timespec="seconds"),
+            "versions": collect_versions(),
+            "config": config,
+            "host": {"node": platform.node(), "cpus": os.cpu_count(),
+                     "platform": platform.platform(), "argv": sys.argv,
+                     "gpu_capability": (list(torch.cuda.get_device_capability(device))
+                                        if device.type == "cuda" else None),
+                     "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0},
+            "notes": [],
+            "rows": [],
+        }
+        self.sections: list[tuple[str, str]] = []  # (heading, markdown body)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return self.payload["rows"]
+
+    def note(self, text: str) -> None:
+        if text not in self.payload["notes"]:
+            self.payload["notes"].append(text)
+
+    def paths(self) -> dict[str, str]:
+        return {ext: f"{self.stem}.{ext}" for ext in ("json", "md", "png")}
+
+    def save(self, sections: Iterable[tuple[str, str]] | None = None) -> None:
+        if sections is not None:
+            self.sections = list(sections)
+        p = self.paths()
+        tmp = p["json"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(_json_clean(self.payload), f, indent=1, allow_nan=False)
+        os.replace(tmp, p["json"])
+        v = self.payload["versions"]
+        head = [
+            f"# {self.title}",
+            "",
+            f"- date (UTC): {self.payload['timestamp_utc']}",
+            f"- GPU: {self.gpu}",
+            "- versions: " + ", ".join(f"{k} {v[k]}" for k in v),
+            "- config: `" + json.dumps(_json_clean(self.payload["config"]), sort_keys=True) + "`",
+            f"- raw rows: `{os.path.basename(p['json'])}`; plot: `{os.path.basename(p['png'])}`",
+        ]
+        if self.payload["notes"]:
+            head += ["", "Notes:", ""] + [f"- {n}" for n in self.payload["notes"]]
+        body = []
+        for heading, text in self.sections:
+            body += ["", f"## {heading}", "", text]
+        with open(p["md"], "w") as f:
+            f.write("\n".join(head + body) + "\n")
+
+    def finish(self, plot: Callable[[Any], None] | None,
+               sections: Iterable[tuple[str, str]] | None = None) -> dict[str, str]:
+        """Writes JSON, markdown and the PNG (``plot(plt)`` draws on a fresh figure)."""
+        p = self.paths()
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            plt.close("all")
+            if plot is None:
+                raise RuntimeError("no plot for this run")
+            plot(plt)
+            plt.savefig(p["png"], dpi=110, bbox_inches="tight")
+            plt.close("all")
+        except Exception as exc:  # noqa: BLE001 - a missing plot must not lose the numbers
+            self.note(f"plot not drawn ({describe_exception(exc)}); {os.path.basename(p['png'])} is a "
+                      "blank placeholder")
+            _placeholder_png(p["png"])
+        self.save(sections)
+        return p

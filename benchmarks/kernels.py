@@ -1,0 +1,501 @@
+"""Single-GPU attention kernels at the h3-ref per-rank shapes: speed, error vs float64, bridge overhead.
+
+Shapes (shared/h3.md, "h3-ref"): per Ulysses rank with degree W, all 38,016 packed rows and 56/W
+heads of 128, bf16, non-causal; the packed layout is one document padded at the end,
+cu_seqlens = (0, 37,980, 38,016).
+
+Kernels (``--kernels`` takes comma-separated fnmatch patterns of these names):
+
+=====================  ========================================================  ==============
+name                   call                                                      N in TFLOP/s
+=====================  ========================================================  ==============
+sdpa_cudnn             torch SDPA under sdpa_kernel(CUDNN_ATTENTION), all rows   total (38,016)
+sdpa_flash             torch SDPA under sdpa_kernel(FLASH_ATTENTION), all rows   total
+sage_dense             sageattention.core.sageattn, NHD, K = a scratch clone     total
+sage_varlen            sageattention.core.sageattn_varlen at (0, used, total)    used (37,980)
+bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
+dense:<backend>        get_backend(<b>).dense on all rows                        total
+dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
+=====================  ========================================================  ==============
+
+``<backend>`` is every name of ``dist_attn.backends.available_backends()`` except "auto"
+(sdpa, sage, sage8 once it lands, ...). TFLOP/s-equivalent = 4 * N^2 * heads * D / time.
+
+The bridge overhead row is ``bridge:<b> / dense_used:<b> - 1`` at the same heads: what the
+packed-layout handling costs over a dense call on exactly the used rows (target <= 1%).
+
+Errors are measured on a smaller shape (``--err-seq`` rows x ``--err-heads`` heads) against
+attention computed in float64 on the same device from the same bf16 inputs, on N(0,1) data and
+on N(0,1) with +0.5 added to k (a per-channel key bias, what Sage's K smoothing is for).
+
+Examples::
+
+    python benchmarks/kernels.py --smoke                      # CPU, seconds
+    python benchmarks/kernels.py                              # one GPU, h3-ref
+    python benchmarks/kernels.py --heads 14 --kernels 'sdpa_cudnn,*sage*' --iters 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    H3_REF,
+    Budget,
+    ResultWriter,
+    add_common_args,
+    attention_tflops,
+    describe_exception,
+    markdown_table,
+    time_fn,
+)
+
+import torch  # noqa: E402
+
+import dist_attn  # noqa: E402
+from dist_attn import backends as da_backends  # noqa: E402
+
+THEME = "kernels"
+_BUDGET_REASON = "skipped: the --budget-s wall-time budget was spent"
+
+
+class Unavailable(Exception):
+    """This kernel cannot run here; the message says why."""
+
+
+@dataclass
+class Layout:
+    total: int
+    used: int
+    scale: float
+    cu: torch.Tensor  # [3] int32 on the device: (0, used, total)
+    cu_host: list[int]
+
+
+@dataclass
+class KernelSpec:
+    name: str
+    n_kind: str  # "total" or "used": which rows the TFLOP/s figure counts
+    padded: bool  # output rows [used, total) belong to the padding segment
+    build: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Layout], Callable[[], torch.Tensor]]
+    what: str
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel builders: each returns a no-argument callable, or raises Unavailable(reason)
+# ---------------------------------------------------------------------------------------------
+def _sdpa(backend_name: str):
+    def build(q, k, v, lay):
+        if q.device.type != "cuda":
+            raise Unavailable(f"SDPA {backend_name} backend needs a CUDA device (q is on {q.device})")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        which = getattr(SDPBackend, backend_name, None)
+        if which is None:
+            raise Unavailable(f"this torch has no SDPBackend.{backend_name}")
+        # [T, H, D] -> [1, H, T, D] strided views, as the sdpa backend of the bridge passes them.
+        qt, kt, vt = (t[None].transpose(1, 2) for t in (q, k, v))
+
+        def run():
+            with sdpa_kernel([which]):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=lay.scale)
+
+        run()  # raises here (not mid-timing) when the backend refuses these inputs
+        return run
+    return build
+
+
+def _sage_core():
+    try:
+        import sageattention.core as core
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(f"sageattention.core does not import ({describe_exception(exc)})") from None
+    return core
+
+
+def _sage_dense(q, k, v, lay):
+    if q.device.type != "cuda":
+        raise Unavailable(f"sageattention 1.0.6 needs CUDA tensors (q is on {q.device})")
+    core = _sage_core()
+    # sageattention 1.0.6 does `k -= k.mean(...)` IN PLACE (max |dK| 0.55 on N(0,1)+0.5 data,
+    # shared/h3.md): it gets a scratch clone, made here outside the timed region. Re-smoothing
+    # an already-smoothed clone changes it only by rounding, so every timed call is alike.
+    k_scratch = k.clone()
+
+    def run():
+        return core.sageattn(q[None], k_scratch[None], v[None], tensor_layout="NHD", is_causal=False,
+                             sm_scale=lay.scale)[0]
+    return run
+
+
+def _sage_varlen(q, k, v, lay):
+    if q.device.type != "cuda":
+        raise Unavailable(f"sageattention 1.0.6 needs CUDA tensors (q is on {q.device})")
+    core = _sage_core()
+    if not hasattr(core, "sageattn_varlen"):
+        raise Unavailable("this sageattention has no core.sageattn_varlen")
+    k_scratch = k.clone()  # same in-place smoothing as the dense call
+    max_seqlen = max(b - a for a, b in zip(lay.cu_host[:-1], lay.cu_host[1:]))
+
+    def run():
+        return core.sageattn_varlen(q, k_scratch, v, lay.cu, lay.cu, max_seqlen, max_seqlen,
+                                    is_causal=False, sm_scale=lay.scale)
+    return run
+
+
+def _backend_or_raise(name: str, q: torch.Tensor):
+    try:
+        be = da_backends.get_backend(name)
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(describe_exception(exc)) from None
+    try:
+        reason = be.unsupported_reason(q)
+    except Exception as exc:  # noqa: BLE001
+        reason = describe_exception(exc)
+    if reason is not None:
+        raise Unavailable(reason)
+    return be
+
+
+def _bridge(name: str):
+    def build(q, k, v, lay):
+        _backend_or_raise(name, q)
+
+        def run():
+            return dist_attn.sage_varlen(q, k, v, lay.cu, lay.used, cu_seqlens_host=lay.cu_host,
+                                         backend=name, softmax_scale=lay.scale)
+        return run
+    return build
+
+
+def _dense(name: str, rows: str):
+    def build(q, k, v, lay):
+        be = _backend_or_raise(name, q)
+        n = lay.total if rows == "total" else lay.used
+        # [T, H, D] -> [1, n, H, D] views; k is the caller's tensor (k_is_scratch=False).
+        qb, kb, vb = q[None, :n], k[None, :n], v[None, :n]
+
+        def run():
+            return be.dense(qb, kb, vb, softmax_scale=lay.scale, k_is_scratch=False)[0]
+        return run
+    return build
+
+
+def kernel_specs() -> list[KernelSpec]:
+    specs = [
+        KernelSpec("sdpa_cudnn", "total", False, _sdpa("CUDNN_ATTENTION"),
+                   "torch SDPA, cuDNN backend, all rows"),
+        KernelSpec("sdpa_flash", "total", False, _sdpa("FLASH_ATTENTION"),
+                   "torch SDPA, flash backend (FlashAttention-2), all rows"),
+        KernelSpec("sage_dense", "total", False, _sage_dense,
+                   "sageattention.core.sageattn NHD on a clone of K, all rows"),
+        KernelSpec("sage_varlen", "used", True, _sage_varlen,
+                   "sageattention.core.sageattn_varlen at (0, used, total)"),
+    ]
+    names = [n for n in da_backends.available_backends() if n != "auto"]
+    for n in names:
+        specs.append(KernelSpec(f"bridge:{n}", "used", True, _bridge(n),
+                                f"dist_attn.sage_varlen(backend={n!r}) at (0, used, total), host bounds"))
+    for n in names:
+        specs.append(KernelSpec(f"dense:{n}", "total", False, _dense(n, "total"),
+                                f"get_backend({n!r}).dense on all rows"))
+    for n in names:
+        specs.append(KernelSpec(f"dense_used:{n}", "used", False, _dense(n, "used"),
+                                f"get_backend({n!r}).dense on rows [0, used): the bridge's baseline"))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+# ---------------------------------------------------------------------------------------------
+def _inputs(rows: int, heads: int, d: int, dtype, device, *, k_bias: float = 0.0, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(rows, heads, d, generator=g, device=device, dtype=torch.float32).to(dtype)
+               for _ in range(3))
+    if k_bias:
+        k = (k.float() + k_bias).to(dtype)
+    return q, k, v
+
+
+def _layout(total: int, used: int, d: int, device) -> Layout:
+    bounds = [0, used, total] if used < total else [0, total]
+    return Layout(total=total, used=used, scale=1.0 / math.sqrt(d),
+                  cu=torch.tensor(bounds, dtype=torch.int32, device=device), cu_host=bounds)
+
+
+def _reference_f64(q, k, v, rows: int, scale: float) -> torch.Tensor:
+    """Exact attention of rows [0, rows) among themselves, float64, [rows, H, D]."""
+    q64, k64, v64 = (t[:rows].double().transpose(0, 1) for t in (q, k, v))  # [H, rows, D]
+    p = torch.softmax(q64 @ k64.transpose(1, 2) * scale, dim=-1)
+    return (p @ v64).transpose(0, 1)  # [H, rows, D] -> [rows, H, D]
+
+
+def measure_errors(specs, args, device, dtype, writer: ResultWriter, budget: Budget) -> None:
+    total = args.err_seq
+    used = max(1, total - (args.seq - args.used)) if args.used < args.seq else total
+    lay = _layout(total, used, args.head_dim, device)
+    for data, bias in (("N(0,1)", 0.0), ("N(0,1), k+0.5", 0.5)):
+        q, k, v = _inputs(total, args.err_heads, args.head_dim, dtype, device, k_bias=bias, seed=1)
+        refs = {"total": _reference_f64(q, k, v, total, lay.scale),
+                "used": _reference_f64(q, k, v, used, lay.scale)}
+        for spec in specs:
+            row = {"section": "error", "kernel": spec.name, "data": data, "rows": total,
+                   "compared_rows": used if spec.n_kind == "used" else total,
+                   "heads": args.err_heads, "head_dim": args.head_dim}
+            if budget.expired():
+                row.update(status="skipped", reason=_BUDGET_REASON)
+                writer.rows.append(row)
+                continue
+            k_before = k.clone()
+            try:
+                out = spec.build(q, k, v, lay)()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                n = row["compared_rows"]
+                ref = refs[spec.n_kind]
+                o = out[:n].double()
+                diff = o - ref
+                row.update(
+                    status="ok",
+                    rel_l2=(diff.norm() / ref.norm()).item(),
+                    cosine=torch.nn.functional.cosine_similarity(o.flatten(), ref.flatten(), dim=0).item(),
+                    max_abs_err=diff.abs().max().item(),
+                    # the caller's K must come back unchanged (sageattention 1.0.6 smooths in place)
+                    caller_k_changed=bool((k != k_before).any().item()),
+                )
+                if spec.padded and used < total:
+                    # the bridge promises exact zeros in the padding rows; raw varlen kernels do not
+                    row["pad_rows_max_abs"] = out[used:].abs().max().item()
+            except Unavailable as exc:
+                row.update(status="unavailable", reason=str(exc))
+            except Exception as exc:  # noqa: BLE001 - a failing kernel is a row, not a crash
+                row.update(status="error", reason=describe_exception(exc))
+            finally:
+                if row.get("caller_k_changed"):
+                    k.copy_(k_before)
+            writer.rows.append(row)
+        del q, k, v, refs
+    writer.save(sections(writer))
+
+
+def measure_speed(specs, args, device, dtype, writer: ResultWriter, budget: Budget) -> None:
+    for heads in args.heads:
+        w = args.ref_heads / heads if args.ref_heads % heads == 0 else None
+        lay = _layout(args.seq, args.used, args.head_dim, device)
+        try:
+            q, k, v = _inputs(args.seq, heads, args.head_dim, dtype, device, seed=2)
+        except Exception as exc:  # noqa: BLE001 (e.g. out of memory)
+            for spec in specs:
+                writer.rows.append({"section": "speed", "kernel": spec.name, "heads": heads,
+                                    "status": "error", "reason": describe_exception(exc)})
+            continue
+        for spec in specs:
+            n = lay.total if spec.n_kind == "total" else lay.used
+            row = {"section": "speed", "kernel": spec.name, "what": spec.what, "heads": heads,
+                   "W": int(w) if w else None, "head_dim": args.head_dim, "rows_total": lay.total,
+                   "rows_used": lay.used, "N": n, "N_kind": spec.n_kind}
+            if budget.expired():
+                row.update(status="skipped", reason=_BUDGET_REASON)
+                writer.rows.append(row)
+                continue
+            try:
+                fn = spec.build(q, k, v, lay)
+                t = time_fn(fn, device=device, iters=args.iters, warmup=args.warmup, budget=budget)
+                row.update(status="ok", **t.as_dict(),
+                           tflops=attention_tflops(n, heads, args.head_dim, t.median_ms))
+            except Unavailable as exc:
+                row.update(status="unavailable", reason=str(exc))
+            except Exception as exc:  # noqa: BLE001
+                row.update(status="error", reason=describe_exception(exc))
+            fn = None
+            writer.rows.append(row)
+            writer.save(sections(writer))
+        del q, k, v
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _derive(writer)
+
+
+def _derive(writer: ResultWriter) -> None:
+    """Adds vs-cuDNN ratios to speed rows and the bridge-overhead rows."""
+    speed = [r for r in writer.rows if r.get("section") == "speed" and r.get("status") == "ok"]
+    by = {(r["kernel"], r["heads"]): r for r in speed}
+    for r in speed:
+        ref = by.get(("sdpa_cudnn", r["heads"]))
+        if ref and ref.get("tflops") and r.get("tflops"):
+            r["vs_cudnn"] = r["tflops"] / ref["tflops"]
+    writer.payload["rows"] = [r for r in writer.rows if r.get("section") != "overhead"]
+    for r in speed:
+        if not r["kernel"].startswith("bridge:"):
+            continue
+        name = r["kernel"].split(":", 1)[1]
+        base = by.get((f"dense_used:{name}", r["heads"]))
+        if base is None:
+            continue
+        pct = (r["median_ms"] / base["median_ms"] - 1.0) * 100.0
+        writer.rows.append({"section": "overhead", "backend": name, "heads": r["heads"],
+                            "bridge_ms": r["median_ms"], "dense_used_ms": base["median_ms"],
+                            "overhead_pct": pct, "target_pct": 1.0, "meets_target": pct <= 1.0})
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def sections(writer: ResultWriter) -> list[tuple[str, str]]:
+    rows = writer.rows
+    speed = sorted((r for r in rows if r.get("section") == "speed"), key=lambda r: (-r["heads"],))
+    err = [r for r in rows if r.get("section") == "error"]
+    over = [r for r in rows if r.get("section") == "overhead"]
+    out = [
+        ("Speed", "TFLOP/s-equivalent = 4 * N^2 * heads * D / median time. N = `rows_total` (38,016 at "
+         "h3-ref) for kernels that attend over all rows (`N_kind` total), N = `rows_used` (37,980) for "
+         "the padded (0, used, total) layouts (`N_kind` used). `vs_cudnn` = TFLOP/s / sdpa_cudnn's at "
+         "the same heads. W = 56 / heads.\n\n" + markdown_table(speed, [
+             ("kernel", "kernel", ""), ("heads", "heads", "d"), ("W", "W", ""), ("N", "N", "d"),
+             ("status", "status", ""), ("median_ms", "median ms", ".3f"), ("min_ms", "min ms", ".3f"),
+             ("iters", "iters", "d"), ("tflops", "TFLOP/s-eq", ".1f"), ("vs_cudnn", "vs cuDNN", ".3f"),
+             ("reason", "reason", "")])),
+        ("Bridge overhead", "overhead % = (bridge:<b> median / dense_used:<b> median - 1) x 100, the "
+         "dense call on exactly rows [0, used) being the baseline. Target: <= 1%.\n\n" + markdown_table(
+             over, [("backend", "backend", ""), ("heads", "heads", "d"), ("bridge_ms", "bridge ms", ".3f"),
+                    ("dense_used_ms", "dense [0,used) ms", ".3f"), ("overhead_pct", "overhead %", "+.2f"),
+                    ("meets_target", "<= 1%", "")])),
+        ("Error vs float64", "Reference: attention in float64 of the same bf16 inputs, on the same "
+         "device. Padded layouts are compared on rows [0, used); `pad max |o|` is the largest value in "
+         "the padding rows (the bridge returns exact zeros there; sageattn_varlen attends the padding "
+         "segment to itself). `K changed` = the caller's k was modified by the call.\n\n" + markdown_table(
+             err, [("kernel", "kernel", ""), ("data", "data", ""), ("rows", "rows", "d"),
+                   ("heads", "heads", "d"), ("status", "status", ""), ("rel_l2", "rel-L2", ".3e"),
+                   ("cosine", "cosine", ".6f"), ("max_abs_err", "max abs", ".3e"),
+                   ("pad_rows_max_abs", "pad max abs", ".2e"), ("caller_k_changed", "K changed", ""),
+                   ("reason", "reason", "")])),
+    ]
+    return out
+
+
+def _plot(writer: ResultWriter):
+    def draw(plt):
+        speed = [r for r in writer.rows if r.get("section") == "speed" and r.get("tflops")]
+        err = [r for r in writer.rows if r.get("section") == "error" and r.get("rel_l2") is not None]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [2, 1]})
+        kernels = list(dict.fromkeys(r["kernel"] for r in speed))
+        heads = sorted({r["heads"] for r in speed}, reverse=True)
+        ref = writer.payload["config"]["ref_heads"]
+        width = 0.8 / max(1, len(heads))
+        for i, h in enumerate(heads):
+            vals = [next((r["tflops"] for r in speed if r["kernel"] == k and r["heads"] == h), 0.0)
+                    for k in kernels]
+            ax1.bar([x + i * width for x in range(len(kernels))], vals, width,
+                    label=f"{h} heads" + (f" (W={ref // h})" if ref % h == 0 else ""))
+        ax1.set_xticks([x + width * (len(heads) - 1) / 2 for x in range(len(kernels))])
+        ax1.set_xticklabels(kernels, rotation=40, ha="right", fontsize=8)
+        ax1.set_ylabel("TFLOP/s-equivalent (4 N^2 H D / t)")
+        ax1.set_title(f"attention forward, {writer.gpu}, {writer.payload['config']['seq']} rows, bf16")
+        ax1.legend(fontsize=8)
+        ekern = list(dict.fromkeys(r["kernel"] for r in err))
+        for j, data in enumerate(sorted({r["data"] for r in err})):
+            vals = [next((r["rel_l2"] for r in err if r["kernel"] == k and r["data"] == data), 0.0)
+                    for k in ekern]
+            ax2.bar([x + j * 0.4 for x in range(len(ekern))], vals, 0.4, label=data)
+        ax2.set_yscale("log")
+        ax2.set_xticks([x + 0.2 for x in range(len(ekern))])
+        ax2.set_xticklabels(ekern, rotation=40, ha="right", fontsize=8)
+        ax2.set_ylabel("rel-L2 error vs float64")
+        ax2.legend(fontsize=8)
+        fig.tight_layout()
+    return draw
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> dict[str, str]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=_int_list, default=None,
+                   help="per-rank head counts, run in this order (default 14,56,7,28 = W 4,1,8,2)")
+    p.add_argument("--seq", type=int, default=None, help="packed rows (total; default 38016)")
+    p.add_argument("--used", type=int, default=None, help="used rows of (0, used, total) (default 37980)")
+    p.add_argument("--head-dim", type=int, default=None, help="D (default 128)")
+    p.add_argument("--ref-heads", type=int, default=None,
+                   help="heads at W=1, for the W column (default 56; the largest --heads with --smoke)")
+    p.add_argument("--kernels", default="*", help="comma-separated fnmatch patterns of kernel names")
+    p.add_argument("--err-seq", type=int, default=None, help="rows of the error shape (default 4096)")
+    p.add_argument("--err-heads", type=int, default=None, help="heads of the error shape (default 4)")
+    p.add_argument("--no-error", action="store_true", help="skip the error section")
+    add_common_args(p, iters=20, warmup=3, budget_s=0)
+    args = p.parse_args(argv)
+
+    smoke = args.smoke
+    defaults = ({"heads": [4, 2], "seq": 256, "used": 240, "head_dim": 64, "err_seq": 96, "err_heads": 2}
+                if smoke else {"heads": [14, 56, 7, 28], "seq": H3_REF["total"], "used": H3_REF["used"],
+                               "head_dim": H3_REF["head_dim"], "err_seq": 4096, "err_heads": 4})
+    for key, val in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    if args.ref_heads is None:
+        args.ref_heads = max(args.heads) if smoke else H3_REF["heads"]
+    if smoke and args.iters == 20:
+        args.iters, args.warmup = 3, 1
+    if not 0 < args.used <= args.seq:
+        p.error(f"--used={args.used} must lie in (0, --seq={args.seq}]")
+    device = torch.device("cuda" if (args.device == "cuda" or (args.device == "auto" and not smoke
+                                                                and torch.cuda.is_available()))
+                          else "cpu")
+    if smoke and args.device == "cuda":
+        device = torch.device("cuda")
+    dtype = torch.bfloat16
+    budget = Budget(args.budget_s)
+
+    patterns = [s.strip() for s in args.kernels.split(",") if s.strip()]
+    specs = [s for s in kernel_specs() if any(fnmatch.fnmatchcase(s.name, pat) for pat in patterns)]
+    try:
+        auto = da_backends.resolve_backend("auto", torch.empty(1, args.head_dim, device=device,
+                                                               dtype=dtype)).name
+    except Exception as exc:  # noqa: BLE001
+        auto = f"none ({describe_exception(exc)})"
+    config = {
+        "workload": "h3-ref per rank" if not smoke else "smoke (tiny)", "seq": args.seq, "used": args.used,
+        "cu_seqlens": [0, args.used, args.seq], "heads": args.heads, "ref_heads": args.ref_heads,
+        "head_dim": args.head_dim, "dtype": str(dtype), "causal": False, "iters": args.iters,
+        "warmup": args.warmup, "err_seq": args.err_seq, "err_heads": args.err_heads,
+        "kernels": [s.name for s in specs], "kernel_patterns": patterns, "device": str(device),
+        "registered_backends": list(da_backends.available_backends()), "auto_resolves_to": auto,
+        "budget_s": args.budget_s, "smoke": smoke,
+    }
+    writer = ResultWriter(theme=THEME, args=args, config=config, device=device,
+                          title="Attention kernels at h3-ref per-rank shapes")
+    writer.note("TFLOP/s-equivalent = 4 * N^2 * heads * D / time; N = 38,016 (all rows) for dense "
+                "calls, N = 37,980 (used rows) for the padded (0, used, total) layouts.")
+    writer.note("sage_dense / sage_varlen run on a scratch clone of K: sageattention 1.0.6 subtracts "
+                "the key mean in place. Their times include that smoothing and the V cast to fp16.")
+    if device.type != "cuda":
+        writer.note("CPU run: only the torch SDPA backend (math) runs; CUDA kernels are listed as "
+                    "unavailable with their reason. Numbers are not representative of anything.")
+    print(f"[kernels] device={device} ({writer.gpu}); kernels: {', '.join(config['kernels'])}", flush=True)
+    if not args.no_error:
+        measure_errors(specs, args, device, dtype, writer, budget)
+    measure_speed(specs, args, device, dtype, writer, budget)
+    writer.payload["elapsed_s"] = budget.elapsed()
+    paths = writer.finish(_plot(writer), sections(writer))
+    for r in writer.rows:
+        if r.get("section") == "speed":
+            print(f"  {r['kernel']:<22} heads={r['heads']:<3} {r.get('status'):<11} "
+                  f"{(r.get('median_ms') or 0):9.3f} ms  {(r.get('tflops') or 0):7.1f} TFLOP/s  "
+                  f"{r.get('reason', '')[:90]}", flush=True)
+        elif r.get("section") == "overhead":
+            print(f"  bridge overhead {r['backend']:<8} heads={r['heads']:<3} {r['overhead_pct']:+.2f}%")
+    print(f"[kernels] wrote {paths['json']} (+ .md, .png) in {budget.elapsed():.1f}s", flush=True)
+    return paths
+
+
+if __name__ == "__main__":
+    main()
