@@ -1,0 +1,17 @@
+"""Attention kernels. Importing this package never imports triton (kernels load on first call)."""
+
+from .sage8 import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    sage8_dense,
+    sage8_varlen,
+    unsupported_reason,
+)
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "sage8_dense",
+    "sage8_varlen",
+    "unsupported_reason",
+]

@@ -1,0 +1,281 @@
+"""Tests of the Sage8 Triton kernel (dist_attn.kernels.sage8).
+
+Two families:
+
+* GPU tests (need CUDA and compute capability 9.0, skipped with the reason otherwise): accuracy vs
+  float64 on three input families, robustness (odd lengths, tiny sequences, zero rows, fp16/bf16,
+  head_dim 64/128), inputs unmodified, bit-identical reruns, varlen == per-segment dense, zero tail,
+  no host sync.
+* CPU interpreter tests (``test_interp_*``): run the same kernels under ``TRITON_INTERPRET=1`` in a
+  subprocess (the variable must be set before triton decorates the kernels) at tiny shapes and
+  compare with float64. Skipped when triton is not importable.
+
+Tolerances: FP8 e4m3 keeps 3 mantissa bits, so rounding P and V alone gives rel-L2 ~2.7e-2 and
+~2.6e-2 on N(0,1) data (torch emulation, see benchmarks/KERNEL_NOTES.md); with INT8 QK the total is
+~4e-2, the level of SageAttention-2 (3.9e-2 measured at h3-ref, shared/h3.md). On tiny problems the
+error is a statistic of few numbers, hence a looser bound there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dist_attn.kernels import sage8_dense, sage8_varlen, unsupported_reason
+
+__all__: list[str] = []
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: accuracy target of the tracker issue, at a realistic size (8192 rows)
+REL_L2_MAX = 4e-2
+COS_MIN = 0.999
+#: a few channels x20 in q, k and v: INT8 QK loses the small channels next to the outliers. Measured
+#: on the H200 (8192 x 4 x 128): sage8 7.1e-2 / 0.9976, sageattention 1.0.6 9.0e-2 / 0.9960, cuDNN
+#: 1.1e-3. The issue's 4e-2 is NOT met for this family; this bound only guards against regressions.
+REL_L2_MAX_OUTLIER = 8e-2
+COS_MIN_OUTLIER = 0.997
+#: tiny shapes: the error is an average over few rows/keys, so it fluctuates more
+REL_L2_MAX_SMALL = 6e-2
+COS_MIN_SMALL = 0.998
+
+
+def _gpu_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (the sage8 kernel uses Hopper INT8/FP8 tensor cores)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs compute capability 9.0 (Hopper), this GPU is {torch.cuda.get_device_capability()}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+_GPU_REASON = _gpu_skip_reason()
+gpu = pytest.mark.skipif(_GPU_REASON is not None, reason=_GPU_REASON or "")
+
+
+def _ref(q, k, v, scale=None):
+    """float64 attention; q/k/v [B, T, H, D] -> [B, T, H, D]."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    return (torch.softmax(s, dim=-1) @ v).transpose(1, 2)
+
+
+def _err(out, ref):
+    a, b = out.double().flatten(), ref.double().flatten()
+    rel = ((a - b).norm() / b.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+    return rel, cos
+
+
+def _inputs(case, shape, dtype, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g, device=device) for _ in range(3))
+    if case == "bias":  # keys with a per-channel bias: what the K smoothing is for
+        k += 0.5
+    if case == "outlier":  # a few channels 20x larger, in q, k and v
+        for t in (q, k, v):
+            t[..., [3, 77 % shape[-1], 100 % shape[-1]]] *= 20
+    return tuple(t.to(dtype) for t in (q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@gpu
+@pytest.mark.parametrize("case", ["normal", "bias", "outlier"])
+def test_accuracy_table(case):
+    q, k, v = _inputs(case, (1, 8192, 4, 128), torch.bfloat16, seed=7)
+    keep = [t.clone() for t in (q, k, v)]
+    out = sage8_dense(q, k, v)
+    rel, cos = _err(out, _ref(q, k, v))
+    print(f"\n[sage8 accuracy] case={case} rel_l2={rel:.4f} cos={cos:.6f}")
+    assert out.isfinite().all()
+    if case == "outlier":
+        assert rel <= REL_L2_MAX_OUTLIER and cos >= COS_MIN_OUTLIER, (case, rel, cos)
+    else:
+        assert rel <= REL_L2_MAX and cos >= COS_MIN, (case, rel, cos)
+    for t, t0 in zip((q, k, v), keep):
+        assert torch.equal(t, t0), "inputs must be unmodified (sageattention 1.0.6 shifts k in place)"
+
+
+@gpu
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128),
+                                     (torch.bfloat16, 64)])
+@pytest.mark.parametrize("T", [1, 77, 300])
+def test_robust_shapes(dtype, D, T):
+    q, k, v = _inputs("bias", (2, T, 3, D), dtype, seed=T + D)
+    out = sage8_dense(q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert out.isfinite().all()
+    rel, cos = _err(out, _ref(q, k, v))
+    assert rel <= REL_L2_MAX_SMALL and cos >= COS_MIN_SMALL, (rel, cos)
+
+
+@gpu
+def test_zero_rows_and_blocks():
+    q, k, v = _inputs("normal", (1, 300, 2, 128), torch.bfloat16, seed=3)
+    q[:, 10] = 0            # a zero query row -> uniform attention
+    k[:, 128:256] = 0       # a whole zero key block -> block scale would be 0 (0/0 guard)
+    v[:, 5:9] = 0
+    out = sage8_dense(q, k, v)
+    assert out.isfinite().all()
+    rel, cos = _err(out, _ref(q, k, v))
+    assert rel <= REL_L2_MAX_SMALL and cos >= COS_MIN_SMALL, (rel, cos)
+    z = torch.zeros((1, 200, 2, 64), dtype=torch.float16, device="cuda")
+    oz = sage8_dense(z, z, z)
+    assert oz.isfinite().all() and (oz == 0).all()
+
+
+@gpu
+def test_bit_identical_reruns():
+    q, k, v = _inputs("bias", (1, 3000, 4, 128), torch.bfloat16, seed=11)
+    a = sage8_dense(q, k, v)
+    b = sage8_dense(q, k, v)
+    assert torch.equal(a, b)
+    cu = torch.tensor([0, 1000, 1000, 2999, 3000], dtype=torch.int64, device="cuda")
+    c = sage8_varlen(q[0], k[0], v[0], cu, 1999)
+    d = sage8_varlen(q[0], k[0], v[0], cu, 1999)
+    assert torch.equal(c, d)
+
+
+@gpu
+@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_varlen_matches_per_segment_dense(D, dtype):
+    lens = [0, 77, 300, 1, 0, 129, 128]
+    used = sum(lens)
+    T = used + 40
+    H = 3
+    g = torch.Generator(device="cuda").manual_seed(5)
+    # the Ulysses receive layout: [S, 3, H, D]; q/k/v are views with strides (3*H*D, D, 1)
+    buf = torch.randn((T, 3, H, D), generator=g, device="cuda").to(dtype)
+    q, k, v = buf[:, 0], buf[:, 1], buf[:, 2]
+    keep = buf.clone()
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    # destination: a strided view too, pre-filled with NaN to prove every row is written
+    obuf = torch.full((T, 2, H, D), float("nan"), dtype=dtype, device="cuda")
+    out = sage8_varlen(q, k, v, cu, max(lens), used=used, out=obuf[:, 1])
+    assert out.data_ptr() == obuf[:, 1].data_ptr()
+    assert torch.equal(buf, keep)
+    assert (out[used:] == 0).all(), "rows [used, T) must come back exactly zero"
+    assert out[:used].isfinite().all()
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if b == a:
+            continue
+        dense = sage8_dense(q[a:b][None], k[a:b][None], v[a:b][None])[0]
+        # same quantization groups (per segment) and the same arithmetic -> equal up to rounding
+        rel_vs_dense, _ = _err(out[a:b], dense.float())
+        assert rel_vs_dense <= 1e-3, (s, rel_vs_dense)
+        rel, cos = _err(out[a:b], _ref(q[a:b][None], k[a:b][None], v[a:b][None])[0])
+        assert rel <= REL_L2_MAX_SMALL and cos >= COS_MIN_SMALL, (s, rel, cos)
+
+
+@gpu
+def test_single_segment_varlen_equals_dense():
+    q, k, v = _inputs("normal", (1, 1000, 2, 128), torch.bfloat16, seed=2)
+    cu = torch.tensor([0, 1000], dtype=torch.int32, device="cuda")
+    assert torch.equal(sage8_varlen(q[0], k[0], v[0], cu, 1000), sage8_dense(q, k, v)[0])
+
+
+@gpu
+def test_no_host_sync():
+    q, k, v = _inputs("normal", (1, 600, 2, 128), torch.bfloat16, seed=4)
+    cu = torch.tensor([0, 250, 590, 600], dtype=torch.int32, device="cuda")
+    sage8_varlen(q[0], k[0], v[0], cu, 340, used=590)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sage8_varlen(q[0], k[0], v[0], cu, 340, used=590)
+        out2 = sage8_dense(q, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.isfinite().all() and out2.isfinite().all()
+
+
+@gpu
+def test_unsupported_reason_gpu():
+    q = torch.empty((1, 4, 96), dtype=torch.bfloat16, device="cuda")
+    assert "head_dim" in unsupported_reason(q)
+    assert unsupported_reason(q.float()) is not None
+    assert unsupported_reason(torch.empty((1, 4, 128), dtype=torch.float16, device="cuda")) is None
+
+
+# --------------------------------------------------------------------------------------- CPU (interp)
+
+
+def test_unsupported_reason_cpu():
+    q = torch.empty((2, 3, 128), dtype=torch.bfloat16)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        reason = unsupported_reason(q)
+        assert reason is not None and ("CUDA" in reason or "triton" in reason)
+
+
+_INTERP_SCRIPT = textwrap.dedent(
+    """
+    import math, torch
+    from dist_attn.kernels import sage8_dense, sage8_varlen, unsupported_reason
+
+    def ref(q, k, v):
+        q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        return (torch.softmax(s, -1) @ v).transpose(1, 2)
+
+    def err(a, b):
+        a, b = a.double().flatten(), b.double().flatten()
+        return ((a - b).norm() / b.norm()).item(), torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 200, 2, 64) for _ in range(3))
+    k += 0.5
+    q, k, v = (t.to(torch.float16) for t in (q, k, v))
+    assert unsupported_reason(q) is None
+    k0 = k.clone()
+    o = sage8_dense(q, k, v)
+    assert torch.equal(k, k0) and o.isfinite().all()
+    print("dense", *err(o, ref(q, k, v)))
+    assert torch.equal(o, sage8_dense(q, k, v))
+
+    lens = [0, 37, 130, 1]
+    T = sum(lens) + 11
+    buf = torch.randn(T, 3, 2, 128).to(torch.bfloat16)
+    q, k, v = buf[:, 0], buf[:, 1], buf[:, 2]
+    q[5] = 0
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    used = sum(lens)
+    out = torch.full((T, 2, 128), float("nan"), dtype=torch.bfloat16)
+    sage8_varlen(q, k, v, cu, max(lens), used=used, out=out)
+    assert (out[used:] == 0).all() and out[:used].isfinite().all()
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if b > a:
+            print("seg", s, *err(out[a:b], ref(q[a:b][None], k[a:b][None], v[a:b][None])[0]))
+    z = torch.zeros(1, 40, 1, 64, dtype=torch.bfloat16)
+    assert (sage8_dense(z, z, z) == 0).all()
+    print("OK")
+    """
+)
+
+
+def test_interp_kernels_match_float64():
+    """The Triton kernels themselves, on CPU, under Triton's interpreter (tiny shapes, < 60 s)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _INTERP_SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "OK", proc.stdout
+    for line in lines:
+        if line.startswith(("dense", "seg")):
+            rel, cos = map(float, line.split()[-2:])
+            assert rel <= REL_L2_MAX_SMALL and cos >= COS_MIN_SMALL, line
