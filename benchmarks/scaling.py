@@ -1,0 +1,613 @@
+"""Ulysses scaling at h3-ref: UlyssesSageAttention forward and one full DiT block vs the number of ranks.
+
+Two modes, never mixed in one table or plot:
+
+* measured (default; under torchrun): for every N in ``--ranks`` that fits the launched world, the
+  first N ranks form a group and run the layer while the others wait, so one launch covers
+  N = 1, 2, 4, ... The layer's phases (pack, a2a_in, kernel, a2a_out, unpack) come from
+  dist_attn.profiling.PhaseTimer attached during the timed iterations; the total is wall clock
+  with a device sync, ranks aligned by a barrier, slowest rank reported. With gloo ranks sharing
+  one GPU the ranks contend for that GPU and the all-to-alls go through host memory: such rows
+  are labelled and measure the code path, not NVLink scaling.
+* ``--modeled`` (one process, one GPU): for each N the per-rank work is timed on the real GPU
+  (pack of S/N rows x H heads, the kernel at H/N heads over all S rows reading the receive buffer
+  layout, the unpack, and the non-attention part of the block at S/N rows), and the all-to-alls
+  are computed as bytes sent to other ranks / ``--bandwidth-gbs``. The N = 1 attention layer and
+  full block are also measured for real, as a check of the model (own table section).
+
+Speedup = T(1) / T(N) and efficiency = T(1) / (N * T(N)), against N = 1 of the same backend and
+mode in the same report; ``overlap_chunks`` C in ``--overlap`` (C = 1 is the plain path).
+
+Examples::
+
+    python benchmarks/scaling.py --modeled --bandwidth-gbs 360           # one GPU, N = 1,2,4,8
+    torchrun --standalone --nproc-per-node 4 benchmarks/scaling.py        # measured, N = 1,2,4
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/scaling.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    Budget,
+    DistContext,
+    ResultWriter,
+    add_common_args,
+    describe_exception,
+    init_distributed,
+    markdown_table,
+    time_fn,
+)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import dist_attn  # noqa: E402
+from dist_attn import backends as da_backends  # noqa: E402
+from dist_attn.bridge import attend_varlen  # noqa: E402
+from dist_attn.buffers import StagingBuffers  # noqa: E402
+from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv  # noqa: E402
+from dist_attn.config import load_config, request_layout  # noqa: E402
+from dist_attn.layout import head_offsets, heads_per_rank  # noqa: E402
+from dist_attn.profiling import PHASES, PhaseTimer  # noqa: E402
+
+THEME = "scaling"
+_BUDGET_REASON = "skipped: the --budget-s wall-time budget was spent"
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODEL_FORMULA = (
+    "plain (C = 1): T = pack + A_in + K + A_out + unpack, with A_in = 3 * S_local * (H - H_r) * D * 2 B "
+    "/ bandwidth and A_out = S_local * (H - H_r) * D * 2 B / bandwidth (bytes rank 0 sends to the other "
+    "ranks; 0 at N = 1). overlapped (C chunks; the core queues all C input all-to-alls first on one "
+    "communication channel, and each output all-to-all after its chunk's kernel): "
+    "in_end[c] = pack_C + (c + 1) * A_in / C; k_end[c] = max(k_end[c-1], in_end[c]) + K_c; "
+    "out_end[c] = max(out_end[c-1], in_end[C-1], k_end[c]) + A_out / C; T = out_end[C-1] + unpack_C. "
+    "In steady state each stage costs max(K_c, A_in / C): the all-to-all is hidden behind the kernel "
+    "as max(kernel_chunk, a2a_chunk) pipelining. K_c = the kernel measured at the chunk's heads; "
+    "pack_C / unpack_C = the C per-chunk pack / unpack calls measured. Block = attention layer + the "
+    "non-attention part of the block measured at S_local rows (attention replaced by a no-op).")
+
+
+class _NoAttention(nn.Module):
+    """Stands in for the attention of a DiT block to time everything else (returns garbage)."""
+
+    def forward(self, q, k, v, *args, **kwargs):
+        return torch.empty_like(q)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _runnable_backends(requested: str, device: torch.device, head_dim: int) -> list[tuple[str, str | None]]:
+    """[(name, reason-or-None)]; the default list is every registered backend except auto."""
+    probe = torch.empty(1, 1, head_dim, device=device, dtype=torch.bfloat16)
+    if requested == "all":
+        names = [n for n in da_backends.available_backends() if n != "auto"]
+    else:
+        names = [n.strip() for n in requested.split(",") if n.strip()]
+    out = []
+    for name in names:
+        try:
+            be = da_backends.resolve_backend(name, probe)
+            out.append((be.name if name == "auto" else name, None))
+        except Exception as exc:  # noqa: BLE001
+            out.append((name, describe_exception(exc)))
+    seen, uniq = set(), []
+    for name, reason in out:
+        if name not in seen:
+            seen.add(name)
+            uniq.append((name, reason))
+    return uniq
+
+
+def _qkv(rows: int, heads: int, d: int, dev, seed: int):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(rows, heads, d, generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
+            for _ in range(3)]
+
+
+def _build_block(cfg, dev, backend: str, timer):
+    from dist_attn.model import DiTBlock, init_weights
+
+    block = DiTBlock(cfg.model, backend=backend, timer=timer, device=dev, dtype=torch.bfloat16)
+    init_weights(block, cfg.model.weight_seed)
+    return block.eval().requires_grad_(False)
+
+
+def _block_inputs(cfg, s_local: int, row_offset: int, dev, seed: int):
+    from dist_attn.model import rope_tables
+
+    m = cfg.model
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(s_local, m.hidden_size, generator=g, device=dev).to(torch.bfloat16)
+    tmod = (0.02 * torch.randn(6, m.hidden_size, generator=g, device=dev)).to(torch.bfloat16)
+    rope = rope_tables(torch.arange(row_offset, row_offset + s_local, device=dev), m.rope_dims, m.rope_theta)
+    return x, tmod, rope
+
+
+def _add_scaling(rows: list[dict[str, Any]]) -> None:
+    """speedup / efficiency against N = 1 of the same mode, what and backend (C = 1 there)."""
+    base = {(r["mode"], r["what"], r["backend"]): r["total_ms"] for r in rows
+            if r.get("N") == 1 and r.get("total_ms") and r.get("overlap_chunks") == 1}
+    for r in rows:
+        t1 = base.get((r["mode"], r["what"], r["backend"]))
+        if t1 and r.get("total_ms"):
+            r["speedup"] = t1 / r["total_ms"]
+            r["efficiency"] = t1 / (r["N"] * r["total_ms"])
+
+
+# ---------------------------------------------------------------------------------------------
+# measured mode
+# ---------------------------------------------------------------------------------------------
+def run_measured(args, cfg, lay, ctx: DistContext, backends, writer, budget) -> None:
+    world, rank, dev = ctx.world, ctx.rank, ctx.device
+    H, D = cfg.model.num_heads, cfg.model.head_dim
+    label = ("gloo, shared GPU — not representative of NVLink" if ctx.shared_gpu and dev.type == "cuda"
+             else f"{ctx.backend}, {'GPU' if dev.type == 'cuda' else 'CPU'}")
+    if writer is not None:
+        writer.payload["config"]["comm_label"] = label
+        writer.note(f"measured rows: {label}.")
+    ns = [n for n in args.ranks if n <= world]
+    pool = StagingBuffers()
+    block = None
+    for n in ns:
+        sub = dist.new_group(list(range(n))) if dist.is_initialized() else None  # every rank calls it
+        active = rank < n
+        s_local = lay.total // n
+        bounds = [0, lay.used, lay.total] if lay.used < lay.total else [0, lay.total]
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        if active and lay.total % n == 0:
+            q, k, v = _qkv(s_local, H, D, dev, seed=10 + rank)
+        for what in ("attention", "block"):
+            if what == "block" and args.no_block:
+                continue
+            for be_name, be_reason in backends:
+                if be_reason:
+                    if writer is not None and n == ns[0] and what == "attention":
+                        writer.rows.append({"mode": "measured", "what": what, "backend": be_name, "N": None,
+                                            "overlap_chunks": None, "status": "unavailable",
+                                            "reason": be_reason})
+                    continue
+                for C in (args.overlap if n > 1 else [1]):
+                    row = {"mode": "measured", "what": what, "backend": be_name, "N": n,
+                           "overlap_chunks": C, "S_local": s_local, "comm": label,
+                           "heads_per_rank": max(heads_per_rank(H, n)) if H >= n else None}
+                    stop = any(ctx.gather(budget.expired()))  # one decision on every rank
+                    result = None
+                    if lay.total % n:
+                        row.update(status="unavailable", reason=f"{lay.total} rows do not split over {n} ranks")
+                    elif H < n:
+                        row.update(status="unavailable", reason=f"{H} heads < {n} ranks")
+                    elif be_reason:
+                        row.update(status="unavailable", reason=be_reason)
+                    elif stop:
+                        row.update(status="skipped", reason=_BUDGET_REASON)
+                    elif active:
+                        try:
+                            result = _measure_one(what, be_name, C, n, sub, q, k, v, cu, bounds, lay,
+                                                  cfg, dev, pool, args, s_local, rank,
+                                                  block_holder=lambda b=be_name: _get_block(cfg, dev, b))
+                        except Exception as exc:  # noqa: BLE001
+                            result = {"status": "error", "reason": describe_exception(exc)}
+                    per_rank = ctx.gather(result)
+                    if writer is not None and "status" not in row:
+                        got = [r for r in per_rank[:n] if r is not None]
+                        errs = [r for r in got if r.get("status") == "error"]
+                        if not got:
+                            row.update(status="error", reason="no rank reported a result")
+                        elif errs:
+                            row.update(status="error", reason=errs[0]["reason"])
+                        else:
+                            slow = max(got, key=lambda r: r["total_ms"])
+                            row.update(status="ok", total_ms=slow["total_ms"], iters=slow["iters"],
+                                       timing=slow["timing"], phases_ms=slow.get("phases_ms"),
+                                       total_ms_per_rank=[r["total_ms"] for r in got])
+                    if writer is not None:
+                        writer.rows.append(row)
+                        _add_scaling(writer.rows)
+                        writer.save(_sections(writer))
+        if active and lay.total % n == 0:
+            del q, k, v
+        pool.release()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        ctx.barrier()
+    del block
+
+
+_BLOCKS: dict[str, Any] = {}
+
+
+def _get_block(cfg, dev, backend):
+    # one set of weights per process: the backend, group and overlap are attributes of .attn
+    if "block" not in _BLOCKS:
+        _BLOCKS["block"] = _build_block(cfg, dev, backend, None)
+    return _BLOCKS["block"]
+
+
+def _measure_one(what, be_name, C, n, sub, q, k, v, cu, bounds, lay, cfg, dev, pool, args, s_local, rank,
+                 block_holder):
+    H, D = cfg.model.num_heads, cfg.model.head_dim
+    timer = PhaseTimer(dev)
+    if what == "attention":
+        layer = dist_attn.UlyssesSageAttention(H, D, group=sub, backend=be_name, buffers=pool,
+                                               overlap_chunks=C)
+
+        def fn():
+            return layer(q, k, v, cu, lay.used, cu_seqlens_host=bounds)
+    else:
+        block = block_holder()
+        block.attn.group, block.attn.backend, block.attn.overlap_chunks = sub, be_name, C
+        block.attn.buffers = pool
+        x, tmod, rope = _block_inputs(cfg, s_local, rank * s_local, dev, seed=20 + rank)
+        layer = block.attn
+
+        def fn():
+            return block(x, tmod, rope, cu, lay.used, bounds)
+    barrier = (lambda: dist.barrier(group=sub)) if sub is not None else None
+    with torch.no_grad():
+        for _ in range(max(1, args.warmup)):
+            fn()
+        layer.timer = timer
+        timer.reset()
+        t = time_fn(fn, device=dev, iters=args.iters, warmup=0, method="wall", barrier=barrier)
+        layer.timer = None
+    phases = {name: ms / t.iters for name, ms in timer.totals_ms().items()}
+    return {"status": "ok", "total_ms": t.median_ms, "iters": t.iters, "timing": t.method,
+            "phases_ms": phases}
+
+
+# ---------------------------------------------------------------------------------------------
+# modeled mode
+# ---------------------------------------------------------------------------------------------
+def _pipeline(pack: float, unpack: float, a_in: float, a_out: float, k_chunks: list[float],
+              widths: list[int]) -> float:
+    """End time of the overlapped layer (see MODEL_FORMULA)."""
+    h = sum(widths)
+    in_end, t = [], pack
+    for w in widths:
+        t += a_in * w / h
+        in_end.append(t)
+    k_end, out_end = 0.0, in_end[-1]
+    for c, w in enumerate(widths):
+        k_end = max(k_end, in_end[c]) + k_chunks[c]
+        out_end = max(out_end, k_end) + a_out * w / h
+    return out_end + unpack
+
+
+def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
+    H, D = cfg.model.num_heads, cfg.model.head_dim
+    es = 2  # bf16
+    bw = args.bandwidth_gbs * 1e9
+    bounds = [0, lay.used, lay.total] if lay.used < lay.total else [0, lay.total]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    scale = 1.0 / (D ** 0.5)
+    kernel_cache: dict[tuple[str, int], float] = {}
+
+    def timed(fn):
+        return time_fn(fn, device=dev, iters=args.iters, warmup=args.warmup, budget=budget).median_ms
+
+    def kernel_ms(be, width: int) -> float:
+        key = (be.name, width)
+        if key not in kernel_cache:
+            # the receive-buffer layout: [S, 3, w, D] with strided q/k/v views, as in the core
+            recv = torch.randn(lay.total * 3 * width * D, device=dev).to(torch.bfloat16)
+            qv, kv, vv = unpack_qkv(recv, lay.total, width, D)
+            out = torch.empty(lay.total, width, D, device=dev, dtype=torch.bfloat16)
+            kernel_cache[key] = timed(lambda: attend_varlen(
+                be, qv, kv, vv, bounds=bounds, cu_seqlens=cu, max_seqlen=lay.used, softmax_scale=scale,
+                k_is_scratch=True, out=out))
+            del recv, out
+        return kernel_cache[key]
+
+    # the non-attention part of the block at S_local rows, and the real N = 1 layer and block
+    block = None if args.no_block else _build_block(cfg, dev, "sdpa", None)
+    real_attn = block.attn if block is not None else None
+    nonattn: dict[int, float] = {}
+    for be_name, be_reason in backends:
+        if be_reason:  # one row says why, instead of a grid of identical ones
+            writer.rows.append({"mode": "modeled", "what": "attention", "backend": be_name, "N": None,
+                                "overlap_chunks": None, "status": "unavailable", "reason": be_reason})
+            continue
+        be = da_backends.get_backend(be_name)
+        for n in args.ranks:
+            s_local = lay.total // n
+            counts = heads_per_rank(H, n) if H >= n else None
+            common = {"backend": be_name, "N": n, "S_local": s_local,
+                      "heads_per_rank": max(counts) if counts else None,
+                      "bandwidth_gbs": args.bandwidth_gbs}
+            reason = (f"{lay.total} rows do not split over {n} ranks" if lay.total % n else
+                      f"{H} heads < {n} ranks" if counts is None else be_reason)
+            whats = ["attention"] + ([] if block is None else ["block"])
+            for C in (args.overlap if n > 1 else [1]):  # the N = 1 path has no chunks
+                for what in whats:
+                    row = {"mode": "modeled", "what": what, "overlap_chunks": C, **common}
+                    if reason:
+                        row.update(status="unavailable", reason=reason)
+                    elif budget.expired():
+                        row.update(status="skipped", reason=_BUDGET_REASON)
+                    else:
+                        try:
+                            row.update(_model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw,
+                                                  kernel_ms, timed, block, nonattn))
+                        except Exception as exc:  # noqa: BLE001
+                            row.update(status="error", reason=describe_exception(exc))
+                    writer.rows.append(row)
+                    _add_scaling(writer.rows)
+                    writer.save(_sections(writer))
+        # the real thing at N = 1 (same GPU, world-1 path: the kernel alone), a check of the model
+        for what in (["attention"] + ([] if block is None else ["block"])):
+            row = {"mode": "measured", "what": what, "backend": be_name, "N": 1, "overlap_chunks": 1,
+                   "S_local": lay.total, "comm": "none (N = 1)"}
+            if be_reason:
+                row.update(status="unavailable", reason=be_reason)
+            elif budget.expired():
+                row.update(status="skipped", reason=_BUDGET_REASON)
+            else:
+                try:
+                    q, k, v = _qkv(lay.total, H, D, dev, seed=3)
+                    timer = PhaseTimer(dev)
+                    if what == "attention":
+                        layer = dist_attn.UlyssesSageAttention(H, D, backend=be_name, timer=timer)
+                        fn = lambda: layer(q, k, v, cu, lay.used, cu_seqlens_host=bounds)  # noqa: E731
+                    else:
+                        block.attn = real_attn
+                        block.attn.backend, block.attn.timer = be_name, timer
+                        x, tmod, rope = _block_inputs(cfg, lay.total, 0, dev, seed=4)
+                        fn = lambda: block(x, tmod, rope, cu, lay.used, bounds)  # noqa: E731
+                    with torch.no_grad():
+                        fn()
+                        timer.reset()
+                        t = time_fn(fn, device=dev, iters=args.iters, warmup=0, budget=budget)
+                    row.update(status="ok", total_ms=t.median_ms, iters=t.iters, timing=t.method,
+                               phases_ms={kk: vv / t.iters for kk, vv in timer.totals_ms().items()})
+                    if block is not None:
+                        block.attn.timer = None
+                    del q, k, v
+                except Exception as exc:  # noqa: BLE001
+                    row.update(status="error", reason=describe_exception(exc))
+            writer.rows.append(row)
+            writer.save(_sections(writer))
+        kernel_cache.clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms, timed, block, nonattn):
+    H, D = cfg.model.num_heads, cfg.model.head_dim
+    h0 = counts[0]  # rank 0 holds the most heads (first H % N ranks take one extra)
+    chunks = min(C, min(counts)) if n > 1 else 1
+    widths = list(heads_per_rank(h0, chunks))
+    offs = head_offsets(counts)
+    # per-chunk global head ranges of every rank, as ulysses._chunk_ranges lays them out
+    splits = [head_offsets(heads_per_rank(c, chunks)) for c in counts]
+    ranges = [[(offs[j] + splits[j][c], offs[j] + splits[j][c + 1]) for j in range(n)] for c in range(chunks)]
+    q, k, v = _qkv(s_local, H, D, dev, seed=5)
+    send = torch.empty(s_local * 3 * H * D, device=dev, dtype=torch.bfloat16)
+    recv_out = torch.randn(s_local * H * D, device=dev).to(torch.bfloat16)
+    out = torch.empty(s_local, H, D, device=dev, dtype=torch.bfloat16)
+    sizes_in = [s_local * 3 * sum(b - a for a, b in rng) * D for rng in ranges]
+    sizes_out = [s_local * sum(b - a for a, b in rng) * D for rng in ranges]
+
+    def pack_all():
+        o = 0
+        for rng, sz in zip(ranges, sizes_in):
+            pack_qkv(q, k, v, send[o:o + sz], rng)
+            o += sz
+
+    def unpack_all():
+        o = 0
+        for rng, sz in zip(ranges, sizes_out):
+            unpack_output(recv_out[o:o + sz], out, rng)
+            o += sz
+
+    if n > 1:
+        pack, unpack = timed(pack_all), timed(unpack_all)
+    else:
+        pack = unpack = 0.0  # the world-1 path of the core neither packs nor unpacks
+    del q, k, v, send, recv_out, out
+    a_in = 3 * s_local * (H - h0) * D * es / bw * 1e3
+    a_out = s_local * (H - h0) * D * es / bw * 1e3
+    k_chunks = [kernel_ms(be, w) for w in widths]
+    if chunks == 1:
+        total = pack + a_in + k_chunks[0] + a_out + unpack
+    else:
+        total = _pipeline(pack, unpack, a_in, a_out, k_chunks, widths)
+    phases = {"pack": pack, "a2a_in": a_in, "kernel": sum(k_chunks), "a2a_out": a_out, "unpack": unpack}
+    row = {"status": "ok", "effective_chunks": chunks, "phases_ms": phases,
+           "hidden_ms": sum(phases.values()) - total, "kernel_chunk_ms": k_chunks,
+           "formula": "plain" if chunks == 1 else "pipelined"}
+    if what == "attention":
+        row["total_ms"] = total
+        return row
+    if n not in nonattn:
+        block.attn = _NoAttention()
+        x, tmod, rope = _block_inputs(cfg, s_local, 0, dev, seed=6)
+        with torch.no_grad():
+            nonattn[n] = timed(lambda: block(x, tmod, rope, None, lay.used, None))
+        del x, tmod, rope
+    row.update(total_ms=total + nonattn[n], nonattn_ms=nonattn[n])
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _flat(rows):
+    out = []
+    for r in rows:
+        f = dict(r)
+        for p in PHASES:
+            f[f"ph_{p}"] = (r.get("phases_ms") or {}).get(p)
+        out.append(f)
+    return out
+
+
+_COLS = [("what", "what", ""), ("backend", "backend", ""), ("N", "N", "d"), ("overlap_chunks", "C", "d"),
+         ("S_local", "S_local", "d"), ("heads_per_rank", "H/rank", ""), ("status", "status", ""),
+         ("total_ms", "total ms", ".2f"), ("ph_pack", "pack", ".3f"), ("ph_a2a_in", "a2a_in", ".3f"),
+         ("ph_kernel", "kernel", ".2f"), ("ph_a2a_out", "a2a_out", ".3f"), ("ph_unpack", "unpack", ".3f"),
+         ("nonattn_ms", "non-attn ms", ".2f"), ("speedup", "speedup", ".2f"),
+         ("efficiency", "efficiency", ".3f"), ("reason", "reason", "")]
+
+
+def _sections(writer: ResultWriter) -> list[tuple[str, str]]:
+    rows = _flat(writer.rows)
+    modeled = [r for r in rows if r["mode"] == "modeled"]
+    measured = [r for r in rows if r["mode"] == "measured"]
+    cfg = writer.payload["config"]
+    out = []
+    expl = ("Times are per forward, per rank (ms). Phase columns are per-forward sums of the "
+            "PhaseTimer phases; with C > 1 the phases overlap, so they add up to more than the total. "
+            "speedup = T(N=1) / T(N), efficiency = T(N=1) / (N * T(N)) against N = 1 of the same "
+            "backend, C = 1, same mode.")
+    if modeled:
+        out.append(("MODELED (one GPU; all-to-all = bytes / bandwidth)",
+                    f"mode = \"modeled\": compute measured on {writer.gpu} at the per-rank shapes; all-to-all "
+                    f"time computed at {cfg.get('bandwidth_gbs')} GB/s. {expl}\n\nModel: {MODEL_FORMULA}\n\n"
+                    + markdown_table(modeled, _COLS)))
+    if measured:
+        head = ("Measured at N = 1 on the same GPU (no all-to-all), a check of the model's N = 1 rows"
+                if modeled else f"MEASURED ({cfg.get('comm_label', '')})")
+        out.append((head, "mode = \"measured\": wall clock with a device sync, ranks aligned by a barrier "
+                    f"before each forward, slowest rank. {expl}\n\n" + markdown_table(measured, _COLS)))
+    return out
+
+
+def _plot(writer: ResultWriter, main_mode: str, overlaps: list[int]):
+    def draw(plt):
+        rows = [r for r in writer.rows if r["mode"] == main_mode and r.get("efficiency")]
+        fig, axes = plt.subplots(1, len(overlaps), figsize=(5 * len(overlaps), 4.3), sharey=True, squeeze=False)
+        style = {"measured": dict(marker="o", ls="-"), "modeled": dict(marker="x", ls="--")}[main_mode]
+        for ax, C in zip(axes[0], overlaps):
+            for what in ("attention", "block"):
+                for be in sorted({r["backend"] for r in rows}):
+                    pts = sorted((r["N"], r["efficiency"]) for r in rows if r["what"] == what
+                                 and r["backend"] == be and (r["overlap_chunks"] == C or r["N"] == 1))
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{be} {what}",
+                                alpha=0.9 if what == "attention" else 0.6, **style)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("ranks N")
+            ax.set_title(("plain (C=1)" if C == 1 else f"overlapped (C={C})") + f" — {main_mode}")
+            ax.axhline(1.0, color="grey", lw=0.5)
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("efficiency T1 / (N TN)")
+        axes[0][-1].legend(fontsize=7)
+        cfg = writer.payload["config"]
+        sub = (f"modeled: a2a at {cfg.get('bandwidth_gbs')} GB/s, compute on {writer.gpu}"
+               if main_mode == "modeled" else f"measured: {cfg.get('comm_label', '')}")
+        fig.suptitle(f"Ulysses scaling, {cfg['model']} ({sub})", fontsize=10)
+        fig.tight_layout()
+    return draw
+
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="model config TOML (default configs/h3.toml; "
+                                                  "configs/tiny.toml with --smoke)")
+    p.add_argument("--modeled", action="store_true", help="one GPU: compute measured, all-to-all modeled")
+    p.add_argument("--bandwidth-gbs", type=float, default=360.0,
+                   help="per-rank all-to-all bandwidth of the model, GB/s (NVLink planning figure 360)")
+    p.add_argument("--ranks", type=_ints, default=None, help="N values (default 1,2,4,8; measured: <= world)")
+    p.add_argument("--overlap", type=_ints, default=[1, 2, 4], help="overlap_chunks values")
+    p.add_argument("--backends", default="all",
+                   help="comma-separated attention backends, 'auto', or 'all' (every registered one)")
+    p.add_argument("--comm-backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--seq", type=int, default=None, help="override total packed rows")
+    p.add_argument("--used", type=int, default=None, help="override used rows")
+    p.add_argument("--no-block", action="store_true", help="attention layer only (no DiT block)")
+    add_common_args(p, iters=10, warmup=2, budget_s=0)
+    args = p.parse_args(argv)
+    smoke = args.smoke
+    if args.config is None:
+        args.config = os.path.join(_REPO, "configs", "tiny.toml" if smoke else "h3.toml")
+    if args.ranks is None:
+        args.ranks = [1, 2, 4, 8]
+    if smoke and args.iters == 10:
+        args.iters, args.warmup = 2, 1
+    if 1 not in args.ranks:
+        args.ranks = [1] + args.ranks  # the baseline of speedup and efficiency
+    args.ranks = sorted(set(args.ranks))
+    args.overlap = sorted(set(args.overlap)) or [1]
+    if 1 not in args.overlap:
+        args.overlap = [1] + args.overlap
+
+    cfg = load_config(args.config)
+    r = cfg.request
+    lay = request_layout(cfg, frames=r.frames, height=r.height, width=r.width, num_tokens=r.num_tokens)
+    if args.seq or args.used:
+        from dist_attn.config import PackedLayout
+
+        total = args.seq or lay.total
+        lay = PackedLayout(used=min(args.used or lay.used, total), total=total)
+
+    device_flag = "cpu" if smoke and args.device == "auto" else args.device
+    if args.modeled:
+        ctx = init_distributed("gloo", device_flag) if "RANK" in os.environ else None
+        if ctx is not None and ctx.rank != 0:
+            print(f"[scaling] --modeled runs on one process; rank {ctx.rank} exits", flush=True)
+            return None
+        dev = ctx.device if ctx else torch.device(
+            "cuda" if device_flag in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+    else:
+        ctx = init_distributed(args.comm_backend, device_flag)
+        dev = ctx.device
+    rank = ctx.rank if ctx else 0
+    backends = _runnable_backends(args.backends, dev, cfg.model.head_dim)
+    budget = Budget(args.budget_s)
+    mode = "modeled" if args.modeled else "measured"
+    config = {"mode": mode, "model": cfg.model.name, "config_file": os.path.relpath(args.config, _REPO),
+              "model_config": cfg.to_dict()["model"], "used": lay.used, "total": lay.total,
+              "cu_seqlens": [0, lay.used, lay.total], "ranks": args.ranks, "overlap": args.overlap,
+              "backends": [b for b, _ in backends], "dtype": "torch.bfloat16", "iters": args.iters,
+              "warmup": args.warmup, "device": str(dev), "budget_s": args.budget_s, "smoke": smoke,
+              "world": ctx.world if ctx else 1}
+    if args.modeled:
+        config.update(bandwidth_gbs=args.bandwidth_gbs, formula=MODEL_FORMULA)
+    else:
+        config.update(comm_backend=ctx.backend, shared_gpu=ctx.shared_gpu)
+    writer = None
+    if rank == 0:
+        if args.theme is None:
+            args.theme = (f"{THEME}-modeled" if args.modeled else f"{THEME}-{ctx.backend}{ctx.world}")
+        writer = ResultWriter(theme=THEME, args=args, config=config, device=dev,
+                              title=f"Ulysses scaling at {'h3-ref' if not smoke else 'smoke size'} ({mode})")
+        if ctx is not None and ctx.note:
+            writer.note(ctx.note)
+        if args.modeled:
+            writer.note("MODELED: compute is measured on one GPU, the all-to-alls are computed from bytes "
+                        f"and {args.bandwidth_gbs} GB/s; not a multi-GPU measurement. " + MODEL_FORMULA)
+        print(f"[scaling] {mode}, device {dev}, backends {backends}, N {args.ranks}, C {args.overlap}",
+              flush=True)
+    if args.modeled:
+        run_modeled(args, cfg, lay, dev, backends, writer, budget)
+    else:
+        run_measured(args, cfg, lay, ctx, backends, writer, budget)
+    paths = None
+    if writer is not None:
+        writer.payload["elapsed_s"] = budget.elapsed()
+        paths = writer.finish(_plot(writer, mode, args.overlap), _sections(writer))
+        for row in writer.rows:
+            print(f"  {row['mode']:<8} {row['what']:<9} {row['backend']:<6} N={row['N']} C={row['overlap_chunks']} "
+                  f"{row.get('status'):<11} {(row.get('total_ms') or 0):9.2f} ms  "
+                  f"eff {(row.get('efficiency') or 0):.3f}  {row.get('reason', '')[:80]}", flush=True)
+        print(f"[scaling] wrote {paths['json']} (+ .md, .png) in {budget.elapsed():.1f}s", flush=True)
+    if ctx is not None and not args.modeled:
+        ctx.barrier()
+        dist.destroy_process_group()
+    return paths
+
+
+if __name__ == "__main__":
+    main()
