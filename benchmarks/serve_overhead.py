@@ -9,7 +9,8 @@ and splits each request's client-side latency into:
                 queue     receipt -> rank-0 loop picks the job
                 broadcast request broadcast to all ranks (+ loop scheduling)
                 setup     noise, cu_seqlens, RoPE tables, timer reset
-                finalize  checksum all-reduce, phase totals, result assembly
+                finalize  checksum all-gather (absorbs any rank skew at the end of the last
+                          step: rank 0's step time ends when rank 0 finishes), phase totals
 
 and reports median overhead as a share of one median denoise step (target <= 1%), plus the share
 of a full-depth step (overhead / (per-layer step time x the config's full layer count)) when
@@ -305,6 +306,7 @@ def _markdown(res: dict[str, Any]) -> str:
         f"| request end to end (client) | {s['median_e2e_ms']:.3f} ms |",
         f"| **serving overhead per request** | **{s['median_overhead_ms']:.3f} ms** |",
         *(f"| &nbsp; {k} | {c[k]:.3f} ms |" for k in COMPONENTS),
+        "| &nbsp; (medians of the parts need not add up to the median of the whole) | |",
         f"| overhead / one step (target <= 1%) | **{100 * s['overhead_share_of_step']:.2f}%** "
         f"({'meets' if s['meets_target'] else 'misses'} target) |",
         f"| overhead / one full-depth step ({s['full_depth_layers']} layers, scaled) | "
