@@ -47,10 +47,13 @@ class AttentionBackend:
         name: registry key, e.g. ``"sdpa"``.
         exact: True for kernels that compute in the input precision (no 8-bit quantization);
             the ``"lossless"`` quality tier admits only these.
+        head_dims: the head_dim values the kernel accepts (None = any); configs check it
+            before any tensor exists.
     """
 
     name: str = ""
     exact: bool = True
+    head_dims: tuple[int, ...] | None = None
 
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
         """None if this backend can run on tensors like ``q`` (``[..., D]``), else why not and how to fix it."""
@@ -111,6 +114,11 @@ class SageBackend(AttentionBackend):
     _HEAD_DIMS_V1 = (64, 96, 128)
     _HEAD_DIMS_V2 = (64, 128)
 
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        self._load()
+        return self._HEAD_DIMS_V2 if self._v2 else self._HEAD_DIMS_V1
+
     def __init__(self) -> None:
         self._loaded = False
         self._fn = None
@@ -155,7 +163,7 @@ class SageBackend(AttentionBackend):
                 f"sageattention runs only on CUDA tensors, got device {q.device}; move q/k/v to a "
                 "GPU or use backend='sdpa'"
             )
-        dims = self._HEAD_DIMS_V2 if self._v2 else self._HEAD_DIMS_V1
+        dims = self.head_dims
         if q.shape[-1] not in dims:
             return (
                 f"sageattention {self.version} supports head_dim in {dims}, got head_dim={q.shape[-1]}; "
@@ -185,6 +193,7 @@ class _Sage8Backend(AttentionBackend):
     def __init__(self, kernels) -> None:
         self._k = kernels
         self.varlen = self._varlen
+        self.head_dims = tuple(kernels.SUPPORTED_HEAD_DIMS)
 
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
         return self._k.unsupported_reason(q)

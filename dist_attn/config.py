@@ -38,7 +38,6 @@ __all__ = [
     "PackedLayout",
     "DEFAULT_CONFIG_TOML",
     "QUALITY_TIERS",
-    "BACKEND_HEAD_DIMS",
     "load_config",
     "parse_config",
     "apply_overrides",
@@ -54,7 +53,6 @@ DType = Literal["auto", "bfloat16", "float16", "float32"]
 #: Head dims each attention backend accepts. sageattention 1.0.6 accepts 64/96/128 for its dense
 #: kernel (the (0, used, total) bridge makes one dense call), see shared/h3.md. Backends not listed
 #: accept any head_dim.
-BACKEND_HEAD_DIMS: dict[str, tuple[int, ...]] = {"sage": (64, 96, 128)}
 
 
 def _fail(cls: str, name: str, value: Any, rule: str) -> ValueError:
@@ -88,7 +86,7 @@ class ModelConfig:
     num_heads: int = 4
     """Attention heads (plain multi-head, no GQA). Must divide by the Ulysses degree."""
     head_dim: int = 64
-    """Per-head width. Constrained by the attention backend (BACKEND_HEAD_DIMS)."""
+    """Per-head width. Constrained by the attention backend (``AttentionBackend.head_dims``)."""
     ffn_size: int = 512
     """Hidden width of the MLP."""
     rope_dims: int = 48
@@ -210,9 +208,11 @@ class RuntimeConfig:
 
 
 def _is_8bit_name(name: str) -> bool:
-    """Whether a backend name denotes an 8-bit (quantized) kernel."""
-    lowered = name.lower()
-    return any(tag in lowered for tag in ("sage", "fp8", "int8", "8bit"))
+    """Whether a backend name denotes an 8-bit (quantized) kernel (the registry's ``exact`` flag)."""
+    from dist_attn.backends import _REGISTRY
+    from dist_attn.quality import is_8bit_backend
+
+    return is_8bit_backend(name, _REGISTRY.get(name))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -298,7 +298,10 @@ class Config:
 
     def check_backend(self, backend: str) -> None:
         """Raises if ``backend`` (a name, possibly resolved from "auto") cannot run head_dim."""
-        allowed = BACKEND_HEAD_DIMS.get(backend)
+        from dist_attn.backends import _REGISTRY
+
+        registered = _REGISTRY.get(backend)
+        allowed = registered.head_dims if registered is not None else None
         if allowed is not None and self.model.head_dim not in allowed:
             raise _fail("ModelConfig", "head_dim", self.model.head_dim,
                         f"is not supported by backend {backend!r} (accepts head_dim in "

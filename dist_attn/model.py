@@ -156,7 +156,7 @@ class DiTBlock(nn.Module):
         q, k, v = qkv.unbind(1)
         q = apply_rope(rms_norm(q, self.q_norm, cfg.norm_eps), *rope)
         k = apply_rope(rms_norm(k, self.k_norm, cfg.norm_eps), *rope)
-        o = self.attn(q, k, v.contiguous(), cu_seqlens, max_seqlen,
+        o = self.attn(q, k, v, cu_seqlens, max_seqlen,
                       cu_seqlens_host=cu_seqlens_host)  # [S_local, H, D]
         x = x + gate1 * self.out(o.reshape(x.shape[0], cfg.inner_dim))
         h = self.norm2(x) * (1 + scale2) + shift2
