@@ -247,7 +247,7 @@ def measure_errors(specs, args, device, dtype, writer: ResultWriter, budget: Bud
         refs = {"total": _reference_f64(q, k, v, total, lay.scale),
                 "used": _reference_f64(q, k, v, used, lay.scale)}
         for spec in specs:
-            row = {"section": "error", "kernel": spec.name, "data": data, "rows": total,
+            row = {"section": "accuracy", "kernel": spec.name, "data": data, "rows": total,
                    "compared_rows": used if spec.n_kind == "used" else total,
                    "heads": args.err_heads, "head_dim": args.head_dim}
             if budget.expired():
@@ -341,7 +341,7 @@ def _derive(writer: ResultWriter) -> None:
         if base is None:
             continue
         pct = (r["median_ms"] / base["median_ms"] - 1.0) * 100.0
-        writer.rows.append({"section": "overhead", "backend": name, "heads": r["heads"],
+        writer.rows.append({"section": "overhead", "status": "ok", "backend": name, "heads": r["heads"],
                             "bridge_ms": r["median_ms"], "dense_used_ms": base["median_ms"],
                             "overhead_pct": pct, "target_pct": 1.0, "meets_target": pct <= 1.0})
 
@@ -352,7 +352,7 @@ def _derive(writer: ResultWriter) -> None:
 def sections(writer: ResultWriter) -> list[tuple[str, str]]:
     rows = writer.rows
     speed = sorted((r for r in rows if r.get("section") == "speed"), key=lambda r: (-r["heads"],))
-    err = [r for r in rows if r.get("section") == "error"]
+    err = [r for r in rows if r.get("section") == "accuracy"]
     over = [r for r in rows if r.get("section") == "overhead"]
     out = [
         ("Speed", "TFLOP/s-equivalent = 4 * N^2 * heads * D / median time. N = `rows_total` (38,016 at "
@@ -384,7 +384,7 @@ def sections(writer: ResultWriter) -> list[tuple[str, str]]:
 def _plot(writer: ResultWriter):
     def draw(plt):
         speed = [r for r in writer.rows if r.get("section") == "speed" and r.get("tflops")]
-        err = [r for r in writer.rows if r.get("section") == "error" and r.get("rel_l2") is not None]
+        err = [r for r in writer.rows if r.get("section") == "accuracy" and r.get("rel_l2") is not None]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [2, 1]})
         kernels = list(dict.fromkeys(r["kernel"] for r in speed))
         heads = sorted({r["heads"] for r in speed}, reverse=True)
@@ -399,7 +399,8 @@ def _plot(writer: ResultWriter):
         ax1.set_xticklabels(kernels, rotation=40, ha="right", fontsize=8)
         ax1.set_ylabel("TFLOP/s-equivalent (4 N^2 H D / t)")
         ax1.set_title(f"attention forward, {writer.gpu}, {writer.payload['config']['seq']} rows, bf16")
-        ax1.legend(fontsize=8)
+        if ax1.get_legend_handles_labels()[0]:
+            ax1.legend(fontsize=8)
         ekern = list(dict.fromkeys(r["kernel"] for r in err))
         for j, data in enumerate(sorted({r["data"] for r in err})):
             vals = [next((r["rel_l2"] for r in err if r["kernel"] == k and r["data"] == data), 0.0)
@@ -409,7 +410,8 @@ def _plot(writer: ResultWriter):
         ax2.set_xticks([x + 0.2 for x in range(len(ekern))])
         ax2.set_xticklabels(ekern, rotation=40, ha="right", fontsize=8)
         ax2.set_ylabel("rel-L2 error vs float64")
-        ax2.legend(fontsize=8)
+        if ax2.get_legend_handles_labels()[0]:
+            ax2.legend(fontsize=8)
         fig.tight_layout()
     return draw
 

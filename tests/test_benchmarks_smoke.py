@@ -1,0 +1,138 @@
+"""Every benchmark's --smoke runs on CPU and leaves a complete, self-describing result.
+
+kernels.py runs in-process; alltoall.py and scaling.py run under
+``python -m torch.distributed.run --standalone --nproc-per-node 2`` (a free port per launch, so
+pytest-xdist workers never collide), as a user would launch them.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+# A hung collective must fail the test, not the CI job.
+TIMEOUT_S = 120
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # smoke is the CPU path, also on a GPU machine
+    return env
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _torchrun(script: str, out, *extra: str) -> None:
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+          os.path.join(BENCH, script), "--smoke", "--out", str(out), *extra])
+
+
+def _check_result(out, theme: str) -> dict:
+    """The JSON/MD/PNG triple exists and the JSON records what ran; returns the JSON."""
+    jsons = glob.glob(os.path.join(str(out), f"{theme}_cpu_*.json"))
+    assert len(jsons) == 1, os.listdir(out)
+    stem = jsons[0][: -len(".json")]
+    date = stem.rsplit("_", 1)[1]
+    assert len(date) == 10 and date[4] == date[7] == "-", stem  # <theme>_<hardware>_<YYYY-MM-DD>
+    for ext in ("md", "png"):
+        assert os.path.getsize(f"{stem}.{ext}") > 0, ext
+    with open(f"{stem}.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(jsons[0]) as f:
+        data = json.load(f)
+    assert data["gpu"] == "cpu" and data["date"] == date and data["theme"] == theme
+    assert isinstance(data["config"], dict) and data["config"]
+    versions = data["versions"]
+    for key in ("torch", "triton", "sageattention", "dist_attn", "python", "cuda"):
+        assert key in versions, key
+    assert versions["torch"] and versions["python"] and versions["dist_attn"]
+    rows = data["rows"]
+    assert rows, "no rows"
+    timed = [r for r in rows if r.get("status") == "ok" and ("median_ms" in r or "total_ms" in r)]
+    assert timed, "no timed row"
+    for r in rows:
+        if r.get("status") == "ok":
+            t = r.get("median_ms", r.get("total_ms"))
+            if t is not None:
+                assert t > 0, r
+        else:
+            # a kernel or configuration that cannot run is a row that says why
+            assert r.get("status") in ("unavailable", "skipped", "error") and r.get("reason"), r
+    with open(f"{stem}.md") as f:
+        md = f.read()
+    assert "| " in md and data["versions"]["torch"] in md
+    return data
+
+
+def test_kernels_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(BENCH, "kernels.py"))
+    kernels = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = kernels  # its dataclasses look their module up there
+    spec.loader.exec_module(kernels)
+    kernels.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"])
+    data = _check_result(tmp_path, "kernels")
+    ok = {(r["section"], r.get("kernel")) for r in data["rows"] if r.get("status") == "ok"}
+    # the sdpa backend runs everywhere: speed, error and the bridge overhead all have a row
+    assert ("speed", "bridge:sdpa") in ok and ("speed", "dense_used:sdpa") in ok
+    acc = [r for r in data["rows"] if r["section"] == "accuracy" and r["kernel"] == "bridge:sdpa"]
+    assert acc and all(r["cosine"] > 0.999 and r["pad_rows_max_abs"] == 0.0 and not r["caller_k_changed"]
+                       for r in acc)
+    assert any(r["section"] == "overhead" and r["backend"] == "sdpa" for r in data["rows"])
+    # CUDA-only kernels are rows with a reason, not crashes
+    cudnn = [r for r in data["rows"] if r.get("kernel") == "sdpa_cudnn"]
+    assert cudnn and all(r["status"] == "unavailable" and "CUDA" in r["reason"] for r in cudnn)
+
+
+def test_alltoall_smoke_two_ranks(tmp_path):
+    _torchrun("alltoall.py", tmp_path, "--backend", "gloo")
+    data = _check_result(tmp_path, "alltoall-gloo2")
+    assert data["config"]["world"] == 2
+    ops = {r["op"]: r for r in data["rows"]}
+    for op in ("copy_in", "pack_qkv", "unpack_output", "raw_a2a_in", "packed_in", "separate_in", "packed_out"):
+        assert ops[op]["status"] == "ok" and ops[op]["median_ms"] > 0, ops[op]
+    assert ops["packed_in"]["gb_per_s"] > 0
+    assert "not representative of NVLink" in data["config"]["comm_label"]
+    assert data["parity_packed_vs_separate"] == {"0": True, "1": True}
+
+
+def test_scaling_smoke_two_ranks_measured(tmp_path):
+    _torchrun("scaling.py", tmp_path, "--backends", "sdpa", "--overlap", "1,2")
+    data = _check_result(tmp_path, "scaling-gloo2")
+    rows = [r for r in data["rows"] if r.get("status") == "ok"]
+    assert {r["mode"] for r in data["rows"]} == {"measured"}
+    got = {(r["what"], r["N"], r["overlap_chunks"]) for r in rows}
+    assert {("attention", 1, 1), ("attention", 2, 1), ("attention", 2, 2), ("block", 2, 2)} <= got
+    two = [r for r in rows if r["N"] == 2]
+    assert all(r["efficiency"] > 0 and set(r["phases_ms"]) >= {"pack", "a2a_in", "kernel", "a2a_out", "unpack"}
+               for r in two)
+
+
+@pytest.mark.parametrize("ranks", ["1,2,4"])
+def test_scaling_smoke_modeled(tmp_path, ranks):
+    _run([sys.executable, os.path.join(BENCH, "scaling.py"), "--smoke", "--modeled", "--out", str(tmp_path),
+          "--ranks", ranks, "--backends", "sdpa", "--overlap", "1,2", "--bandwidth-gbs", "0.001"])
+    data = _check_result(tmp_path, "scaling-modeled")
+    modeled = [r for r in data["rows"] if r["mode"] == "modeled" and r.get("status") == "ok"]
+    assert modeled and data["config"]["formula"]
+    # at 1 MB/s the all-to-all dominates: the plain path hides nothing, two chunks hide the kernels
+    by = {(r["what"], r["N"], r["overlap_chunks"]): r for r in modeled}
+    plain, piped = by[("attention", 2, 1)], by[("attention", 2, 2)]
+    assert plain["phases_ms"]["a2a_in"] > 100  # 3 * 160 rows * 2 heads * 64 * 2 B / 1 MB/s = 123 ms
+    assert abs(plain["hidden_ms"]) < 1e-6 and plain["formula"] == "plain"
+    assert piped["formula"] == "pipelined"
+    assert piped["hidden_ms"] == pytest.approx(sum(piped["kernel_chunk_ms"]), rel=1e-6)
+    # the real N = 1 layer is reported separately, never as a modeled row
+    assert any(r["mode"] == "measured" and r["N"] == 1 for r in data["rows"])
