@@ -559,12 +559,12 @@ def main(argv: list[str] | None = None):
 
     device_flag = "cpu" if smoke and args.device == "auto" else args.device
     if args.modeled:
-        ctx = init_distributed("gloo", device_flag) if "RANK" in os.environ else None
-        if ctx is not None and ctx.rank != 0:
-            print(f"[scaling] --modeled runs on one process; rank {ctx.rank} exits", flush=True)
+        # one process, no process group (a world-1 layer must never see a larger default group)
+        ctx = None
+        if int(os.environ.get("RANK", "0")) != 0:
+            print(f"[scaling] --modeled runs on one process; rank {os.environ['RANK']} exits", flush=True)
             return None
-        dev = ctx.device if ctx else torch.device(
-            "cuda" if device_flag in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        dev = torch.device("cuda" if device_flag in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
     else:
