@@ -60,7 +60,7 @@ class AttentionBackend:
         raise NotImplementedError
 
     def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
-              k_is_scratch: bool) -> torch.Tensor:
+              k_is_scratch: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """Non-causal attention.
 
         Args:
@@ -68,6 +68,8 @@ class AttentionBackend:
             softmax_scale: multiplier of q.k before the softmax.
             k_is_scratch: True when ``k`` lives in a buffer dist_attn owns (the all-to-all receive
                 buffer) and may be overwritten; False when it is the caller's tensor.
+            out: optional ``[B, T, H, D]`` destination. A kernel that can write there does and
+                returns it; others ignore it and the bridge copies their result in.
 
         Returns:
             ``[B, T, H, D]`` in q's dtype; a tensor no caller input aliases.
@@ -91,7 +93,7 @@ class SdpaBackend(AttentionBackend):
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
         return None
 
-    def dense(self, q, k, v, *, softmax_scale, k_is_scratch):
+    def dense(self, q, k, v, *, softmax_scale, k_is_scratch, out=None):
         # [B, T, H, D] -> [B, H, T, D] views; SDPA never writes its inputs.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale
@@ -173,7 +175,7 @@ class SageBackend(AttentionBackend):
             return f"sageattention needs fp16, bf16 or fp32 inputs, got dtype {q.dtype}"
         return None
 
-    def dense(self, q, k, v, *, softmax_scale, k_is_scratch):
+    def dense(self, q, k, v, *, softmax_scale, k_is_scratch, out=None):
         self._load()
         if self._v2:
             return self._fn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=softmax_scale)
@@ -198,8 +200,8 @@ class _Sage8Backend(AttentionBackend):
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
         return self._k.unsupported_reason(q)
 
-    def dense(self, q, k, v, *, softmax_scale, k_is_scratch):
-        return self._k.sage8_dense(q, k, v, softmax_scale=softmax_scale)
+    def dense(self, q, k, v, *, softmax_scale, k_is_scratch, out=None):
+        return self._k.sage8_dense(q, k, v, softmax_scale=softmax_scale, out=out)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out):
         return self._k.sage8_varlen(q, k, v, cu_seqlens, max_seqlen, used=used,

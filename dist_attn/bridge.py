@@ -57,31 +57,38 @@ def attend_varlen(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v
     """
     total = q.shape[0]
     used = trailing_padding_used_len(total_tokens=total, max_seqlen=max_seqlen, bounds=bounds)
-    if backend.varlen is not None:
-        return backend.varlen(q, k, v, cu_seqlens, max_seqlen, used=used,
-                              softmax_scale=softmax_scale, out=out)
-    if used is not None:
-        # [T, H, D] -> [1, used, H, D]: the padding rows never reach the kernel.
-        dense = backend.dense(q[None, :used], k[None, :used], v[None, :used],
-                              softmax_scale=softmax_scale, k_is_scratch=k_is_scratch)[0]
+    segments = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    if used is not None or len(segments) == 1:
+        # The H3 layout (rows [0, used), padding after) or one segment covering [0, T): ONE dense
+        # call, padding rows never reach the kernel. Preferred over a native varlen kernel too:
+        # sage8's varlen path measured +3.7% over its dense path at h3-ref (KERNEL_NOTES.md).
+        rows = used if used is not None else total
+        if out is None and used is None:
+            return _dense(backend, q, k, v, None, softmax_scale, k_is_scratch)
         if out is None:
             out = q.new_empty(q.shape)
-        out[:used].copy_(dense)
-        out[used:].zero_()
+        _dense(backend, q[:rows], k[:rows], v[:rows], out[:rows], softmax_scale, k_is_scratch)
+        out[rows:].zero_()
         return out
-    segments = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    if len(segments) == 1:  # one segment covering [0, T): the tensors go in as they are
-        dense = backend.dense(q[None], k[None], v[None], softmax_scale=softmax_scale,
-                              k_is_scratch=k_is_scratch)[0]
-        if out is None:
-            return dense
-        out.copy_(dense)
-        return out
+    if backend.varlen is not None:
+        return backend.varlen(q, k, v, cu_seqlens, max_seqlen, used=None,
+                              softmax_scale=softmax_scale, out=out)
     if out is None:
         out = q.new_empty(q.shape)
     for a, b in segments:
-        out[a:b].copy_(backend.dense(q[None, a:b], k[None, a:b], v[None, a:b],
-                                     softmax_scale=softmax_scale, k_is_scratch=k_is_scratch)[0])
+        _dense(backend, q[a:b], k[a:b], v[a:b], out[a:b], softmax_scale, k_is_scratch)
+    return out
+
+
+def _dense(backend: AttentionBackend, q, k, v, out, softmax_scale, k_is_scratch) -> torch.Tensor:
+    """One dense call on ``[L, H, D]`` tensors, its result in ``out`` when given (``[L, H, D]``)."""
+    # [L, H, D] -> [1, L, H, D]
+    res = backend.dense(q[None], k[None], v[None], softmax_scale=softmax_scale,
+                        k_is_scratch=k_is_scratch, out=None if out is None else out[None])[0]
+    if out is None:
+        return res
+    if res.data_ptr() != out.data_ptr():  # the kernel could not write into out
+        out.copy_(res)
     return out
 
 

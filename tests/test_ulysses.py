@@ -115,7 +115,7 @@ class _ProbeBackend:
     def unsupported_reason(self, q):
         return None
 
-    def dense(self, q, k, v, *, softmax_scale, k_is_scratch):
+    def dense(self, q, k, v, *, softmax_scale, k_is_scratch, out=None):
         self.seen.append((q.clone(), k.clone(), v.clone(), k_is_scratch))
         return v.clone()
 

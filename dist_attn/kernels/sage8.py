@@ -94,6 +94,12 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int) -> 
         raise RuntimeError(reason)
 
 
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} of {q.dtype} on {q.device} with a contiguous "
+                         f"last dim, got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}")
+
+
 def _scale(softmax_scale: float | None, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -104,20 +110,26 @@ def _scale(softmax_scale: float | None, head_dim: int) -> float:
 
 
 def sage8_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                softmax_scale: float | None = None, _config: dict | None = None) -> torch.Tensor:
+                softmax_scale: float | None = None, out: torch.Tensor | None = None,
+                _config: dict | None = None) -> torch.Tensor:
     """Non-causal 8-bit attention on batched inputs.
 
     Args:
         q, k, v: ``[B, T, H, D]`` float16/bfloat16, same shape and device; any strides with
             ``stride(-1) == 1`` (no copy is made). Not modified.
         softmax_scale: multiplies Q K^T; default ``1 / sqrt(D)``.
+        out: optional ``[B, T, H, D]`` destination of q's dtype (strided views allowed, last dim
+            contiguous), e.g. the Ulysses output send buffer: saves a copy of the result.
 
     Returns:
-        A fresh contiguous ``[B, T, H, D]`` tensor of q's dtype.
+        ``out``, or a fresh contiguous ``[B, T, H, D]`` tensor of q's dtype.
     """
     _check_qkv(q, k, v, 4)
     B, T, H, D = q.shape
-    out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    else:
+        _check_out(out, q)
     if B == 0 or T == 0 or H == 0:
         return out
     from ._sage8_triton import sage8_forward
@@ -163,10 +175,7 @@ def sage8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     else:
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-            raise ValueError(f"out must be [T, H, D]={tuple(q.shape)} of {q.dtype} on {q.device} with a "
-                             f"contiguous last dim, got {tuple(out.shape)} {out.dtype} {out.device} "
-                             f"strides {out.stride()}")
+        _check_out(out, q)
     if used < T:
         out[used:].zero_()
     nseg = cu_seqlens.numel() - 1
