@@ -564,7 +564,8 @@ def main(argv: list[str] | None = None):
         if int(os.environ.get("RANK", "0")) != 0:
             print(f"[scaling] --modeled runs on one process; rank {os.environ['RANK']} exits", flush=True)
             return None
-        dev = torch.device("cuda" if device_flag in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        dev = torch.device("cuda", 0) if device_flag in ("auto", "cuda") and torch.cuda.is_available() \
+            else torch.device("cpu")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
     else:

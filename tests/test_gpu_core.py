@@ -49,7 +49,13 @@ def test_fast_path_bit_identical_to_direct_sage_call():
     direct = _direct_sageattn()(q[None, :USED], k[None, :USED].clone(), v[None, :USED],
                                 tensor_layout="NHD", is_causal=False, sm_scale=1 / math.sqrt(D))[0]
     torch.cuda.synchronize()
-    assert torch.equal(out[:USED], direct), "bridge output differs from the direct dense call"
+    diff = (out[:USED].float() - direct.float()).abs()
+    again = _direct_sageattn()(q[None, :USED], k[None, :USED].clone(), v[None, :USED],
+                               tensor_layout="NHD", is_causal=False, sm_scale=1 / math.sqrt(D))[0]
+    assert torch.equal(out[:USED], direct), (
+        f"bridge output differs from the direct dense call: {int((diff > 0).sum())} elements, max "
+        f"{diff.max().item():.3g}, nan out/direct {int(out.isnan().sum())}/{int(direct.isnan().sum())}, "
+        f"direct call repeatable: {torch.equal(direct, again)}")
     assert torch.count_nonzero(out[USED:]).item() == 0, "padding rows must be exactly zero"
     assert torch.equal(k, k_before), "the caller's K was modified"
     assert out.dtype == torch.bfloat16 and out.shape == (TOTAL, HEADS, D)
@@ -105,7 +111,9 @@ def _gpu_worker(rank, world, backend, chunks):
         before = [t.clone() for t in shard]
         attn = UlyssesSageAttention(G_HEADS, 128, backend=backend, overlap_chunks=chunks)
         out = attn(*shard, torch.tensor(bounds, device="cuda"), max_seqlen, list(bounds))
-        res[name] = (out.float().cpu(), all(torch.equal(a, b) for a, b in zip(before, shard)))
+        # numpy, not a tensor: a CPU tensor crosses the queue by a shared-memory handle that dies
+        # with the rank process (seen on the H200 as ConnectionResetError in the parent)
+        res[name] = (out.float().cpu().numpy(), all(torch.equal(a, b) for a, b in zip(before, shard)))
     return res
 
 
@@ -118,7 +126,7 @@ def test_four_ranks_share_one_gpu_cosine(tmp_path, backend, chunks):
         q, k, v = (torch.randn(G_SEQ, G_HEADS, 128, generator=g).bfloat16() for _ in range(3))
         k[..., :] += 0.5
         ref = reference_attention(q, k, v, bounds, max_seqlen, device="cuda")
-        out = torch.cat([per_rank[r][name][0] for r in range(world)]).cuda()
+        out = torch.cat([torch.from_numpy(per_rank[r][name][0]) for r in range(world)]).cuda()
         cos = cosine(out, ref)
         assert cos >= 0.999, f"{name}: cosine {cos:.6f} < 0.999"
         assert all(per_rank[r][name][1] for r in range(world)), "inputs modified"

@@ -268,6 +268,12 @@ def test_interp_kernels_match_float64():
     """The Triton kernels themselves, on CPU, under Triton's interpreter (tiny shapes, < 60 s)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        # Seen on the H200 image (triton 3.6): its interpreter raises "only 0-dimensional arrays
+        # can be converted to Python scalars" in the prep kernel; CI pins triton 3.9.
+        pytest.skip(f"the interpreter run needs triton >= 3.9, found {triton.__version__}")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _INTERP_SCRIPT], env=env, cwd=REPO,
