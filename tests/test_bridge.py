@@ -107,7 +107,7 @@ def test_sage_v1_never_changes_the_callers_k(monkeypatch):
     k_before = k.clone()
     out = be.dense(q, k, v, softmax_scale=0.125, k_is_scratch=False)
     assert torch.equal(k, k_before), "the caller's K was modified"
-    assert calls[-1]["smooth_k"] is False and calls[-1]["k_ptr"] != k.data_ptr()
+    assert calls[-1]["k_ptr"] != k.data_ptr(), "the kernel must get a copy of the caller's K"
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.125).transpose(1, 2)
     assert (out - ref).abs().max() < 1e-5  # mean subtraction leaves softmax unchanged
