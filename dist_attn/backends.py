@@ -101,6 +101,11 @@ class SdpaBackend(AttentionBackend):
         return out.transpose(1, 2)  # [B, H, T, D] -> [B, T, H, D]
 
 
+# Entry points that SageAttention 2.x exports and 1.0.6 does not.
+_SAGE_V2_ONLY = ("sageattn_qk_int8_pv_fp16_triton", "sageattn_qk_int8_pv_fp16_cuda",
+                 "sageattn_qk_int8_pv_fp8_cuda")
+
+
 class SageBackend(AttentionBackend):
     """The ``sageattention`` package: the 2.x API when installed, else 1.0.6's Triton kernel.
 
@@ -141,16 +146,12 @@ class SageBackend(AttentionBackend):
             self.version = importlib.metadata.version("sageattention")
         except importlib.metadata.PackageNotFoundError:
             self.version = None
-        fn = getattr(mod, "sageattn", None)
-        if fn is not None:
-            # 2.x exports sageattn at the top level and smooths K out of place.
-            self._fn, self._v2 = fn, True
-            return
-        try:
-            # 1.0.6 has an empty __init__; the kernel lives in sageattention.core.
-            self._fn = importlib.import_module("sageattention.core").sageattn
-        except Exception as exc:
-            self._import_error = f"{type(exc).__name__}: {exc}"
+        # Both 1.0.6 and 2.x export ``sageattn`` at the top level, so tell them apart by what
+        # only 2.x has (its per-kernel entry points), not by the presence of ``sageattn``.
+        self._v2 = any(hasattr(mod, name) for name in _SAGE_V2_ONLY)
+        self._fn = getattr(mod, "sageattn", None)
+        if self._fn is None:
+            self._import_error = "the installed sageattention has no sageattn function"
 
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
         self._load()

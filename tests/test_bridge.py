@@ -79,8 +79,8 @@ def test_explicit_sage_on_cpu_says_why_and_how():
 
 # -- sageattention 1.0.6's in-place K smoothing, reproduced by a fake module --------------------
 def _fake_sage_v1(monkeypatch):
-    """Installs a stand-in for sageattention 1.0.6: empty package, ``core.sageattn`` that (like
-    the real one) subtracts the key mean IN PLACE when smooth_k=True."""
+    """Installs a stand-in for sageattention 1.0.6: like the real one, the package exports
+    ``sageattn`` (from ``core``) and it subtracts the key mean IN PLACE when smooth_k=True."""
     calls = []
 
     def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True, **kw):
@@ -95,6 +95,8 @@ def _fake_sage_v1(monkeypatch):
     pkg = types.ModuleType("sageattention")
     core = types.ModuleType("sageattention.core")
     core.sageattn = sageattn
+    pkg.sageattn = sageattn
+    pkg.core = core
     monkeypatch.setitem(sys.modules, "sageattention", pkg)
     monkeypatch.setitem(sys.modules, "sageattention.core", core)
     return calls
@@ -103,6 +105,8 @@ def _fake_sage_v1(monkeypatch):
 def test_sage_v1_never_changes_the_callers_k(monkeypatch):
     calls = _fake_sage_v1(monkeypatch)
     be = SageBackend()
+    be._load()
+    assert not be._v2, "1.0.6 exports sageattn at the top level too: it must not pass for 2.x"
     q, k, v = (torch.randn(1, 32, 2, 64) + 0.5 for _ in range(3))
     k_before = k.clone()
     out = be.dense(q, k, v, softmax_scale=0.125, k_is_scratch=False)
@@ -132,6 +136,7 @@ def test_sage_v2_api_is_preferred(monkeypatch):
 
     pkg = types.ModuleType("sageattention")
     pkg.sageattn = sageattn
+    pkg.sageattn_qk_int8_pv_fp16_triton = sageattn  # a 2.x-only entry point
     monkeypatch.setitem(sys.modules, "sageattention", pkg)
     be = SageBackend()
     q = torch.randn(1, 8, 2, 64)

@@ -132,3 +132,13 @@ def test_four_ranks_share_one_gpu_cosine(tmp_path, backend, chunks):
         assert all(per_rank[r][name][1] for r in range(world)), "inputs modified"
         if name == "trailing_padding":
             assert torch.count_nonzero(out[bounds[1]:]).item() == 0
+
+
+def test_installed_sageattention_api_detected():
+    """1.0.6 also exports ``sageattn`` at the top level; mistaking it for 2.x once let it smooth
+    the caller's K in place (seen in the first H200 benchmark run)."""
+    from dist_attn.backends import SageBackend
+
+    be = SageBackend()
+    assert be.unsupported_reason(torch.empty(1, 1, 128, device="cuda", dtype=torch.bfloat16)) is None
+    assert be._v2 == (int(be.version.split(".")[0]) >= 2), (be.version, be._v2)
