@@ -23,6 +23,19 @@ __all__ = [
 ]
 
 
+def _widen(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same bytes viewed as 8-byte words along the (contiguous) last dim, for all tensors or
+    none. A strided copy moves one element per thread step, so bf16 packing ran at 1.63 TB/s on
+    an H200 against 4.2 TB/s for a plain copy; 8-byte words move 4x the bytes per step. Falls
+    back to the tensors as they are when a view is impossible (odd sizes or offsets)."""
+    if tensors[0].element_size() >= 8:
+        return tensors
+    try:
+        return tuple(t.view(torch.int64) for t in tensors)
+    except RuntimeError:
+        return tensors
+
+
 def _strided_source(t: torch.Tensor, head_ranges: list[tuple[int, int]]) -> torch.Tensor | None:
     """``[W, S_local, w, D]`` view of ``t`` covering ``head_ranges`` when the ranges are equally
     wide and spaced H/W apart (even heads, chunked or not); None when a loop is needed."""
@@ -53,14 +66,16 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tens
     Returns:
         ``send`` (filled): for each destination a block ``[S_local, 3, width_j, D]``.
     """
-    s_local, _, head_dim = q.shape
+    result = send
+    q, k, v, send = _widen(q, k, v, send)
+    s_local, _, head_dim = q.shape  # head_dim counted in (possibly widened) elements
     world = len(head_ranges)
     w = head_ranges[0][1] - head_ranges[0][0]
     if _strided_source(q, head_ranges) is not None:
         dst = send.view(world, s_local, 3, w, head_dim)  # [W, S_local, 3, w, D]
         for i, t in enumerate((q, k, v)):
             dst[:, :, i].copy_(_strided_source(t, head_ranges))  # one strided copy per role
-        return send
+        return result
     start = 0
     for a, b in head_ranges:
         n = s_local * 3 * (b - a) * head_dim
@@ -68,7 +83,7 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tens
         for i, t in enumerate((q, k, v)):
             dst[:, i].copy_(t[:, a:b])
         start += n
-    return send
+    return result
 
 
 def unpack_qkv(recv: torch.Tensor, seq: int, local_heads: int, head_dim: int):
@@ -95,19 +110,21 @@ def unpack_output(recv: torch.Tensor, out: torch.Tensor, head_ranges: list[tuple
     Returns:
         ``out`` (filled at those heads).
     """
-    s_local, _, head_dim = out.shape
+    result = out
+    recv, out = _widen(recv, out)
+    s_local, _, head_dim = out.shape  # head_dim counted in (possibly widened) elements
     world = len(head_ranges)
     dst = _strided_source(out, head_ranges)
     if dst is not None:
         w = head_ranges[0][1] - head_ranges[0][0]
         dst.copy_(recv.view(world, s_local, w, head_dim))  # [W, S_local, w, D], one copy
-        return out
+        return result
     start = 0
     for a, b in head_ranges:
         n = s_local * (b - a) * head_dim
         out[:, a:b].copy_(recv[start:start + n].view(s_local, b - a, head_dim))
         start += n
-    return out
+    return result
 
 
 def all_to_all_flat(recv: torch.Tensor, send: torch.Tensor, *, recv_splits: list[int],
