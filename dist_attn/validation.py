@@ -117,7 +117,12 @@ def host_bounds(cu_seqlens: torch.Tensor, cu_seqlens_host: Sequence[int] | None,
         )
     if not _is_int(max_seqlen):
         raise TypeError(f"max_seqlen={max_seqlen!r} must be a Python int")
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    segments = list(zip(bounds[:-1], bounds[1:]))
+    if len(bounds) == 3 and bounds[1] == max_seqlen and 0 < max_seqlen < total:
+        # Trailing padding (0, used, total): the padding rows never reach a kernel (the bridge
+        # zeroes them), so they may outnumber max_seqlen (a 10-token request padded to 64).
+        segments = segments[:1]
+    longest = max(b - a for a, b in segments)
     if max_seqlen <= 0:
         raise ValueError(f"max_seqlen={max_seqlen} must be > 0")
     if max_seqlen < longest:

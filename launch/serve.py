@@ -154,17 +154,17 @@ def main(argv: list[str] | None = None) -> int:
                                f"{ctx.world_size}); {len(failures)} condition(s):\n  - "
                          + "\n  - ".join(failures))
             return 1
+        if cfg.parallel.ring_degree != 1 or cfg.parallel.tensor_parallel != 1:
+            _rank0_error(rank, f"ring_degree={cfg.parallel.ring_degree} / tensor_parallel="
+                               f"{cfg.parallel.tensor_parallel}: only Ulysses is implemented "
+                               "(both must be 1)")
+            return 1
         if args.check_only:
             if rank == 0:
                 print(f"check-only: OK (config {cfg.model.name}, world {ctx.world_size}, "
                       f"quality={cfg.runtime.quality or 'none'}, backend {backend}, device "
                       f"{ctx.device})", flush=True)
             return 0
-        if cfg.parallel.ring_degree != 1 or cfg.parallel.tensor_parallel != 1:
-            _rank0_error(rank, f"ring_degree={cfg.parallel.ring_degree} / tensor_parallel="
-                               f"{cfg.parallel.tensor_parallel}: only Ulysses is implemented "
-                               "(both must be 1)")
-            return 1
         model, timer = _build(cfg, ctx, dtype, backend, args.weights, rank)
         if model is None:
             return 1

@@ -100,3 +100,13 @@ def test_bad_input_raises_on_every_rank(validation_run, case):
         for needle in needles:
             assert needle in got[1], f"rank {rank}: {name} message {got[1]!r} lacks {needle!r}"
         assert outcome["_good_after"] == (8, H, D)
+
+
+def test_short_request_padding_longer_than_used_is_valid():
+    """A 10-token request padded to 64 rows: the padding segment is longer than max_seqlen but
+    never reaches a kernel, so the call must succeed (it once crashed the server)."""
+    from dist_attn import sage_varlen
+
+    q = torch.randn(64, 2, 16)
+    out = sage_varlen(q, q, q, torch.tensor([0, 10, 64]), 10, [0, 10, 64], backend="sdpa")
+    assert torch.count_nonzero(out[10:]) == 0 and torch.isfinite(out[:10]).all()
