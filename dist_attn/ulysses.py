@@ -46,6 +46,11 @@ def _check_scale(softmax_scale) -> None:
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None")
 
 
+def _check_chunks(overlap_chunks) -> None:
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")
+
+
 def _chunk_ranges(counts: tuple[int, ...], chunks: int) -> list[list[tuple[int, int]]]:
     """``ranges[c][j]``: the global heads ``(start, stop)`` of rank j that travel in chunk c."""
     offsets = head_offsets(counts)
@@ -86,8 +91,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
     check_no_grad(q, k, v)
     _check_scale(softmax_scale)
-    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
-        raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")
+    _check_chunks(overlap_chunks)
     group, world, rank = group_size_and_rank(group)
     s_local, n_heads, d = q.shape
     seq = s_local * world
@@ -199,8 +203,7 @@ class UlyssesSageAttention(nn.Module):
         if not isinstance(backend, str):
             raise TypeError(f"backend={backend!r} must be a str")
         _check_scale(softmax_scale)
-        if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")
+        _check_chunks(overlap_chunks)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.group = group
