@@ -21,8 +21,8 @@ D = 128). Measured:
 
 Run under torchrun (gloo or NCCL: ``--backend auto`` picks NCCL when each rank has its own GPU)::
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/alltoall.py
-    python benchmarks/alltoall.py --smoke                     # one CPU rank
+    torchrun --standalone --nproc-per-node 4 -m benchmarks.alltoall
+    python -m benchmarks.alltoall --smoke                     # one CPU rank
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import (  # noqa: E402
+from benchmarks.harness import (
     H3_REF,
     Budget,
     ResultWriter,
@@ -44,11 +42,11 @@ from _common import (  # noqa: E402
     time_fn,
 )
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv  # noqa: E402
-from dist_attn.layout import head_offsets, heads_per_rank  # noqa: E402
+from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
+from dist_attn.plan import head_offsets, heads_per_rank
 
 THEME = "alltoall"
 _BUDGET_REASON = "skipped: the --budget-s wall-time budget was spent"

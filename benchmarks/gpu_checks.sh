@@ -13,5 +13,5 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 timeout 330 python3 -m pytest tests/test_gpu_core.py tests/test_kernel_sage8.py -v -rs -p no:cacheprovider \
     2>&1 | tee "$OUTD/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tail -60
-timeout 200 python3 benchmarks/serve_overhead.py --config configs/h3.toml --layers 1 --nproc 1 \
+timeout 200 python3 -m benchmarks.serve_overhead --config configs/h3.toml --layers 1 --nproc 1 \
     --backend auto --requests 10 --warmup 2 --serve-arg=--ulysses-degree=1 --out-dir "$OUTD" 2>&1 | tail -22

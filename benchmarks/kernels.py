@@ -30,9 +30,9 @@ on N(0,1) with +0.5 added to k (a per-channel key bias, what Sage's K smoothing 
 
 Examples::
 
-    python benchmarks/kernels.py --smoke                      # CPU, seconds
-    python benchmarks/kernels.py                              # one GPU, h3-ref
-    python benchmarks/kernels.py --heads 14 --kernels 'sdpa_cudnn,*sage*' --iters 50
+    python -m benchmarks.kernels --smoke                      # CPU, seconds
+    python -m benchmarks.kernels                              # one GPU, h3-ref
+    python -m benchmarks.kernels --heads 14 --kernels 'sdpa_cudnn,*sage*' --iters 50
 """
 
 from __future__ import annotations
@@ -45,9 +45,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import (  # noqa: E402
+from benchmarks.harness import (
     H3_REF,
     Budget,
     ResultWriter,
@@ -58,10 +56,10 @@ from _common import (  # noqa: E402
     time_fn,
 )
 
-import torch  # noqa: E402
+import torch
 
-import dist_attn  # noqa: E402
-from dist_attn import backends as da_backends  # noqa: E402
+import dist_attn
+from dist_attn import backends as da_backends
 
 THEME = "kernels"
 _BUDGET_REASON = "skipped: the --budget-s wall-time budget was spent"

@@ -52,12 +52,12 @@ step() {  # step NAME SECONDS CMD... : run with a hard cap, log the exit status,
 
 TR="$PY -m torch.distributed.run --standalone --nproc-per-node 4"
 
-step kernels 130 "$PY" benchmarks/kernels.py --out "$RES" --budget-s 110 --iters 20 --warmup 3
-step alltoall 70 $TR benchmarks/alltoall.py --backend gloo --out "$RES" --budget-s 50 \
+step kernels 130 "$PY" -m benchmarks.kernels --out "$RES" --budget-s 110 --iters 20 --warmup 3
+step alltoall 70 $TR -m benchmarks.alltoall --backend gloo --out "$RES" --budget-s 50 \
     --iters 20 --warmup 1 --comm-iters 3
-step scaling-modeled 70 "$PY" benchmarks/scaling.py --modeled --bandwidth-gbs 360 --ranks 1,2,4,8 \
+step scaling-modeled 70 "$PY" -m benchmarks.scaling --modeled --bandwidth-gbs 360 --ranks 1,2,4,8 \
     --overlap 1,2,4 --out "$RES" --budget-s 55 --iters 10 --warmup 2
-step scaling-gloo4 90 $TR benchmarks/scaling.py --comm-backend gloo --ranks 1,2,4 --overlap 1,2,4 \
+step scaling-gloo4 90 $TR -m benchmarks.scaling --comm-backend gloo --ranks 1,2,4 --overlap 1,2,4 \
     --backends auto,sdpa --out "$RES" --budget-s 65 --iters 2 --warmup 1
 
 if [ -n "${OUT:-}" ]; then

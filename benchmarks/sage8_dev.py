@@ -1,7 +1,7 @@
 """Dev benchmark for the Sage8 Triton kernel (tracker issue 5): correctness + speed of variants, side by
 side with torch SDPA (cuDNN) and sageattention 1.0.6, in ONE device call.
 
-Run on the H200:  PYTHONUNBUFFERED=1 python3 benchmarks/sage8_dev.py --out $OUT
+Run on the H200:  PYTHONUNBUFFERED=1 python3 -m benchmarks.sage8_dev --out $OUT
 Prints compact tables last; writes the full record (config, versions, GPU, date) as JSON to --out.
 
 TFLOP/s-equivalent = 4 * N^2 * H * D / time (non-causal attention), as in shared/h3.md. The Sage8 time
@@ -25,9 +25,7 @@ from collections import Counter
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from dist_attn.kernels import sage8_dense, sage8_varlen  # noqa: E402
+from dist_attn.kernels import sage8_dense, sage8_varlen
 
 __all__ = ["main"]
 

@@ -20,9 +20,9 @@ mode in the same report; ``overlap_chunks`` C in ``--overlap`` (C = 1 is the pla
 
 Examples::
 
-    python benchmarks/scaling.py --modeled --bandwidth-gbs 360           # one GPU, N = 1,2,4,8
-    torchrun --standalone --nproc-per-node 4 benchmarks/scaling.py        # measured, N = 1,2,4
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/scaling.py --smoke
+    python -m benchmarks.scaling --modeled --bandwidth-gbs 360           # one GPU, N = 1,2,4,8
+    torchrun --standalone --nproc-per-node 4 -m benchmarks.scaling        # measured, N = 1,2,4
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.scaling --smoke
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ import os
 import sys
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import (  # noqa: E402
+from benchmarks.harness import (
     Budget,
     DistContext,
     ResultWriter,
@@ -45,18 +43,18 @@ from _common import (  # noqa: E402
     time_fn,
 )
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import dist_attn  # noqa: E402
-from dist_attn import backends as da_backends  # noqa: E402
-from dist_attn.bridge import attend_varlen  # noqa: E402
-from dist_attn.buffers import StagingBuffers  # noqa: E402
-from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv  # noqa: E402
-from dist_attn.config import load_config, request_layout  # noqa: E402
-from dist_attn.layout import head_offsets, heads_per_rank  # noqa: E402
-from dist_attn.profiling import PHASES, PhaseTimer  # noqa: E402
+import dist_attn
+from dist_attn import backends as da_backends
+from dist_attn.varlen import attend_varlen
+from dist_attn.buffers import StagingBuffers
+from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv
+from dist_attn.serve.config import load_config, request_layout
+from dist_attn.plan import head_offsets, heads_per_rank
+from dist_attn.profiling import PHASES, PhaseTimer
 
 THEME = "scaling"
 _BUDGET_REASON = "skipped: the --budget-s wall-time budget was spent"
@@ -115,7 +113,7 @@ def _qkv(rows: int, heads: int, d: int, dev, seed: int):
 
 
 def _build_block(cfg, dev, backend: str, timer):
-    from dist_attn.model import DiTBlock, init_weights
+    from dist_attn.serve.model import DiTBlock, init_weights
 
     block = DiTBlock(cfg.model, backend=backend, timer=timer, device=dev, dtype=torch.bfloat16)
     init_weights(block, cfg.model.weight_seed)
@@ -123,7 +121,7 @@ def _build_block(cfg, dev, backend: str, timer):
 
 
 def _block_inputs(cfg, s_local: int, row_offset: int, dev, seed: int):
-    from dist_attn.model import rope_tables
+    from dist_attn.serve.model import rope_tables
 
     m = cfg.model
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -552,7 +550,7 @@ def main(argv: list[str] | None = None):
     r = cfg.request
     lay = request_layout(cfg, frames=r.frames, height=r.height, width=r.width, num_tokens=r.num_tokens)
     if args.seq or args.used:
-        from dist_attn.config import PackedLayout
+        from dist_attn.serve.config import PackedLayout
 
         total = args.seq or lay.total
         lay = PackedLayout(used=min(args.used or lay.used, total), total=total)

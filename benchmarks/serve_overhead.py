@@ -16,9 +16,9 @@ and reports median overhead as a share of one median denoise step (target <= 1%)
 of a full-depth step (overhead / (per-layer step time x the config's full layer count)) when
 ``--layers`` cuts the model.
 
-    python benchmarks/serve_overhead.py --smoke                      # CPU, tiny, ~20 s
-    python benchmarks/serve_overhead.py                              # CPU, tiny, 4 ranks
-    python benchmarks/serve_overhead.py --config configs/h3.toml --layers 1 --backend sage \\
+    python -m benchmarks.serve_overhead --smoke                      # CPU, tiny, ~20 s
+    python -m benchmarks.serve_overhead                              # CPU, tiny, 4 ranks
+    python -m benchmarks.serve_overhead --config configs/h3.toml --layers 1 --backend sage \\
         --nproc 4                                                    # H200 x4, one h3-ref layer
 
 Writes ``benchmarks/results/serve_overhead_<config>_<hardware>_<date>.{json,md,png}`` with the
@@ -45,8 +45,6 @@ import urllib.request
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 __all__ = ["main"]
 
@@ -197,7 +195,7 @@ def _slug(text: str) -> str:
 
 def main() -> int:
     args = _parse()
-    from dist_attn.config import apply_overrides, load_config
+    from dist_attn.serve.config import apply_overrides, load_config
 
     cfg = load_config(args.config)
     full_layers = cfg.model.num_layers

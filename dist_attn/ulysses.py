@@ -14,28 +14,18 @@ import math
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dist_attn.backends import default_softmax_scale, resolve_backend
-from dist_attn.bridge import attend_varlen
+from dist_attn.varlen import attend_varlen
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
+from dist_attn.distributed import group_size_and_rank
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
-from dist_attn.layout import head_offsets, heads_per_rank
+from dist_attn.plan import head_offsets, heads_per_rank
 from dist_attn.profiling import PhaseTimer
 from dist_attn.validation import check_bounds, check_no_grad, check_qkv, host_bounds
 
-__all__ = ["UlyssesSageAttention", "ulysses_attention", "group_size_and_rank"]
-
-
-def group_size_and_rank(group=None):
-    """``(group, world_size, rank)``; ``(None, 1, 0)`` when torch.distributed is not initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError(f"group={group!r} was given but torch.distributed is not initialised")
-        return None, 1, 0
-    group = group if group is not None else dist.group.WORLD
-    return group, dist.get_world_size(group), dist.get_rank(group)
+__all__ = ["UlyssesSageAttention", "ulysses_attention"]
 
 
 def _check_scale(softmax_scale) -> None:

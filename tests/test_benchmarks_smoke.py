@@ -8,7 +8,6 @@ pytest-xdist workers never collide), as a user would launch them.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,18 +15,13 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(REPO, "benchmarks")
+from tests.conftest import ROOT as REPO, subprocess_env
 # A hung collective must fail the test, not the CI job.
 TIMEOUT_S = 120
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["CUDA_VISIBLE_DEVICES"] = ""  # smoke is the CPU path, also on a GPU machine
-    return env
+    return subprocess_env(CUDA_VISIBLE_DEVICES="")  # smoke is the CPU path, also on a GPU machine
 
 
 def _run(cmd: list[str]) -> None:
@@ -37,7 +31,7 @@ def _run(cmd: list[str]) -> None:
 
 def _torchrun(script: str, out, *extra: str) -> None:
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-          os.path.join(BENCH, script), "--smoke", "--out", str(out), *extra])
+          "-m", f"benchmarks.{script.removesuffix('.py')}", "--smoke", "--out", str(out), *extra])
 
 
 def _check_result(out, theme: str) -> dict:
@@ -78,10 +72,7 @@ def _check_result(out, theme: str) -> dict:
 
 
 def test_kernels_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(BENCH, "kernels.py"))
-    kernels = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = kernels  # its dataclasses look their module up there
-    spec.loader.exec_module(kernels)
+    from benchmarks import kernels
     kernels.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"])
     data = _check_result(tmp_path, "kernels")
     ok = {(r["section"], r.get("kernel")) for r in data["rows"] if r.get("status") == "ok"}
@@ -122,7 +113,7 @@ def test_scaling_smoke_two_ranks_measured(tmp_path):
 
 @pytest.mark.parametrize("ranks", ["1,2,4"])
 def test_scaling_smoke_modeled(tmp_path, ranks):
-    _run([sys.executable, os.path.join(BENCH, "scaling.py"), "--smoke", "--modeled", "--out", str(tmp_path),
+    _run([sys.executable, "-m", "benchmarks.scaling", "--smoke", "--modeled", "--out", str(tmp_path),
           "--ranks", ranks, "--backends", "sdpa", "--overlap", "1,2", "--bandwidth-gbs", "0.001"])
     data = _check_result(tmp_path, "scaling-modeled")
     modeled = [r for r in data["rows"] if r["mode"] == "modeled" and r.get("status") == "ok"]

@@ -8,12 +8,11 @@ import tomllib
 
 import pytest
 
-from dist_attn.config import (DEFAULT_CONFIG_TOML, Config, ModelConfig, RuntimeConfig,
+from dist_attn.serve.config import (DEFAULT_CONFIG_TOML, Config, ModelConfig, RuntimeConfig,
                               TokenConfig, apply_overrides, load_config, parse_config,
                               request_layout)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
+from tests.conftest import ROOT
 
 
 def test_h3_config_matches_the_reference_workload():
@@ -142,7 +141,7 @@ def test_default_request_must_fit_max_tokens():
 
 
 def test_command_line_flags_override_config_fields():
-    import serve as launcher  # launch/serve.py
+    from dist_attn.serve import cli as launcher
 
     args = launcher.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "configs", "h3.toml"), "--layers", "1", "--backend",

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_attn.config import ModelConfig
+from dist_attn.serve.config import ModelConfig
 
 __all__ = [
     "DiT",

@@ -32,12 +32,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-# Benchmarks run as scripts (python benchmarks/x.py): make the repo importable without install.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+import torch
 
-import torch  # noqa: E402
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = [
     "DEFAULT_OUT_DIR",

@@ -209,10 +209,16 @@ class RuntimeConfig:
 
 def _is_8bit_name(name: str) -> bool:
     """Whether a backend name denotes an 8-bit (quantized) kernel (the registry's ``exact`` flag)."""
-    from dist_attn.backends import _REGISTRY
-    from dist_attn.quality import is_8bit_backend
+    from dist_attn.serve.quality import is_8bit_backend
 
-    return is_8bit_backend(name, _REGISTRY.get(name))
+    return is_8bit_backend(name, _registered(name))
+
+
+def _registered(name: str):
+    """The core's backend object called ``name``, or None when no such backend is registered."""
+    from dist_attn import available_backends, get_backend
+
+    return get_backend(name) if name in available_backends() and name != "auto" else None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -298,9 +304,7 @@ class Config:
 
     def check_backend(self, backend: str) -> None:
         """Raises if ``backend`` (a name, possibly resolved from "auto") cannot run head_dim."""
-        from dist_attn.backends import _REGISTRY
-
-        registered = _REGISTRY.get(backend)
+        registered = _registered(backend)
         allowed = registered.head_dims if registered is not None else None
         if allowed is not None and self.model.head_dim not in allowed:
             raise _fail("ModelConfig", "head_dim", self.model.head_dim,

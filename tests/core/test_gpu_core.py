@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from _multirank import run_ranks
-from reference import cosine, reference_attention
+from tests._multirank import run_ranks
+from tests.reference import cosine, reference_attention
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from _multirank import run_ranks
-from reference import reference_attention
+from tests._multirank import run_ranks
+from tests.reference import reference_attention
 
 # Global packed length 48: divisible by every W tested (1, 2, 3, 4).
 SEQ = 48
@@ -122,7 +122,7 @@ class _ProbeBackend:
 
 def _placement_worker(rank, world, heads, chunks):
     from dist_attn import UlyssesSageAttention, register_backend, unregister_backend
-    from dist_attn.layout import head_offsets, heads_per_rank
+    from dist_attn.plan import head_offsets, heads_per_rank
 
     probe = _ProbeBackend()
     register_backend(probe, replace=True)

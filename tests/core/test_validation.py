@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _multirank import RankError, run_ranks
+from tests._multirank import RankError, run_ranks
 
 H, D = 4, 16
 

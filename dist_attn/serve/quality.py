@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dist_attn.config import QUALITY_TIERS
+from dist_attn.serve.config import QUALITY_TIERS
 
 __all__ = [
     "DeviceFacts",

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +15,13 @@ import urllib.request
 import pytest
 import torch
 
-from dist_attn.config import load_config
-from dist_attn.serving import (DistContext, Metrics, RequestError, _latent_checksum,
+from dist_attn.serve.config import load_config
+from dist_attn.serve.serving import (DistContext, Metrics, RequestError, _latent_checksum,
                                parse_request)
-from dist_attn.weights import load_safetensors, save_safetensors
+from dist_attn.serve.weights import load_safetensors, save_safetensors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, free_port, subprocess_env
+
 SERVE = os.path.join(ROOT, "launch", "serve.py")
 # Start-up of 4 ranks importing torch on a loaded 2-core CI box takes ~15 s; allow 8x.
 STARTUP_S = 120
@@ -30,26 +30,14 @@ STARTUP_S = 120
 RTOL_F32 = 1e-5
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _torchrun(n: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(n), SERVE, *args]
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _last_json(stdout: str) -> dict:
@@ -104,11 +92,11 @@ def _http(method: str, url: str, body: bytes | None = None) -> tuple[int, str]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_server_under_torchrun(tmp_path, world):
-    port = _free_port()
+    port = free_port()
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err, open(tmp_path / "stdout.txt", "w") as out:
         proc = subprocess.Popen(_torchrun(world, "--port", str(port), "--log-all-ranks"),
-                                cwd=ROOT, env=_env(), stdout=out, stderr=err,
+                                cwd=ROOT, env=subprocess_env(), stdout=out, stderr=err,
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -205,8 +193,7 @@ def launcher(monkeypatch):
     """launch/serve.py's main() in this process as world 1 (no torchrun env), logging restored."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "launch"))
-    import serve
+    from dist_attn.serve import cli as serve
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level

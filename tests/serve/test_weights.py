@@ -8,9 +8,9 @@ import struct
 import pytest
 import torch
 
-from dist_attn.config import ModelConfig
-from dist_attn.model import DiT, build_model
-from dist_attn.weights import (SAFETENSORS_DTYPES, WeightsError, check_state_dict,
+from dist_attn.serve.config import ModelConfig
+from dist_attn.serve.model import DiT, build_model
+from dist_attn.serve.weights import (SAFETENSORS_DTYPES, WeightsError, check_state_dict,
                                load_safetensors, load_weights, save_safetensors)
 
 CFG = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, head_dim=16, ffn_size=48,

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_attn.config import Config, PackedLayout, request_layout
-from dist_attn.quality import (Topology, gather_device_facts, local_device_facts,
+from dist_attn.serve.config import Config, PackedLayout, request_layout
+from dist_attn.serve.quality import (Topology, gather_device_facts, local_device_facts,
                                quality_failures)
 
 __all__ = [
@@ -412,7 +412,7 @@ class Engine:
         noise = torch.randn(layout.total, cfg.model.latent_channels, generator=gen,
                             device=ctx.device, dtype=torch.float32)
         z = noise[offset:offset + s_local].clone()  # [S_local, C] float32 state
-        from dist_attn.model import rope_tables
+        from dist_attn.serve.model import rope_tables
         positions = torch.arange(offset, offset + s_local, device=ctx.device)
         rope = rope_tables(positions, cfg.model.rope_dims, cfg.model.rope_theta)
         self.timer.reset()
@@ -452,7 +452,7 @@ class Engine:
         a2a_ms = sum(v for k, v in phases.items() if k.startswith("a2a"))
         output = None
         if latent is not None:
-            from dist_attn.weights import save_safetensors
+            from dist_attn.serve.weights import save_safetensors
             os.makedirs(self.output_dir, exist_ok=True)
             output = os.path.join(self.output_dir, f"{req.request_id}.safetensors")
             save_safetensors({"latent": latent}, output,

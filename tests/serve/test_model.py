@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_attn.config import ModelConfig
-from dist_attn.model import (DiT, apply_rope, build_model, init_weights, rms_norm, rope_tables)
+from dist_attn.serve.config import ModelConfig
+from dist_attn.serve.model import (DiT, apply_rope, build_model, init_weights, rms_norm, rope_tables)
 from dist_attn.profiling import PhaseTimer
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, head_dim=16, ffn_size=96,

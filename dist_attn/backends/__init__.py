@@ -1,0 +1,36 @@
+"""Dense attention kernels behind one small interface, and the registry that names them.
+
+Registered at import: ``"sdpa"`` (torch SDPA, exact), ``"sage"`` (the sageattention package),
+``"sage8"`` (dist_attn's INT8-QK / FP8-PV kernel for Hopper; needs triton at call time).
+``"auto"`` picks the first of sage8, sage, sdpa that can run and logs what it chose.
+"""
+
+from dist_attn.backends.base import AttentionBackend, BackendUnavailableError, default_softmax_scale
+from dist_attn.backends.registry import (
+    available_backends,
+    get_backend,
+    register_backend,
+    resolve_backend,
+    unregister_backend,
+)
+from dist_attn.backends.sage import SageBackend
+from dist_attn.backends.sage8 import Sage8Backend
+from dist_attn.backends.sdpa import SdpaBackend
+
+__all__ = [
+    "AttentionBackend",
+    "BackendUnavailableError",
+    "SageBackend",
+    "Sage8Backend",
+    "SdpaBackend",
+    "available_backends",
+    "default_softmax_scale",
+    "get_backend",
+    "register_backend",
+    "resolve_backend",
+    "unregister_backend",
+]
+
+register_backend(SdpaBackend())
+register_backend(SageBackend())
+register_backend(Sage8Backend())

@@ -1,0 +1,69 @@
+"""The interface every dense attention kernel implements, and its shared defaults.
+
+A backend computes non-causal attention on ``[B, T, H, D]`` tensors (batch, tokens, heads,
+head_dim), the last dim contiguous and the others arbitrarily strided. The varlen bridge
+(:mod:`dist_attn.varlen`) turns packed varlen attention into calls of this interface. A backend
+may also offer a native ``varlen`` entry; the bridge then hands it the whole packed layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+__all__ = ["AttentionBackend", "BackendUnavailableError", "default_softmax_scale"]
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run on these inputs; the message says why and what to do."""
+
+
+class AttentionBackend:
+    """Interface of a dense attention kernel.
+
+    Attributes:
+        name: registry key, e.g. ``"sdpa"``.
+        exact: True for kernels that compute in the input precision (no 8-bit quantization);
+            the ``"lossless"`` quality tier admits only these.
+        head_dims: the head_dim values the kernel accepts (None = any); configs check it
+            before any tensor exists.
+    """
+
+    name: str = ""
+    exact: bool = True
+    head_dims: tuple[int, ...] | None = None
+
+    def unsupported_reason(self, q: torch.Tensor) -> str | None:
+        """None if this backend can run on tensors like ``q`` (``[..., D]``), else why not and how to fix it."""
+        raise NotImplementedError
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+              k_is_scratch: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Non-causal attention.
+
+        Args:
+            q, k, v: ``[B, T, H, D]``, one dtype and device, last dim contiguous.
+            softmax_scale: multiplier of q.k before the softmax.
+            k_is_scratch: True when ``k`` lives in a buffer dist_attn owns (the all-to-all receive
+                buffer) and may be overwritten; False when it is the caller's tensor.
+            out: optional ``[B, T, H, D]`` destination. A kernel that can write there does and
+                returns it; others ignore it and the bridge copies their result in.
+
+        Returns:
+            ``[B, T, H, D]`` in q's dtype; a tensor no caller input aliases.
+        """
+        raise NotImplementedError
+
+    # A backend that handles packed varlen natively sets this to a callable
+    # (q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out) -> out.
+    varlen: Callable | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    """1 / sqrt(head_dim), the scale every kernel here defaults to."""
+    return 1.0 / math.sqrt(head_dim)

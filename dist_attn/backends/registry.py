@@ -1,0 +1,92 @@
+"""The backend registry: names -> kernels, and what ``backend="auto"`` picks.
+
+``"auto"`` takes the first of sage8, sage, sdpa that can run on the given tensors and logs its
+choice; an explicit name that cannot run raises and says why (no silent fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dist_attn.backends.base import AttentionBackend, BackendUnavailableError
+
+__all__ = [
+    "available_backends",
+    "get_backend",
+    "register_backend",
+    "resolve_backend",
+    "unregister_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+_REGISTRY: dict[str, AttentionBackend] = {}
+# "auto" tries these in order and takes the first that can run.
+_AUTO_ORDER = ("sage8", "sage", "sdpa")
+_AUTO_LOGGED: set[tuple] = set()
+
+
+def register_backend(backend: AttentionBackend, *, replace: bool = False) -> None:
+    """Adds ``backend`` under ``backend.name``; ``replace=True`` overrides an existing entry."""
+    if not backend.name or backend.name == "auto":
+        raise ValueError(f"backend name {backend.name!r} is reserved or empty")
+    if backend.name in _REGISTRY and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True")
+    _REGISTRY[backend.name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    """Removes a backend registered with :func:`register_backend`."""
+    _REGISTRY.pop(name, None)
+
+
+def available_backends() -> tuple[str, ...]:
+    """Names accepted by ``backend=`` (registered ones plus ``"auto"``)."""
+    return ("auto", *_REGISTRY)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The registered backend called ``name`` (``"auto"`` is not a backend: use resolve_backend)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"backend={name!r} is not one of {available_backends()}"
+        ) from None
+
+
+def resolve_backend(name: str, q: torch.Tensor) -> AttentionBackend:
+    """The backend that will run for ``backend=name`` on tensors like ``q``.
+
+    An explicit name that cannot run raises :class:`BackendUnavailableError` saying why and how
+    to fix it (no silent fallback). ``"auto"`` takes the first runnable of sage8, sage, sdpa and
+    logs its choice once per (device type, dtype, head_dim).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend={name!r} must be a str, one of {available_backends()}")
+    if name != "auto":
+        backend = get_backend(name)
+        reason = backend.unsupported_reason(q)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend={name!r} cannot run: {reason}")
+        return backend
+    skipped = []
+    for candidate in _AUTO_ORDER + tuple(n for n in _REGISTRY if n not in _AUTO_ORDER):
+        backend = _REGISTRY.get(candidate)
+        if backend is None:
+            continue
+        reason = backend.unsupported_reason(q)
+        if reason is None:
+            key = (q.device.type, q.dtype, q.shape[-1], candidate)
+            if key not in _AUTO_LOGGED:
+                _AUTO_LOGGED.add(key)
+                logger.info(
+                    "backend='auto' chose %r for %s %s head_dim=%d%s", candidate, q.device.type,
+                    q.dtype, q.shape[-1],
+                    "" if not skipped else " (skipped: " + "; ".join(skipped) + ")",
+                )
+            return backend
+        skipped.append(f"{candidate}: {reason}")
+    raise BackendUnavailableError("backend='auto' found no runnable backend: " + "; ".join(skipped))

@@ -1,0 +1,7 @@
+"""``python -m dist_attn.serve`` (or ``torchrun ... -m dist_attn.serve``): see :mod:`dist_attn.serve.cli`."""
+
+import sys
+
+from dist_attn.serve.cli import main
+
+sys.exit(main())

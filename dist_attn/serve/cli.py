@@ -1,0 +1,203 @@
+"""Serve the DiT on the ranks of one host: the project's main job.
+
+    torchrun --nproc-per-node 4 launch/serve.py                       # tiny, CPU gloo, :8000
+    torchrun --nproc-per-node 4 launch/serve.py --config configs/h3.toml --quality high
+    torchrun --nproc-per-node 4 launch/serve.py --once --steps 2      # one request, JSON line
+    torchrun --nproc-per-node 4 launch/serve.py --check-only --quality high
+    python launch/serve.py --once                                      # single rank, local
+
+Order on every rank: parse flags -> config (validated, world-size rules included) -> process
+group -> quality tier and backend checks from gathered device facts -> model -> serve. A failure
+before the model prints one message on rank 0 and exits 1 on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tomllib
+from typing import Any
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+log = logging.getLogger(__name__)
+
+# flag dest -> config field it overrides
+_FLAG_FIELDS = {
+    "backend": "runtime.backend",
+    "dtype": "runtime.dtype",
+    "layers": "model.num_layers",
+    "ulysses_degree": "parallel.ulysses_degree",
+    "pg_timeout": "runtime.pg_timeout_s",
+    "heartbeat": "runtime.heartbeat_s",
+    "host": "serve.host",
+    "port": "serve.port",
+    "frames": "request.frames",
+    "height": "request.height",
+    "width": "request.width",
+    "num_tokens": "request.num_tokens",
+    "steps": "request.steps",
+    "seed": "request.seed",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML config (default: the embedded tiny config)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any config field; VALUE is a TOML value (repeatable)")
+    p.add_argument("--quality", default=None,
+                   help="quality tier: 'lossless' or 'high' (absent: no constraint)")
+    p.add_argument("--backend", help="attention backend: auto, sage, sdpa, ...")
+    p.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
+    p.add_argument("--layers", type=int, help="number of DiT layers (model.num_layers)")
+    p.add_argument("--ulysses-degree", type=int, help="Ulysses degree (0 = world size)")
+    p.add_argument("--weights", help="safetensors file or torch state dict (default: seeded "
+                                     "random weights)")
+    p.add_argument("--host", help="HTTP bind address (rank 0)")
+    p.add_argument("--port", type=int, help="HTTP port (0: pick a free one)")
+    p.add_argument("--frames", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--num-tokens", type=int, help="request size in used rows (instead of "
+                                                  "frames/height/width)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--output-dir", help="save each output latent as <request_id>.safetensors")
+    p.add_argument("--once", action="store_true",
+                   help="run one request from the flags, print its JSON result, exit")
+    p.add_argument("--check-only", action="store_true",
+                   help="validate config and topology, then exit 0 or 1")
+    p.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
+                   help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
+    p.add_argument("--pg-timeout", type=float, help="process-group timeout in seconds")
+    p.add_argument("--heartbeat", type=float, help="idle heartbeat period in seconds")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-all-ranks", action="store_true",
+                   help="log INFO on every rank, not only rank 0")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The validated config: file (or embedded default), then --set, then dedicated flags."""
+    from dist_attn.serve.config import apply_overrides, load_config
+
+    cfg = load_config(args.config)
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = raw  # a bare word: take it as a string
+    for dest, key in _FLAG_FIELDS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            overrides[key] = value
+    if args.num_tokens is None and any(getattr(args, k) is not None
+                                       for k in ("frames", "height", "width")):
+        overrides["request.num_tokens"] = 0  # a geometry flag means a geometry request
+    if args.quality is not None:
+        overrides["runtime.quality"] = args.quality
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _rank0_error(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"launch/serve.py: error: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+
+    import torch
+
+    from dist_attn.serve.serving import (Engine, RequestError, init_distributed, parse_request,
+                                   run_launch_checks, serve, setup_logging)
+
+    setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
+    # Config errors need no collective: every rank computes the same verdict and exits.
+    try:
+        cfg = config_from_args(args)
+        cfg.check_world(world)
+    except ValueError as e:
+        _rank0_error(rank, f"invalid config: {e}")
+        return 1
+    once_req = None
+    if args.once:
+        try:
+            once_req = parse_request({}, cfg, request_id=f"once-{cfg.request.seed}")
+        except RequestError as e:
+            _rank0_error(rank, f"invalid request: {e}")
+            return 1
+
+    ctx = init_distributed(cfg, dist_backend=args.dist_backend)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "auto": torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+             }[cfg.runtime.dtype]
+    try:
+        backend, failures = run_launch_checks(cfg, ctx, dtype)
+        if failures:
+            tier = cfg.runtime.quality or "none"
+            _rank0_error(rank, f"launch checks failed (quality={tier}, world size "
+                               f"{ctx.world_size}); {len(failures)} condition(s):\n  - "
+                         + "\n  - ".join(failures))
+            return 1
+        if cfg.parallel.ring_degree != 1 or cfg.parallel.tensor_parallel != 1:
+            _rank0_error(rank, f"ring_degree={cfg.parallel.ring_degree} / tensor_parallel="
+                               f"{cfg.parallel.tensor_parallel}: only Ulysses is implemented "
+                               "(both must be 1)")
+            return 1
+        if args.check_only:
+            if rank == 0:
+                print(f"check-only: OK (config {cfg.model.name}, world {ctx.world_size}, "
+                      f"quality={cfg.runtime.quality or 'none'}, backend {backend}, device "
+                      f"{ctx.device})", flush=True)
+            return 0
+        model, timer = _build(cfg, ctx, dtype, backend, args.weights, rank)
+        if model is None:
+            return 1
+        engine = Engine(cfg, ctx, model, timer, output_dir=args.output_dir)
+        info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
+                "world_size": ctx.world_size, "backend": model.backend_name,
+                "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
+                "device": (torch.cuda.get_device_name(ctx.device)
+                           if ctx.device.type == "cuda" else "cpu")}
+        return serve(cfg, ctx, engine, once=once_req, info=info)
+    finally:
+        if ctx.distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _build(cfg: Any, ctx: Any, dtype: Any, backend: str, weights: str | None,
+           rank: int) -> tuple[Any, Any]:
+    """Builds the model on every rank; a bad weight file fails on every rank alike (all read
+    the same file) and is reported once."""
+    from dist_attn.serve.model import DiT, build_model
+    from dist_attn.profiling import PhaseTimer
+    from dist_attn.serve.weights import WeightsError, check_state_dict, load_weights
+
+    state = None
+    if weights:
+        try:
+            state = load_weights(weights)
+            expected = DiT(cfg.model, device="meta", backend=backend).state_dict()
+            check_state_dict(state, expected, source=weights)
+        except WeightsError as e:
+            _rank0_error(rank, str(e))
+            return None, None
+    timer = PhaseTimer(ctx.device)
+    model = build_model(cfg.model, device=ctx.device, dtype=dtype, group=ctx.group,
+                        backend=backend, timer=timer, state_dict=state)
+    log.info("built %s: %d layers, %.2fB parameters, %s on %s, attention backend %s",
+             cfg.model.name, cfg.model.num_layers,
+             sum(p.numel() for p in model.parameters()) / 1e9, dtype, ctx.device,
+             model.backend_name)
+    return model, timer
