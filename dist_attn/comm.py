@@ -36,39 +36,51 @@ def _widen(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
 
-def _strided_source(t: torch.Tensor, head_ranges: list[tuple[int, int]]) -> torch.Tensor | None:
-    """``[W, S_local, w, D]`` view of ``t`` covering ``head_ranges`` when the ranges are equally
-    wide and spaced H/W apart (even heads, chunked or not); None when a loop is needed."""
-    s_local, num_heads, head_dim = t.shape
+def _strided_source(t: torch.Tensor, head_ranges) -> torch.Tensor | None:
+    """``[W, S_local, w, D]`` view of a ``[1, S_local, H, D]`` tensor covering ``head_ranges``
+    when the ranges are equally wide and spaced H/W apart (even heads, chunked or not, batch 1);
+    None when a loop is needed."""
+    batch, s_local, num_heads, head_dim = t.shape
     world = len(head_ranges)
     widths = {b - a for a, b in head_ranges}
-    if len(widths) != 1 or num_heads % world:
+    if batch != 1 or len(widths) != 1 or num_heads % world:
         return None
     hw = num_heads // world
     base = head_ranges[0][0]
     if any(a != base + j * hw for j, (a, _) in enumerate(head_ranges)) or base + widths.pop() > hw:
         return None
     w = head_ranges[0][1] - base
-    # [S_local, H, D] -> [S_local, W, H/W, D] -> [S_local, W, w, D] -> [W, S_local, w, D]
-    return t.view(s_local, world, hw, head_dim)[:, :, base:base + w].transpose(0, 1)
+    # [1, S_local, H, D] -> [S_local, W, H/W, D] -> [S_local, W, w, D] -> [W, S_local, w, D]
+    return t[0].view(s_local, world, hw, head_dim)[:, :, base:base + w].transpose(0, 1)
+
+
+def _pieces(a: int, b: int, num_heads: int):
+    """Splits folded heads ``[a, b)`` into ``(sample, head_start, head_stop, offset)`` runs that
+    stay inside one sample (folded head f is sample ``f // H``, head ``f % H``)."""
+    f = a
+    while f < b:
+        sample, h0 = divmod(f, num_heads)
+        h1 = min(num_heads, h0 + (b - f))
+        yield sample, h0, h1, f - a
+        f += h1 - h0
 
 
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tensor,
-             head_ranges: list[tuple[int, int]]) -> torch.Tensor:
+             head_ranges) -> torch.Tensor:
     """Writes q, k, v into a destination-major send buffer.
 
     Args:
-        q, k, v: ``[S_local, H, D]``, this rank's rows.
+        q, k, v: ``[B, S_local, H, D]``, this rank's rows (last dim contiguous).
         send: flat buffer of ``S_local * 3 * sum(widths) * D`` elements, q's dtype and device.
-        head_ranges: for each destination rank j, the global heads ``(start, stop)`` it receives
-            in this all-to-all (all of its heads, or one chunk of them).
+        head_ranges: for each destination rank j, the FOLDED heads ``(start, stop)`` (folded head
+            ``b * H + h``) it receives in this all-to-all (all of its heads, or one chunk).
 
     Returns:
         ``send`` (filled): for each destination a block ``[S_local, 3, width_j, D]``.
     """
     result = send
     q, k, v, send = _widen(q, k, v, send)
-    s_local, _, head_dim = q.shape  # head_dim counted in (possibly widened) elements
+    _, s_local, num_heads, head_dim = q.shape  # head_dim counted in (possibly widened) elements
     world = len(head_ranges)
     w = head_ranges[0][1] - head_ranges[0][0]
     if _strided_source(q, head_ranges) is not None:
@@ -79,9 +91,10 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tens
     start = 0
     for a, b in head_ranges:
         n = s_local * 3 * (b - a) * head_dim
-        dst = send[start:start + n].view(s_local, 3, b - a, head_dim)  # [S_local, 3, H_j, D]
-        for i, t in enumerate((q, k, v)):
-            dst[:, i].copy_(t[:, a:b])
+        dst = send[start:start + n].view(s_local, 3, b - a, head_dim)  # [S_local, 3, w_j, D]
+        for sample, h0, h1, off in _pieces(a, b, num_heads):
+            for i, t in enumerate((q, k, v)):
+                dst[:, i, off:off + h1 - h0].copy_(t[sample, :, h0:h1])
         start += n
     return result
 
@@ -99,20 +112,20 @@ def unpack_qkv(recv: torch.Tensor, seq: int, local_heads: int, head_dim: int):
     return qkv[:, 0], qkv[:, 1], qkv[:, 2]
 
 
-def unpack_output(recv: torch.Tensor, out: torch.Tensor, head_ranges: list[tuple[int, int]]) -> torch.Tensor:
+def unpack_output(recv: torch.Tensor, out: torch.Tensor, head_ranges) -> torch.Tensor:
     """Scatters an output receive buffer into the caller's layout.
 
     Args:
         recv: flat buffer, for each source rank j a block ``[S_local, width_j, D]``.
-        out: destination ``[S_local, H, D]``.
-        head_ranges: for each source rank j, the global heads ``(start, stop)`` its block holds.
+        out: destination ``[B, S_local, H, D]``.
+        head_ranges: for each source rank j, the folded heads ``(start, stop)`` its block holds.
 
     Returns:
         ``out`` (filled at those heads).
     """
     result = out
     recv, out = _widen(recv, out)
-    s_local, _, head_dim = out.shape  # head_dim counted in (possibly widened) elements
+    _, s_local, num_heads, head_dim = out.shape  # head_dim counted in (possibly widened) elements
     world = len(head_ranges)
     dst = _strided_source(out, head_ranges)
     if dst is not None:
@@ -122,7 +135,9 @@ def unpack_output(recv: torch.Tensor, out: torch.Tensor, head_ranges: list[tuple
     start = 0
     for a, b in head_ranges:
         n = s_local * (b - a) * head_dim
-        out[:, a:b].copy_(recv[start:start + n].view(s_local, b - a, head_dim))
+        block = recv[start:start + n].view(s_local, b - a, head_dim)  # [S_local, w_j, D]
+        for sample, h0, h1, off in _pieces(a, b, num_heads):
+            out[sample, :, h0:h1].copy_(block[:, off:off + h1 - h0])
         start += n
     return result
 

@@ -1,12 +1,16 @@
-"""How heads and rows are split across the ranks of a Ulysses group.
+"""How heads, chunks and staging buffers are split across the ranks of a Ulysses group.
 
-Pure functions of integers: every rank computes the same answer for every other rank, which is
-what lets each rank size its buffers and split sizes without asking its peers.
+Pure functions of integers: every rank computes the same plan for every other rank, which is
+what lets each rank size its buffers and split sizes without asking its peers. The batch is
+folded into the head axis: sample b's head h is "folded head" ``b * H + h``, so one pair of
+all-to-alls serves the whole batch and ``B * H >= W`` is all a batch needs.
 """
 
 from __future__ import annotations
 
-__all__ = ["heads_per_rank", "head_offsets"]
+from dataclasses import dataclass
+
+__all__ = ["heads_per_rank", "head_offsets", "UlyssesPlan", "ChunkSlices", "make_plan"]
 
 
 def heads_per_rank(num_heads: int, world_size: int) -> tuple[int, ...]:
@@ -39,3 +43,92 @@ def head_offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
     for c in counts:
         offsets.append(offsets[-1] + c)
     return tuple(offsets)
+
+
+@dataclass(frozen=True)
+class ChunkSlices:
+    """One pipelined chunk of a Ulysses forward: which folded heads travel, and where.
+
+    Buffer slices are ``(start, stop)`` element offsets into the flat staging buffers; splits are
+    the per-rank element counts of one ``all_to_all_single``.
+    """
+
+    head_ranges: tuple[tuple[int, int], ...]
+    """For each rank j, the folded heads ``(start, stop)`` it attends in this chunk."""
+    in_send: tuple[int, int]
+    in_recv: tuple[int, int]
+    out_send: tuple[int, int]
+    out_recv: tuple[int, int]
+    in_send_splits: tuple[int, ...]
+    in_recv_splits: tuple[int, ...]
+    out_send_splits: tuple[int, ...]
+    out_recv_splits: tuple[int, ...]
+
+    def local_heads(self, rank: int) -> int:
+        """How many folded heads ``rank`` attends in this chunk."""
+        a, b = self.head_ranges[rank]
+        return b - a
+
+
+@dataclass(frozen=True)
+class UlyssesPlan:
+    """Everything one rank needs to run one Ulysses forward, derived from integers only.
+
+    Buffer sizes use the LARGEST rank's head count so every rank reserves the same amount and
+    a capacity error is raised on all ranks together.
+    """
+
+    world: int
+    rank: int
+    s_local: int
+    """Rows this rank holds of the packed sequence."""
+    folded_heads: int
+    """B * H: the head axis the all-to-all splits."""
+    head_dim: int
+    counts: tuple[int, ...]
+    """Folded heads per rank (the first ``B*H % W`` ranks take one more)."""
+    chunks: tuple[ChunkSlices, ...]
+
+    @property
+    def seq(self) -> int:
+        """S = S_local * W, the global packed length."""
+        return self.s_local * self.world
+
+    def buffer_sizes(self) -> dict[str, int]:
+        """Elements per staging role, identical on every rank."""
+        h_max, s, d = max(self.counts), self.seq, self.head_dim
+        return {"in_send": self.s_local * 3 * self.folded_heads * d, "in_recv": s * 3 * h_max * d,
+                "out_send": s * h_max * d, "out_recv": self.s_local * self.folded_heads * d}
+
+
+def make_plan(*, world: int, rank: int, s_local: int, folded_heads: int, head_dim: int,
+              overlap_chunks: int) -> UlyssesPlan:
+    """The plan of one forward; raises ValueError (on every rank alike) when B*H < W.
+
+    ``overlap_chunks`` is capped at the smallest rank's head count so no chunk is empty.
+    """
+    counts = heads_per_rank(folded_heads, world)
+    n_chunks = min(overlap_chunks, min(counts))
+    offsets = head_offsets(counts)
+    splits = [head_offsets(heads_per_rank(n, n_chunks)) for n in counts]
+    seq, d = s_local * world, head_dim
+    chunks = []
+    pos = dict.fromkeys(("in_send", "in_recv", "out_send", "out_recv"), 0)
+    for c in range(n_chunks):
+        ranges = tuple((offsets[j] + splits[j][c], offsets[j] + splits[j][c + 1]) for j in range(world))
+        widths = [b - a for a, b in ranges]
+        w_r = widths[rank]
+        sizes = {"in_send": s_local * 3 * sum(widths) * d, "in_recv": seq * 3 * w_r * d,
+                 "out_send": seq * w_r * d, "out_recv": s_local * sum(widths) * d}
+        spans = {role: (pos[role], pos[role] + n) for role, n in sizes.items()}
+        for role, n in sizes.items():
+            pos[role] += n
+        chunks.append(ChunkSlices(
+            head_ranges=ranges, **spans,
+            in_send_splits=tuple(s_local * 3 * w * d for w in widths),
+            in_recv_splits=(s_local * 3 * w_r * d,) * world,
+            out_send_splits=(s_local * w_r * d,) * world,
+            out_recv_splits=tuple(s_local * w * d for w in widths),
+        ))
+    return UlyssesPlan(world=world, rank=rank, s_local=s_local, folded_heads=folded_heads,
+                       head_dim=head_dim, counts=counts, chunks=tuple(chunks))

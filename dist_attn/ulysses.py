@@ -1,29 +1,30 @@
 """Ulysses sequence-parallel attention: pack -> all-to-all -> varlen bridge -> all-to-all back.
 
-Each of the W ranks of a group holds a contiguous shard ``[S_local, H, D]`` of the packed global
+Each of the W ranks of a group holds a contiguous shard ``[B, S_local, H, D]`` of the packed global
 sequence. One all-to-all of a single destination-major staging buffer gives every rank all S rows
-of q, k and v for its H_r heads; the varlen bridge attends; one all-to-all returns the output
-shard in the caller's layout. With ``overlap_chunks=C > 1`` the heads are cut into C chunks whose
-all-to-alls are issued asynchronously, so chunk c+1's transfer runs while chunk c's kernel does.
+of q, k and v for its share of the B*H (sample, head) pairs; the varlen bridge attends; one
+all-to-all returns the output shard in the caller's layout. With ``overlap_chunks=C > 1`` the heads
+are cut into C chunks whose all-to-alls are issued asynchronously, so chunk c+1's transfer runs
+while chunk c's kernel does. Under ``torch.compile`` the whole call is one opaque custom op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from dist_attn.backends import default_softmax_scale, resolve_backend
-from dist_attn.varlen import attend_varlen
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
-from dist_attn.distributed import group_size_and_rank
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
-from dist_attn.plan import head_offsets, heads_per_rank
+from dist_attn.distributed import group_size_and_rank
+from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
 from dist_attn.validation import check_bounds, check_no_grad, check_qkv, host_bounds
+from dist_attn.varlen import attend_varlen, segment_layout
 
 __all__ = ["UlyssesSageAttention", "ulysses_attention"]
 
@@ -41,31 +42,31 @@ def _check_chunks(overlap_chunks) -> None:
         raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")
 
 
-def _chunk_ranges(counts: tuple[int, ...], chunks: int) -> list[list[tuple[int, int]]]:
-    """``ranges[c][j]``: the global heads ``(start, stop)`` of rank j that travel in chunk c."""
-    offsets = head_offsets(counts)
-    splits = [head_offsets(heads_per_rank(n, chunks)) for n in counts]
-    return [[(offsets[j] + splits[j][c], offsets[j] + splits[j][c + 1]) for j in range(len(counts))]
-            for c in range(chunks)]
+def _group_desc(group) -> str:
+    return "the default process group" if group is None else "the given process group"
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      max_seqlen: int, cu_seqlens_host: Sequence[int] | None = None, *,
-                      group=None, backend: str = "auto", softmax_scale: float | None = None,
-                      num_heads: int | None = None, head_dim: int | None = None,
-                      buffers: StagingBuffers | None = None, timer: PhaseTimer | None = None,
-                      overlap_chunks: int = 1) -> torch.Tensor:
-    """Sequence-parallel block-diagonal attention over the ranks of ``group``.
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
+                      max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
+                      valid_len: int | None = None, group=None, backend: str = "auto",
+                      softmax_scale: float | None = None, num_heads: int | None = None,
+                      head_dim: int | None = None, buffers: StagingBuffers | None = None,
+                      timer: PhaseTimer | None = None, overlap_chunks: int = 1) -> torch.Tensor:
+    """Sequence-parallel block-diagonal attention over the ranks of ``group`` (forward only).
 
     Args:
-        q, k, v: ``[S_local, H, D]`` fp16/bf16/fp32 on one device: rank r's rows
-            ``[r*S_local, (r+1)*S_local)`` of the packed global sequence of ``S = S_local * W`` rows.
-            Never modified.
-        cu_seqlens: ``[num_segments + 1]`` int32/int64 on q's device, GLOBAL bounds 0, ..., S.
-        max_seqlen: the longest segment, an int.
+        q, k, v: ``[S_local, H, D]`` or ``[B, S_local, H, D]`` fp16/bf16/fp32 on one device:
+            rank r's rows ``[r*S_local, (r+1)*S_local)`` of the packed global sequence of
+            ``S = S_local * W`` rows (W = the size of ``group``). Never modified.
+        cu_seqlens: GLOBAL segment bounds 0, ..., S, the same for every sample: an int32/int64
+            tensor (q's device or CPU) or a list of ints. None = one segment of S rows. Bounds
+            are documents, never padding.
+        max_seqlen: the longest segment (an int, a one-element tensor, or None).
         cu_seqlens_host: optional list/tuple of the same bounds as Python ints; when given the
             call makes no device-to-host synchronisation.
-        group: process group (None = the default group; world 1 or no group = local attention).
+        valid_len: rows ``>= valid_len`` of the global sequence are padding: never attended, and
+            exactly zero in the output. None = no padding.
+        group: process group (None = the default group; no group initialised = local attention).
         backend: ``"auto"`` or a registered backend name (see :mod:`dist_attn.backends`).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         num_heads, head_dim: expected H and D (checked when given).
@@ -74,103 +75,143 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         overlap_chunks: number of head chunks to pipeline (1 = two collectives per call).
 
     Returns:
-        Fresh ``[S_local, H, D]`` in q's dtype and device. For bounds ``(0, used, S)`` with
-        ``used == max_seqlen < S`` rows ``>= used`` of the global sequence are exactly zero.
+        Fresh tensor of q's shape, dtype and device.
     """
+    if torch.compiler.is_compiling():
+        if timer is not None or buffers is not None:
+            raise ValueError("timer= and buffers= cannot cross torch.compile's custom-op boundary; "
+                             "leave them None in compiled code (the process-wide pool is used)")
+        if isinstance(cu_seqlens, (list, tuple)):
+            cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
+        return torch.ops.dist_attn.ulysses_attention(
+            q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
+            max_seqlen, valid_len, _group_key(group), backend, softmax_scale, num_heads, head_dim,
+            overlap_chunks)
+    return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
+                    group=group, backend=backend, softmax_scale=softmax_scale, num_heads=num_heads,
+                    head_dim=head_dim, buffers=buffers, timer=timer, overlap_chunks=overlap_chunks)
+
+
+def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, backend,
+             softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks) -> torch.Tensor:
     # ---- validation: host-only facts, identical on every rank, before any collective ----
     check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
     check_no_grad(q, k, v)
     _check_scale(softmax_scale)
     _check_chunks(overlap_chunks)
+    check_bounds(cu_seqlens, device=q.device)
+    given_group = group
     group, world, rank = group_size_and_rank(group)
-    s_local, n_heads, d = q.shape
+    batched = q.ndim == 4
+    q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [S_local, H, D] -> [1, S_local, H, D]
+    batch, s_local, n_heads, d = q4.shape
     seq = s_local * world
-    check_bounds(cu_seqlens, device=q.device, total=seq)
     bounds = host_bounds(
-        cu_seqlens, cu_seqlens_host, total=seq, max_seqlen=max_seqlen,
-        total_desc=f"S = S_local*W = {s_local}*{world} = {seq} (each of the W={world} ranks holds "
-                   f"S_local={s_local} rows; pad the packed sequence to a multiple of W)",
+        cu_seqlens, cu_seqlens_host, total=seq,
+        total_desc=f"S = S_local*W = {s_local}*{world} = {seq} (W={world} is the size of "
+                   f"{_group_desc(given_group)}; each rank holds S_local={s_local} rows: pad the "
+                   f"packed sequence to a multiple of W and pass valid_len)",
     )
+    layout = segment_layout(bounds, total=seq, valid_len=valid_len, max_seqlen=max_seqlen)
     be = resolve_backend(backend, q)
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
 
     if world == 1:
         with phase("kernel"):
-            return attend_varlen(be, q, k, v, bounds=bounds, cu_seqlens=cu_seqlens,
-                                 max_seqlen=max_seqlen, softmax_scale=scale, k_is_scratch=False)
+            out = attend_varlen(be, q4, k4, v4, layout=layout, cu_seqlens=cu_seqlens,
+                                softmax_scale=scale, k_is_scratch=False)
+        return out if batched else out[0]
 
-    counts = heads_per_rank(n_heads, world)  # raises when H < W, on every rank alike
-    chunks = min(overlap_chunks, min(counts))
-    ranges = _chunk_ranges(counts, chunks)
+    if batch * n_heads < world:
+        raise ValueError(
+            f"num_heads={n_heads} x batch {batch} = {batch * n_heads} (sample, head) pairs must be "
+            f">= the Ulysses world size {world} (the size of {_group_desc(given_group)}): every "
+            "rank needs at least one head")
+    plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
+                     head_dim=d, overlap_chunks=overlap_chunks)
     pool = buffers if buffers is not None else default_staging_buffers()
-    # Sizes use the LARGEST rank's head count so every rank reserves the same amount and a
-    # capacity error is raised on all ranks together.
-    h_max = max(counts)
-    pool.reserve({"in_send": s_local * 3 * n_heads * d, "in_recv": seq * 3 * h_max * d,
-                  "out_send": seq * h_max * d, "out_recv": s_local * n_heads * d}, q.dtype, q.device)
-    h_r = counts[rank]
-    in_send = pool.get("in_send", s_local * 3 * n_heads * d, q.dtype, q.device)
-    in_recv = pool.get("in_recv", seq * 3 * h_r * d, q.dtype, q.device)
-    out_send = pool.get("out_send", seq * h_r * d, q.dtype, q.device)
-    out_recv = pool.get("out_recv", s_local * n_heads * d, q.dtype, q.device)
+    pool.reserve(plan.buffer_sizes(), q.dtype, q.device)  # raises on every rank alike
+    bufs = {role: pool.get(role, n, q.dtype, q.device) for role, n in plan.buffer_sizes().items()}
 
-    # Per-chunk slices of the four buffers, laid out chunk after chunk.
-    send_in, recv_in, send_out, recv_out = [], [], [], []
-    o_si = o_ri = o_so = o_ro = 0
-    for rng in ranges:
-        widths = [b - a for a, b in rng]
-        w_r = widths[rank]
-        send_in.append((in_send[o_si:o_si + s_local * 3 * sum(widths) * d], [s_local * 3 * w * d for w in widths]))
-        recv_in.append((in_recv[o_ri:o_ri + seq * 3 * w_r * d], [s_local * 3 * w_r * d] * world))
-        send_out.append((out_send[o_so:o_so + seq * w_r * d], [s_local * w_r * d] * world))
-        recv_out.append((out_recv[o_ro:o_ro + s_local * sum(widths) * d], [s_local * w * d for w in widths]))
-        o_si += s_local * 3 * sum(widths) * d
-        o_ri += seq * 3 * w_r * d
-        o_so += seq * w_r * d
-        o_ro += s_local * sum(widths) * d
+    def view(role, span):
+        return bufs[role][span[0]:span[1]]
 
     with phase("pack"):
-        for c, rng in enumerate(ranges):
-            pack_qkv(q, k, v, send_in[c][0], rng)
+        for c in plan.chunks:
+            pack_qkv(q4, k4, v4, view("in_send", c.in_send), c.head_ranges)
     # All input all-to-alls are issued up front: they run in order on the communicator while
     # the kernels below wait only for their own chunk.
+    asynchronous = len(plan.chunks) > 1
     with phase("a2a_in"):
-        works_in = [all_to_all_flat(recv_in[c][0], send_in[c][0], recv_splits=recv_in[c][1],
-                                    send_splits=send_in[c][1], group=group, async_op=chunks > 1)
-                    for c in range(chunks)]
+        works_in = [all_to_all_flat(view("in_recv", c.in_recv), view("in_send", c.in_send),
+                                    recv_splits=list(c.in_recv_splits),
+                                    send_splits=list(c.in_send_splits), group=group,
+                                    async_op=asynchronous) for c in plan.chunks]
     works_out = []
-    for c, rng in enumerate(ranges):
-        w_r = rng[rank][1] - rng[rank][0]
-        if chunks > 1:
+    for c, work in zip(plan.chunks, works_in):
+        w_r = c.local_heads(rank)
+        if asynchronous:
             with phase("a2a_in"):
-                works_in[c].wait()
-        qc, kc, vc = unpack_qkv(recv_in[c][0], seq, w_r, d)  # [S, w_r, D] views, no copy
+                work.wait()
+        qc, kc, vc = unpack_qkv(view("in_recv", c.in_recv), seq, w_r, d)  # [S, w_r, D] views
         with phase("kernel"):
             # k lives in our receive buffer, so Sage 1.0.6 may smooth it in place (no copy).
-            attend_varlen(be, qc, kc, vc, bounds=bounds, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            attend_varlen(be, qc[None], kc[None], vc[None], layout=layout, cu_seqlens=cu_seqlens,
                           softmax_scale=scale, k_is_scratch=True,
-                          out=send_out[c][0].view(seq, w_r, d))
+                          out=view("out_send", c.out_send).view(1, seq, w_r, d))
         with phase("a2a_out"):
-            works_out.append(all_to_all_flat(recv_out[c][0], send_out[c][0], recv_splits=recv_out[c][1],
-                                             send_splits=send_out[c][1], group=group,
-                                             async_op=chunks > 1))
-    out = q.new_empty(q.shape)
-    for c, rng in enumerate(ranges):
-        if chunks > 1:
+            works_out.append(all_to_all_flat(view("out_recv", c.out_recv), view("out_send", c.out_send),
+                                             recv_splits=list(c.out_recv_splits),
+                                             send_splits=list(c.out_send_splits), group=group,
+                                             async_op=asynchronous))
+    out = q4.new_empty(q4.shape)
+    for c, work in zip(plan.chunks, works_out):
+        if asynchronous:
             with phase("a2a_out"):
-                works_out[c].wait()
+                work.wait()
         with phase("unpack"):
-            unpack_output(recv_out[c][0], out, rng)
-    return out
+            unpack_output(view("out_recv", c.out_recv), out, c.head_ranges)
+    return out if batched else out[0]
+
+
+# ---- torch.compile: the whole call as one custom op with a fake (shape-only) implementation ----
+# Process groups cannot cross the op boundary, so the op receives a key into this table.
+_GROUPS: dict[str, object] = {}
+
+
+def _group_key(group) -> str:
+    if group is None:
+        return ""
+    key = str(getattr(group, "group_name", id(group)))
+    _GROUPS[key] = group
+    return key
+
+
+@torch.library.custom_op("dist_attn::ulysses_attention", mutates_args=())
+def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                cu_seqlens_host: Optional[list[int]], max_seqlen: Optional[int],
+                valid_len: Optional[int], group_key: str, backend: str,
+                softmax_scale: Optional[float], num_heads: Optional[int], head_dim: Optional[int],
+                overlap_chunks: int) -> torch.Tensor:
+    return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
+                    group=_GROUPS[group_key] if group_key else None, backend=backend,
+                    softmax_scale=softmax_scale, num_heads=num_heads, head_dim=head_dim,
+                    buffers=None, timer=None, overlap_chunks=overlap_chunks)
+
+
+@_ulysses_op.register_fake
+def _(q, k, v, cu_seqlens, cu_seqlens_host, max_seqlen, valid_len, group_key, backend,
+      softmax_scale, num_heads, head_dim, overlap_chunks):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 class UlyssesSageAttention(nn.Module):
     """Drop-in attention for a sequence-parallel DiT block (forward only).
 
     Args:
-        num_heads: H, heads of q/k/v (plain multi-head; H >= the group size; need not divide it:
-            the first ``H % W`` ranks then take one extra head).
+        num_heads: H, heads of q/k/v (plain multi-head; need not divide the group size W: the
+            first ``(B*H) % W`` ranks take one extra (sample, head) pair; ``B*H >= W``).
         head_dim: D.
         group: process group of the Ulysses ranks (None = default group).
         backend: ``"auto"``, ``"sage"``, ``"sage8"``, ``"sdpa"`` or another registered name.
@@ -179,8 +220,9 @@ class UlyssesSageAttention(nn.Module):
         timer: optional :class:`~dist_attn.profiling.PhaseTimer`.
         overlap_chunks: head chunks pipelined against their all-to-alls (1 = plain path).
 
-    Call: ``attn(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host=None)`` with q/k/v
-    ``[S_local, H, D]``; see :func:`ulysses_attention`.
+    Call: ``attn(q, k, v, cu_seqlens=None, max_seqlen=None, cu_seqlens_host=None, *,
+    valid_len=None)`` with q/k/v ``[S_local, H, D]`` or ``[B, S_local, H, D]``; see
+    :func:`ulysses_attention`.
     """
 
     def __init__(self, num_heads: int, head_dim: int, *, group=None, backend: str = "auto",
@@ -203,12 +245,15 @@ class UlyssesSageAttention(nn.Module):
         self.timer = timer
         self.overlap_chunks = overlap_chunks
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, cu_seqlens_host: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
+                max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
+                valid_len: int | None = None) -> torch.Tensor:
+        compiling = torch.compiler.is_compiling()
         return ulysses_attention(
-            q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, group=self.group, backend=self.backend,
-            softmax_scale=self.softmax_scale, num_heads=self.num_heads, head_dim=self.head_dim,
-            buffers=self.buffers, timer=self.timer, overlap_chunks=self.overlap_chunks,
+            q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len, group=self.group,
+            backend=self.backend, softmax_scale=self.softmax_scale, num_heads=self.num_heads,
+            head_dim=self.head_dim, buffers=None if compiling else self.buffers,
+            timer=None if compiling else self.timer, overlap_chunks=self.overlap_chunks,
         )
 
     def extra_repr(self) -> str:

@@ -12,29 +12,34 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad"]
+__all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad", "as_host_int"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = None) -> None:
-    """Checks q/k/v: tensors ``[T, H, D]`` of one shape, dtype and device, dtype fp16/bf16/fp32,
-    and (when given) ``H == num_heads`` and ``D == head_dim``. The last dim must be contiguous."""
+    """Checks q/k/v: tensors ``[T, H, D]`` or ``[B, T, H, D]`` of one shape, dtype and device,
+    dtype fp16/bf16/fp32, and (when given) ``H == num_heads`` and ``D == head_dim``. The last dim
+    must be contiguous."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 3:
+        if t.ndim not in (3, 4):
             raise ValueError(
-                f"{name}.ndim={t.ndim} (shape {tuple(t.shape)}); expected 3 dims [tokens, heads, head_dim]"
+                f"{name}.ndim={t.ndim} (shape {tuple(t.shape)}); expected 3 dims [tokens, heads, "
+                "head_dim] or 4 dims [batch, tokens, heads, head_dim]"
             )
     if not (q.shape == k.shape == v.shape):
         raise ValueError(
             f"q, k, v shapes must be equal, got q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
         )
-    if num_heads is not None and q.shape[1] != num_heads:
-        raise ValueError(f"q.shape[1]={q.shape[1]} heads does not match the module's num_heads={num_heads}")
-    if head_dim is not None and q.shape[2] != head_dim:
-        raise ValueError(f"q.shape[2]={q.shape[2]} does not match the module's head_dim={head_dim}")
+    h_axis, d_axis = q.ndim - 2, q.ndim - 1
+    if num_heads is not None and q.shape[h_axis] != num_heads:
+        raise ValueError(f"q.shape[{h_axis}]={q.shape[h_axis]} heads does not match the module's "
+                         f"num_heads={num_heads}")
+    if head_dim is not None and q.shape[d_axis] != head_dim:
+        raise ValueError(f"q.shape[{d_axis}]={q.shape[d_axis]} does not match the module's "
+                         f"head_dim={head_dim}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes must be equal, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -42,9 +47,9 @@ def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = N
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must share a device, got q={q.device}, k={k.device}, v={v.device}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[2] > 1 and t.stride(2) != 1:
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(
-                f"{name}.stride(2)={t.stride(2)}: the head_dim axis must be contiguous (stride 1)"
+                f"{name}.stride(-1)={t.stride(-1)}: the head_dim axis must be contiguous (stride 1)"
             )
 
 
@@ -62,47 +67,80 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_bounds(cu_seqlens, *, device: torch.device, total: int) -> None:
-    """Checks the device tensor ``cu_seqlens`` (shape, dtype, device) without reading its values."""
+def check_bounds(cu_seqlens, *, device: torch.device) -> None:
+    """Checks ``cu_seqlens`` without reading device values: None, a list/tuple of ints, or a 1-D
+    int32/int64 tensor on q's device or on the CPU (a CPU tensor is read without a device sync)."""
+    if cu_seqlens is None:
+        return
+    if isinstance(cu_seqlens, (list, tuple)):
+        bad = [x for x in cu_seqlens if not _is_int(x)]
+        if bad:
+            raise TypeError(f"cu_seqlens must hold Python ints, found {bad[0]!r} ({type(bad[0]).__name__})")
+        if len(cu_seqlens) < 2:
+            raise ValueError(f"cu_seqlens has {len(cu_seqlens)} entries; expected at least 2 (0 and the total)")
+        return
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        raise TypeError(f"cu_seqlens must be None, a list of ints or a torch.Tensor, got "
+                        f"{type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens.dtype={cu_seqlens.dtype}; expected torch.int32 or torch.int64")
     if cu_seqlens.ndim != 1:
         raise ValueError(f"cu_seqlens.ndim={cu_seqlens.ndim} (shape {tuple(cu_seqlens.shape)}); expected 1")
     if cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries; expected at least 2 (0 and {total})")
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens.device={cu_seqlens.device} differs from q.device={device}")
+        raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries; expected at least 2 (0 and the total)")
+    if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+        raise ValueError(f"cu_seqlens.device={cu_seqlens.device} differs from q.device={device} "
+                         "(and is not the CPU)")
 
 
-def host_bounds(cu_seqlens: torch.Tensor, cu_seqlens_host: Sequence[int] | None, *, total: int,
-                max_seqlen, total_desc: str | None = None) -> tuple[int, ...]:
+def as_host_int(name: str, value, *, allow_none: bool = True) -> int | None:
+    """``value`` as a Python int: ints pass, 0-d / one-element integer tensors are read (a CUDA
+    tensor costs one device sync), None passes when allowed; anything else raises TypeError."""
+    if value is None and allow_none:
+        return None
+    if _is_int(value):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        return int(value.item())
+    raise TypeError(f"{name}={value!r} must be a Python int (or a one-element integer tensor)")
+
+
+def host_bounds(cu_seqlens, cu_seqlens_host: Sequence[int] | None, *, total: int,
+                total_desc: str | None = None) -> tuple[int, ...]:
     """Validates the segment bounds and returns them as host ints.
 
-    When ``cu_seqlens_host`` is given it is trusted to equal ``cu_seqlens`` (no device read, so no
-    host sync); otherwise ``cu_seqlens`` is read once with ``tolist()``.
+    Sources, first that applies: ``cu_seqlens_host`` (trusted to equal ``cu_seqlens``; no device
+    read, so no host sync), a list/tuple or CPU tensor ``cu_seqlens``, a device ``cu_seqlens``
+    (read once with ``tolist()``), or ``(0, total)`` when both are None (one full segment).
 
-    Rules: starts at 0, non-decreasing, ends at ``total``; ``max_seqlen`` is a positive int not
-    below the longest segment.
+    Rules: starts at 0, non-decreasing, ends at ``total``.
     """
     if cu_seqlens_host is not None:
         if not isinstance(cu_seqlens_host, (list, tuple)):
             raise TypeError(
                 f"cu_seqlens_host must be a list or tuple of ints, got {type(cu_seqlens_host).__name__}"
             )
-        if len(cu_seqlens_host) != cu_seqlens.numel():
-            raise ValueError(
-                f"len(cu_seqlens_host)={len(cu_seqlens_host)} differs from cu_seqlens.numel()={cu_seqlens.numel()}"
-            )
+        if isinstance(cu_seqlens, (list, tuple)):
+            n, desc = len(cu_seqlens), f"len(cu_seqlens)={len(cu_seqlens)}"
+        elif cu_seqlens is not None:
+            n, desc = cu_seqlens.numel(), f"cu_seqlens.numel()={cu_seqlens.numel()}"
+        else:
+            n, desc = len(cu_seqlens_host), ""
+        if len(cu_seqlens_host) != n:
+            raise ValueError(f"len(cu_seqlens_host)={len(cu_seqlens_host)} differs from {desc}")
         bad = [x for x in cu_seqlens_host if not _is_int(x)]
         if bad:
             raise TypeError(f"cu_seqlens_host must hold Python ints, found {bad[0]!r} ({type(bad[0]).__name__})")
-        bounds = tuple(cu_seqlens_host)
-        src = "cu_seqlens_host"
+        if len(cu_seqlens_host) < 2:
+            raise ValueError(f"cu_seqlens_host has {len(cu_seqlens_host)} entries; expected at least 2")
+        bounds, src = tuple(cu_seqlens_host), "cu_seqlens_host"
+    elif cu_seqlens is None:
+        return (0, total)
+    elif isinstance(cu_seqlens, (list, tuple)):
+        bounds, src = tuple(cu_seqlens), "cu_seqlens"
     else:
-        bounds = tuple(int(x) for x in cu_seqlens.tolist())  # one device-to-host read
-        src = "cu_seqlens"
+        bounds, src = tuple(int(x) for x in cu_seqlens.tolist()), "cu_seqlens"  # one device read
     if bounds[0] != 0:
         raise ValueError(f"{src}[0]={bounds[0]}; segment bounds must start at 0")
     for i in range(1, len(bounds)):
@@ -115,16 +153,4 @@ def host_bounds(cu_seqlens: torch.Tensor, cu_seqlens_host: Sequence[int] | None,
             f"{src}[-1]={bounds[-1]}; bounds must end at the global token count "
             f"{total_desc or total}"
         )
-    if not _is_int(max_seqlen):
-        raise TypeError(f"max_seqlen={max_seqlen!r} must be a Python int")
-    segments = list(zip(bounds[:-1], bounds[1:]))
-    if len(bounds) == 3 and bounds[1] == max_seqlen and 0 < max_seqlen < total:
-        # Trailing padding (0, used, total): the padding rows never reach a kernel (the bridge
-        # zeroes them), so they may outnumber max_seqlen (a 10-token request padded to 64).
-        segments = segments[:1]
-    longest = max(b - a for a, b in segments)
-    if max_seqlen <= 0:
-        raise ValueError(f"max_seqlen={max_seqlen} must be > 0")
-    if max_seqlen < longest:
-        raise ValueError(f"max_seqlen={max_seqlen} is below the longest segment ({longest} rows in {src})")
     return bounds

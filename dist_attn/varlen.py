@@ -1,32 +1,97 @@
-"""The Sage varlen bridge: packed varlen attention as dense kernel calls.
+"""The varlen bridge: packed varlen attention as dense kernel calls, and the ONE owner of the
+rule that says which rows are documents and which are padding.
 
-Given packed ``[T, H, D]`` tensors and segment bounds, every segment attends only to itself
-(block-diagonal attention). Three paths, chosen from host integers only:
+Bounds are documents, never padding. Padding is said by the caller with ``valid_len``: rows
+``>= valid_len`` are never attended (segments are clipped to ``[0, valid_len)``) and come back
+exactly zero. The bounds ``(0, S, 2S)`` therefore mean two documents of S rows: a classifier-free-
+guidance pair is not mistaken for one request padded at the end.
 
-* trailing padding ``(0, used, T)`` with ``used == max_seqlen < T`` (the H3 layout): ONE dense
-  call on rows ``[0, used)``; rows ``[used, T)`` come back exactly zero. Measured on an H200, this
-  costs 0.4% over the bare dense call (h3.md), and it avoids the per-segment loop entirely;
-* one segment covering all rows: one dense call on the tensors as they are (no copy);
+Paths, chosen from host integers only:
+
+* the valid rows form one segment starting at row 0 (one request, padded or not: the H3 layout):
+  ONE dense call on rows ``[0, valid_len)``; the padding rows are zeroed, never computed. Measured on
+  an H200 this costs 0.06-0.4% over the bare dense call;
+* a backend with a native varlen kernel gets the whole layout (batch 1);
 * anything else: one dense call per non-empty segment.
-
-A backend with a native varlen kernel (``backend.varlen``) receives the layout whole instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from dist_attn.backends import AttentionBackend, default_softmax_scale, resolve_backend
-from dist_attn.validation import check_bounds, check_no_grad, check_qkv, host_bounds
+from dist_attn.validation import as_host_int, check_bounds, check_no_grad, check_qkv, host_bounds
 
-__all__ = ["sage_varlen", "trailing_padding_used_len", "attend_varlen"]
+__all__ = ["SegmentLayout", "segment_layout", "sage_varlen", "trailing_padding_used_len",
+           "attend_varlen"]
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Which rows of a packed sequence attend to which."""
+
+    total: int
+    """Rows of the packed sequence, padding included."""
+    valid_len: int
+    """Rows ``[valid_len, total)`` are padding (``valid_len == total``: none)."""
+    bounds: tuple[int, ...]
+    """The caller's segment bounds, 0 ... total."""
+    segments: tuple[tuple[int, int], ...]
+    """Non-empty segments clipped to ``[0, valid_len)``; each attends only to itself."""
+
+    @property
+    def single_segment(self) -> bool:
+        """True when the valid rows are one segment starting at row 0 (one dense call)."""
+        return self.segments == ((0, self.valid_len),)
+
+    @property
+    def longest(self) -> int:
+        """Rows of the longest segment (0 when there is none)."""
+        return max((b - a for a, b in self.segments), default=0)
+
+
+def segment_layout(bounds: Sequence[int], *, total: int, valid_len=None, max_seqlen=None,
+                   src: str = "cu_seqlens") -> SegmentLayout:
+    """Validates ``valid_len`` and ``max_seqlen`` against validated ``bounds`` (0 ... total).
+
+    Args:
+        bounds: host segment bounds, already checked by :func:`dist_attn.validation.host_bounds`.
+        total: rows of the packed sequence.
+        valid_len: None (no padding) or a Python int in ``[1, total]``.
+        max_seqlen: None, or an int that is at least the longest clipped segment.
+        src: the argument name the bounds came from (for messages).
+    """
+    if valid_len is None:
+        valid_len = total
+    elif isinstance(valid_len, bool) or not isinstance(valid_len, int):
+        raise TypeError(f"valid_len={valid_len!r} must be a Python int (rows of the global packed "
+                        "sequence that are not padding) or None")
+    elif not 1 <= valid_len <= total:
+        raise ValueError(f"valid_len={valid_len} must lie in [1, {total}] (the global packed length)")
+    segments = tuple((a, min(b, valid_len)) for a, b in zip(bounds[:-1], bounds[1:]) if a < min(b, valid_len))
+    layout = SegmentLayout(total=total, valid_len=valid_len, bounds=tuple(bounds), segments=segments)
+    max_seqlen = as_host_int("max_seqlen", max_seqlen)
+    if max_seqlen is not None:
+        if max_seqlen <= 0:
+            raise ValueError(f"max_seqlen={max_seqlen} must be > 0")
+        if max_seqlen < layout.longest:
+            hint = ""
+            if valid_len == total and len(bounds) == 3 and bounds[1] == max_seqlen:
+                hint = (f"; if rows [{bounds[1]}, {total}) are padding rather than a document, "
+                        f"pass valid_len={bounds[1]}")
+            raise ValueError(f"max_seqlen={max_seqlen} is below the longest segment ({layout.longest} "
+                             f"rows in {src}){hint}")
+    return layout
 
 
 def trailing_padding_used_len(*, total_tokens: int, max_seqlen: int, bounds: Sequence[int]) -> int | None:
-    """``used`` when ``bounds == (0, used, total_tokens)`` with ``used == max_seqlen`` and
-    ``0 < used < total_tokens`` (one document padded at the end), else None."""
+    """SGLang's inference, for :func:`sage_varlen` only: ``used`` when ``bounds == (0, used,
+    total_tokens)`` with ``used == max_seqlen`` and ``0 < used < total_tokens`` (read as one
+    request padded at the end), else None. The bounds alone cannot tell this from two documents;
+    the Ulysses layer never guesses and takes ``valid_len`` instead."""
     if len(bounds) != 3:
         return None
     start, used, end = (int(b) for b in bounds)
@@ -38,53 +103,50 @@ def trailing_padding_used_len(*, total_tokens: int, max_seqlen: int, bounds: Seq
 
 
 def attend_varlen(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  bounds: Sequence[int], cu_seqlens: torch.Tensor, max_seqlen: int,
-                  softmax_scale: float, k_is_scratch: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+                  layout: SegmentLayout, cu_seqlens, softmax_scale: float, k_is_scratch: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Block-diagonal attention of already-validated packed tensors.
 
     Args:
         backend: the resolved kernel.
-        q, k, v: ``[T, H, D]``, last dim contiguous.
-        bounds: host segment bounds (0, ..., T).
-        cu_seqlens: the same bounds on q's device (for native varlen kernels).
-        max_seqlen: longest segment.
+        q, k, v: ``[B, T, H, D]``, last dim contiguous; every sample has the same segments.
+        layout: from :func:`segment_layout`.
+        cu_seqlens: the caller's bounds tensor or None (a device copy is made only for a native
+            varlen kernel).
         softmax_scale: score multiplier.
         k_is_scratch: whether ``k`` may be overwritten (see :class:`AttentionBackend`).
-        out: optional ``[T, H, D]`` destination; a fresh tensor is allocated if None.
+        out: optional ``[B, T, H, D]`` destination; a fresh tensor is allocated if None.
 
     Returns:
-        ``out`` (or the fresh tensor) holding the result, ``[T, H, D]`` in q's dtype.
+        ``out`` (or the fresh tensor), ``[B, T, H, D]`` in q's dtype; padding rows exactly zero.
     """
-    total = q.shape[0]
-    used = trailing_padding_used_len(total_tokens=total, max_seqlen=max_seqlen, bounds=bounds)
-    segments = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    if used is not None or len(segments) == 1:
-        # The H3 layout (rows [0, used), padding after) or one segment covering [0, T): ONE dense
-        # call, padding rows never reach the kernel. Preferred over a native varlen kernel too:
-        # sage8's varlen path measured +3.7% over its dense path at h3-ref (KERNEL_NOTES.md).
-        rows = used if used is not None else total
-        if out is None and used is None:
+    total, valid = layout.total, layout.valid_len
+    if layout.single_segment:
+        if out is None and valid == total:
             return _dense(backend, q, k, v, None, softmax_scale, k_is_scratch)
         if out is None:
             out = q.new_empty(q.shape)
-        _dense(backend, q[:rows], k[:rows], v[:rows], out[:rows], softmax_scale, k_is_scratch)
-        out[rows:].zero_()
+        _dense(backend, q[:, :valid], k[:, :valid], v[:, :valid], out[:, :valid], softmax_scale,
+               k_is_scratch)
+        out[:, valid:].zero_()
         return out
-    if backend.varlen is not None:
-        return backend.varlen(q, k, v, cu_seqlens, max_seqlen, used=None,
-                              softmax_scale=softmax_scale, out=out)
+    if backend.varlen is not None and q.shape[0] == 1 and layout.segments:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.device != q.device:
+            cu_seqlens = torch.tensor(layout.bounds, dtype=torch.int32, device=q.device)
+        res = backend.varlen(q[0], k[0], v[0], cu_seqlens, layout.longest, used=valid,
+                             softmax_scale=softmax_scale, out=None if out is None else out[0])
+        return res[None] if out is None else out
     if out is None:
         out = q.new_empty(q.shape)
-    for a, b in segments:
-        _dense(backend, q[a:b], k[a:b], v[a:b], out[a:b], softmax_scale, k_is_scratch)
+    for a, b in layout.segments:  # contiguous: together they cover [0, valid_len)
+        _dense(backend, q[:, a:b], k[:, a:b], v[:, a:b], out[:, a:b], softmax_scale, k_is_scratch)
+    out[:, valid:].zero_()
     return out
 
 
 def _dense(backend: AttentionBackend, q, k, v, out, softmax_scale, k_is_scratch) -> torch.Tensor:
-    """One dense call on ``[L, H, D]`` tensors, its result in ``out`` when given (``[L, H, D]``)."""
-    # [L, H, D] -> [1, L, H, D]
-    res = backend.dense(q[None], k[None], v[None], softmax_scale=softmax_scale,
-                        k_is_scratch=k_is_scratch, out=None if out is None else out[None])[0]
+    """One dense call on ``[B, L, H, D]`` tensors, its result in ``out`` when given."""
+    res = backend.dense(q, k, v, softmax_scale=softmax_scale, k_is_scratch=k_is_scratch, out=out)
     if out is None:
         return res
     if res.data_ptr() != out.data_ptr():  # the kernel could not write into out
@@ -92,32 +154,49 @@ def _dense(backend: AttentionBackend, q, k, v, out, softmax_scale, k_is_scratch)
     return out
 
 
-def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, cu_seqlens_host: Sequence[int] | None = None, *,
-                backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
+def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
+                max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
+                valid_len: int | None = None, backend: str = "auto",
+                softmax_scale: float | None = None) -> torch.Tensor:
     """Packed varlen attention on one device (the bridge), block-diagonal over segments.
 
     Keyword names match SGLang's ``forward_varlen(query, key, value, *, cu_seqlens, max_seqlen,
-    cu_seqlens_host)`` so this drops in there.
+    cu_seqlens_host)`` so this drops in there, and so does SGLang's padding inference: when
+    ``valid_len`` is None and the bounds are exactly ``(0, used, T)`` with ``used == max_seqlen``
+    and ``0 < used < T``, rows ``[used, T)`` are taken as padding (zero output), as SGLang packs
+    one request padded at the end. Every other layout, and every call that passes ``valid_len``,
+    follows the explicit rule: bounds are documents and only rows ``>= valid_len`` are padding.
+    Two equal-length documents ``(0, S, 2S)`` with ``max_seqlen=S`` fall under the inference:
+    pass ``valid_len=2*S`` to have them read as documents.
 
     Args:
-        q, k, v: ``[T, H, D]`` fp16/bf16/fp32, one device, last dim contiguous. Never modified.
-        cu_seqlens: ``[num_segments + 1]`` int32/int64 on q's device: 0, ..., T, non-decreasing.
-        max_seqlen: the longest segment (an int >= every segment).
+        q, k, v: ``[T, H, D]`` or ``[B, T, H, D]`` fp16/bf16/fp32, one device, last dim
+            contiguous. Never modified.
+        cu_seqlens: ``[num_segments + 1]`` bounds 0, ..., T: an int32/int64 tensor (q's device or
+            CPU) or a list of ints; None means one segment of T rows.
+        max_seqlen: the longest segment (an int, or None to take it from the bounds).
         cu_seqlens_host: optional list/tuple of the same bounds as Python ints; when given, no
             device-to-host synchronisation happens.
+        valid_len: rows ``>= valid_len`` are padding (see above).
         backend: ``"auto"``, ``"sage"``, ``"sage8"``, ``"sdpa"`` or another registered name.
         softmax_scale: defaults to ``1 / sqrt(D)``.
 
     Returns:
-        Fresh ``[T, H, D]`` in q's dtype and device. For bounds ``(0, used, T)`` with
-        ``used == max_seqlen < T``, rows ``[used, T)`` are exactly zero.
+        Fresh tensor of q's shape, dtype and device; padding rows exactly zero.
     """
     check_qkv(q, k, v)
     check_no_grad(q, k, v)
-    check_bounds(cu_seqlens, device=q.device, total=q.shape[0])
-    bounds = host_bounds(cu_seqlens, cu_seqlens_host, total=q.shape[0], max_seqlen=max_seqlen)
+    check_bounds(cu_seqlens, device=q.device)
+    batched = q.ndim == 4
+    q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [T, H, D] -> [1, T, H, D]
+    total = q4.shape[1]
+    bounds = host_bounds(cu_seqlens, cu_seqlens_host, total=total)
+    if valid_len is None and max_seqlen is not None:
+        valid_len = trailing_padding_used_len(total_tokens=total, max_seqlen=as_host_int(
+            "max_seqlen", max_seqlen), bounds=bounds)
+    layout = segment_layout(bounds, total=total, valid_len=valid_len, max_seqlen=max_seqlen)
     be = resolve_backend(backend, q)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return attend_varlen(be, q, k, v, bounds=bounds, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                         softmax_scale=scale, k_is_scratch=False)
+    out = attend_varlen(be, q4, k4, v4, layout=layout, cu_seqlens=cu_seqlens, softmax_scale=scale,
+                        k_is_scratch=False)
+    return out if batched else out[0]

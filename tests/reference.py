@@ -9,18 +9,22 @@ import torch
 __all__ = ["reference_attention", "rel_l2", "cosine"]
 
 
-def reference_attention(q, k, v, bounds, max_seqlen, softmax_scale=None, device="cpu"):
-    """``[T, H, D]`` inputs -> float64 ``[T, H, D]`` on ``device``: each segment attends only to itself; for
-    the trailing-padding layout ``(0, used, T)`` with ``used == max_seqlen < T`` the padding rows
-    are zero (the contract of dist_attn's bridge)."""
+def reference_attention(q, k, v, bounds, valid_len=None, *, softmax_scale=None, device="cpu"):
+    """``[T, H, D]`` or ``[B, T, H, D]`` inputs -> float64 of the same shape on ``device``: each
+    segment of ``bounds`` attends only to itself, segments clipped to ``[0, valid_len)``; rows
+    ``>= valid_len`` are padding and exactly zero (the contract of dist_attn)."""
     q, k, v = (t.detach().to(device, torch.float64) for t in (q, k, v))
+    if q.ndim == 4:
+        return torch.stack([reference_attention(*(t[i] for t in (q, k, v)), bounds, valid_len,
+                                                softmax_scale=softmax_scale, device=device)
+                            for i in range(q.shape[0])])
     total, _, d = q.shape
+    valid = total if valid_len is None else valid_len
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     out = torch.zeros_like(q)
     bounds = [int(b) for b in bounds]
-    padded = len(bounds) == 3 and bounds[1] == max_seqlen and 0 < bounds[1] < total
-    segments = [(bounds[0], bounds[1])] if padded else list(zip(bounds[:-1], bounds[1:]))
-    for a, b in segments:
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        b = min(b, valid)
         if b <= a:
             continue
         # [L, H, D] -> [H, L, L] scores

@@ -138,7 +138,7 @@ class DiTBlock(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_size, hidden, **fk)
 
     def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                cu_seqlens: torch.Tensor, max_seqlen: int,
+                cu_seqlens: torch.Tensor, valid_len: int,
                 cu_seqlens_host: list[int] | None) -> torch.Tensor:
         """
         Args:
@@ -146,6 +146,7 @@ class DiTBlock(nn.Module):
             time_mod: [6, hidden] shared timestep modulation.
             rope: (cos, sin) from :func:`rope_tables` for this rank's rows.
             cu_seqlens: [B + 1] int32 GLOBAL bounds on x's device; ``cu_seqlens_host`` its list.
+            valid_len: the request's used rows; global rows >= valid_len are padding.
         Returns:
             [S_local, hidden].
         """
@@ -157,8 +158,8 @@ class DiTBlock(nn.Module):
         q, k, v = qkv.unbind(1)
         q = apply_rope(rms_norm(q, self.q_norm, cfg.norm_eps), *rope)
         k = apply_rope(rms_norm(k, self.k_norm, cfg.norm_eps), *rope)
-        o = self.attn(q, k, v, cu_seqlens, max_seqlen,
-                      cu_seqlens_host=cu_seqlens_host)  # [S_local, H, D]
+        o = self.attn(q, k, v, cu_seqlens, None, cu_seqlens_host,
+                      valid_len=valid_len)  # [S_local, H, D]
         x = x + gate1 * self.out(o.reshape(x.shape[0], cfg.inner_dim))
         h = self.norm2(x) * (1 + scale2) + shift2
         return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
@@ -205,7 +206,7 @@ class DiT(nn.Module):
         return str(getattr(backend, "name", backend or "unknown"))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, *, row_offset: int,
+                valid_len: int, *, row_offset: int,
                 cu_seqlens_host: list[int] | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """
@@ -215,7 +216,8 @@ class DiT(nn.Module):
             t: [] float diffusion time in [0, 1].
             cu_seqlens: [B + 1] int32 GLOBAL bounds on x's device; ``cu_seqlens_host`` the same
                 bounds as a Python list (so the attention needs no device-to-host sync).
-            max_seqlen: longest segment.
+            valid_len: the request's used rows: global rows >= valid_len are padding (never
+                attended, zero attention output).
             rope: precomputed :func:`rope_tables` for this shard (reused across steps).
         Returns:
             [S_local, latent_channels] velocity, in x's dtype.
@@ -230,7 +232,7 @@ class DiT(nn.Module):
         time_mod = self.time_mod(F.silu(temb)).view(6, cfg.hidden_size)  # [6, hidden]
         h = self.patch_in(x.to(dtype))  # [S_local, hidden]
         for block in self.blocks:
-            h = block(h, time_mod, rope, cu_seqlens, max_seqlen, cu_seqlens_host)
+            h = block(h, time_mod, rope, cu_seqlens, valid_len, cu_seqlens_host)
         shift, scale = (self.final_modulation + temb).unbind(0)
         return self.proj_out(self.final_norm(h) * (1 + scale) + shift).to(x.dtype)
 

@@ -94,7 +94,9 @@ def test_sync_debug_mode_catches_a_sync():
 
 # 4 ranks share the one GPU over gloo; global 8,192 rows, 8 heads of 128, bf16.
 G_SEQ, G_HEADS = 8_192, 8
-G_LAYOUTS = {"trailing_padding": ((0, 8_000, G_SEQ), 8_000), "three_documents": ((0, 3_000, 5_000, G_SEQ), 3_192)}
+# name -> (bounds, max_seqlen, valid_len)
+G_LAYOUTS = {"trailing_padding": ((0, 8_000, G_SEQ), 8_000, 8_000),
+             "three_documents": ((0, 3_000, 5_000, G_SEQ), 3_192, None)}
 
 
 def _gpu_worker(rank, world, backend, chunks):
@@ -103,14 +105,15 @@ def _gpu_worker(rank, world, backend, chunks):
     torch.cuda.set_device(0)
     s_local = G_SEQ // world
     res = {}
-    for name, (bounds, max_seqlen) in G_LAYOUTS.items():
+    for name, (bounds, max_seqlen, valid_len) in G_LAYOUTS.items():
         g = torch.Generator().manual_seed(7)
         q, k, v = (torch.randn(G_SEQ, G_HEADS, 128, generator=g).bfloat16() for _ in range(3))
         k[..., :] += 0.5  # per-channel key bias: what Sage's K smoothing is for
         shard = [t[rank * s_local:(rank + 1) * s_local].cuda() for t in (q, k, v)]
         before = [t.clone() for t in shard]
         attn = UlyssesSageAttention(G_HEADS, 128, backend=backend, overlap_chunks=chunks)
-        out = attn(*shard, torch.tensor(bounds, device="cuda"), max_seqlen, list(bounds))
+        out = attn(*shard, torch.tensor(bounds, device="cuda"), max_seqlen, list(bounds),
+                   valid_len=valid_len)
         # numpy, not a tensor: a CPU tensor crosses the queue by a shared-memory handle that dies
         # with the rank process (seen on the H200 as ConnectionResetError in the parent)
         res[name] = (out.float().cpu().numpy(), all(torch.equal(a, b) for a, b in zip(before, shard)))
@@ -121,11 +124,11 @@ def _gpu_worker(rank, world, backend, chunks):
 def test_four_ranks_share_one_gpu_cosine(tmp_path, backend, chunks):
     world = 4
     per_rank = run_ranks(_gpu_worker, world, tmp_path, backend, chunks, timeout=300)
-    for name, (bounds, max_seqlen) in G_LAYOUTS.items():
+    for name, (bounds, max_seqlen, valid_len) in G_LAYOUTS.items():
         g = torch.Generator().manual_seed(7)
         q, k, v = (torch.randn(G_SEQ, G_HEADS, 128, generator=g).bfloat16() for _ in range(3))
         k[..., :] += 0.5
-        ref = reference_attention(q, k, v, bounds, max_seqlen, device="cuda")
+        ref = reference_attention(q, k, v, bounds, valid_len, device="cuda")
         out = torch.cat([torch.from_numpy(per_rank[r][name][0]) for r in range(world)]).cuda()
         cos = cosine(out, ref)
         assert cos >= 0.999, f"{name}: cosine {cos:.6f} < 0.999"

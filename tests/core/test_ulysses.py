@@ -13,11 +13,15 @@ from tests.reference import reference_attention
 # Global packed length 48: divisible by every W tested (1, 2, 3, 4).
 SEQ = 48
 HEAD_DIM = 16
+# name -> (bounds, max_seqlen, valid_len)
 LAYOUTS = {
-    "trailing_padding": ((0, 37, SEQ), 37),
-    "one_segment": ((0, SEQ), SEQ),
-    "three_documents": ((0, 10, 30, SEQ), 20),
-    "empty_segments": ((0, 0, 16, 16, 40, SEQ), 24),
+    "trailing_padding": ((0, 37, SEQ), 37, 37),
+    "one_segment": ((0, SEQ), SEQ, None),
+    "three_documents": ((0, 10, 30, SEQ), 20, None),
+    "empty_segments": ((0, 0, 16, 16, 40, SEQ), 24, None),
+    # A classifier-free-guidance pair: (0, S, 2S) with max_seqlen = S is TWO documents, never one
+    # request padded at the end (the bounds cannot tell; only valid_len says padding).
+    "two_equal_documents": ((0, SEQ // 2, SEQ), SEQ // 2, None),
 }
 HEADS = (4, 6, 7)  # 7 on 3 ranks and 6 on 4 ranks are uneven
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -50,12 +54,12 @@ def _parity_worker(rank, world):
     rows = slice(rank * s_local, (rank + 1) * s_local)
     results = {}
     for i, case in enumerate(CASES):
-        bounds, max_seqlen = LAYOUTS[case["layout"]]
+        bounds, max_seqlen, valid_len = LAYOUTS[case["layout"]]
         q, k, v = (t[rows].clone() for t in _global_inputs(case["heads"], case["dtype"], seed=i))
         before = [t.clone() for t in (q, k, v)]
         attn = UlyssesSageAttention(case["heads"], HEAD_DIM, backend="sdpa", overlap_chunks=case["chunks"])
         cu = torch.tensor(bounds, dtype=torch.int32)
-        out = attn(q, k, v, cu, max_seqlen, list(bounds) if case["host"] else None)
+        out = attn(q, k, v, cu, max_seqlen, list(bounds) if case["host"] else None, valid_len=valid_len)
         unmodified = all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
         aliases = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v))
         results[_case_id(case)] = (out.float().numpy(), str(out.dtype), tuple(out.shape), unmodified, aliases)
@@ -74,9 +78,9 @@ def test_parity_against_float64(parity_run, case):
     if case["heads"] < world:
         pytest.skip("fewer heads than ranks")  # never hit with HEADS >= 4
     i = CASES.index(case)
-    bounds, max_seqlen = LAYOUTS[case["layout"]]
+    bounds, max_seqlen, valid_len = LAYOUTS[case["layout"]]
     q, k, v = _global_inputs(case["heads"], case["dtype"], seed=i)
-    ref = reference_attention(q, k, v, bounds, max_seqlen)
+    ref = reference_attention(q, k, v, bounds, valid_len)
     shards = [per_rank[r][_case_id(case)] for r in range(world)]
     out = torch.cat([torch.from_numpy(s[0]) for s in shards]).double()
     for arr, dtype, shape, unmodified, aliases in shards:
@@ -88,6 +92,8 @@ def test_parity_against_float64(parity_run, case):
     assert err <= ATOL[case["dtype"]], f"max abs error {err:.3g} > {ATOL[case['dtype']]}"
     if case["layout"] == "trailing_padding":
         assert torch.count_nonzero(out[bounds[1]:]) == 0, "padding rows must be exactly zero"
+    if case["layout"] == "two_equal_documents":  # the second document is attended, not zeroed
+        assert out[bounds[1]:].abs().min(dim=-1).values.gt(0).float().mean() > 0.99
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +195,7 @@ def _collective_worker(rank, world, chunks):
     attn = UlyssesSageAttention(4, HEAD_DIM, backend="sdpa", overlap_chunks=chunks)
     bounds = (0, 37, SEQ)
     with CommDebugMode() as mode:
-        attn(q, q, q, torch.tensor(bounds), 37, list(bounds))
+        attn(q, q, q, torch.tensor(bounds), 37, list(bounds), valid_len=37)
     return mode.get_total_counts(), {str(k): v for k, v in mode.get_comm_counts().items()}
 
 

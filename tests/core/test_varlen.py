@@ -41,7 +41,9 @@ def test_sage_varlen_matches_reference(layout, host):
     before = [t.clone() for t in (q, k, v)]
     out = sage_varlen(q, k, v, torch.tensor(bounds), max_seqlen, list(bounds) if host else None,
                       backend="sdpa")
-    ref = reference_attention(q, k, v, bounds, max_seqlen)
+    # sage_varlen keeps SGLang's inference: (0, used, T) with used == max_seqlen is one padded request
+    ref = reference_attention(q, k, v, bounds, trailing_padding_used_len(
+        total_tokens=48, max_seqlen=max_seqlen, bounds=bounds))
     # fp32 math SDPA against float64: ~1e-6 absolute on O(1) outputs
     assert (out.double() - ref).abs().max() <= 1e-5
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
@@ -55,7 +57,7 @@ def test_sage_varlen_keywords_match_sglang():
     q = torch.randn(16, 2, 8)
     out = sage_varlen(q, q, q, cu_seqlens=torch.tensor([0, 16]), max_seqlen=16, cu_seqlens_host=[0, 16],
                       backend="sdpa", softmax_scale=0.5)
-    ref = reference_attention(q, q, q, (0, 16), 16, softmax_scale=0.5)
+    ref = reference_attention(q, q, q, (0, 16), softmax_scale=0.5)
     assert (out.double() - ref).abs().max() <= 1e-5
 
 
