@@ -1,0 +1,173 @@
+"""Sequence-parallel diffusers video transformers with dist_attn's Ulysses attention.
+
+Every rank of the group builds the same pipeline, calls it with the same inputs and gets the full
+output, as with diffusers' own ``enable_parallelism``; in between, each rank's transformer blocks
+work on 1/W of the tokens, and each self-attention is one pair of all-to-alls::
+
+    import torch.distributed as dist
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    dist.init_process_group("nccl")                       # under torchrun
+    handle = enable_ulysses(pipe.transformer)             # any time before the call
+    with torch.inference_mode():
+        video = pipe(prompt, ...).frames                  # identical on every rank
+    handle.remove()                                       # back to single-device attention
+
+Unlike diffusers' context parallelism, sequence lengths and head counts need not be multiples of
+the rank count W: the sequence is padded to a multiple of W (padding keys are never attended),
+and heads (times the batch) are spread unevenly. Forward only.
+
+Supported models are those listed by :func:`supported_models`; any other transformer is refused
+with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
+model runs on one rank with dist_attn's attention kernel and no collectives.
+"""
+
+from __future__ import annotations
+
+try:
+    import diffusers as _diffusers
+except ImportError as _exc:  # optional dependency: only this subpackage needs it
+    raise ImportError(
+        "dist_attn.integrations.diffusers needs the diffusers package, which is not installed: "
+        "pip install 'dist-attn[diffusers]'"
+    ) from _exc
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from dist_attn.backends import available_backends
+from dist_attn.distributed import group_size_and_rank
+from dist_attn.integrations.diffusers._runtime import Runtime, install_hooks
+from dist_attn.integrations.diffusers._spec import ModelSpec
+from dist_attn.integrations.diffusers._wan import WAN
+
+__all__ = ["UlyssesHandle", "disable_ulysses", "enable_ulysses", "supported_models"]
+
+logger = logging.getLogger(__name__)
+
+#: The diffusers release the adapter was written and tested against (the ``diffusers`` extra
+#: pins it); the per-model processors reproduce that release's attention math.
+TESTED_DIFFUSERS = "0.42.1"
+
+# One owner for "which models are supported": the class name -> its plan.
+_SPECS: dict[str, ModelSpec] = {spec.model_class.__name__: spec for spec in (WAN,)}
+_HANDLE_ATTR = "_dist_attn_ulysses"
+
+
+def supported_models() -> tuple[str, ...]:
+    """Names of the diffusers transformer classes :func:`enable_ulysses` accepts."""
+    return tuple(_SPECS)
+
+
+@dataclass(eq=False)
+class UlyssesHandle:
+    """What :func:`enable_ulysses` changed on one transformer; :meth:`remove` undoes all of it."""
+
+    transformer: nn.Module
+    runtime: Runtime
+    processors: list = field(default_factory=list)
+    """``(attention module, its original processor)`` pairs."""
+    removed: bool = False
+
+    @property
+    def group(self):
+        """The process group as given (None = the default group)."""
+        return self.runtime.group
+
+    def remove(self) -> None:
+        """Restores diffusers' processors and removes every hook; calling it twice is a no-op."""
+        if self.removed:
+            return
+        for hook in self.runtime.handles:
+            hook.remove()
+        self.runtime.handles.clear()
+        for attn, original in self.processors:
+            attn.set_processor(original)
+        self.processors.clear()
+        if getattr(self.transformer, _HANDLE_ATTR, None) is self:
+            delattr(self.transformer, _HANDLE_ATTR)
+        self.removed = True
+
+    def __enter__(self) -> "UlyssesHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def enable_ulysses(transformer: nn.Module, group=None, *, backend: str = "auto") -> UlyssesHandle:
+    """Makes ``transformer`` sequence-parallel over the ranks of ``group``, in place.
+
+    Afterwards every rank calls ``transformer(...)`` (or the pipeline that owns it) with the same
+    full inputs, under ``torch.no_grad()`` or ``torch.inference_mode()``, and receives the same
+    full output. Each forward first checks that the ranks agree on the inputs' shapes and contents
+    (one small all-gather), so a rank with another seed or resolution raises a ``ValueError`` on
+    every rank instead of returning a silently mixed result.
+
+    Args:
+        transformer: a diffusers transformer of a class in :func:`supported_models`, whose
+            self-attention modules still hold diffusers' default processor.
+        group: process group of the Ulysses ranks (None = the default group; not initialised or
+            one rank = local attention, no collectives).
+        backend: dist_attn attention backend for the self-attention (``"auto"``, ``"sdpa"``,
+            ``"sage8"``, ...; see :func:`dist_attn.available_backends`).
+
+    Returns:
+        A :class:`UlyssesHandle`; ``handle.remove()`` (or leaving ``with handle:``) restores the
+        transformer.
+
+    Raises:
+        TypeError: ``transformer`` is not a supported model class.
+        ValueError: an argument is invalid, or the transformer is already enabled or holds a
+            non-default attention processor or diffusers' own context parallelism.
+    """
+    if not isinstance(transformer, nn.Module):
+        raise TypeError(f"transformer={type(transformer).__name__!r} must be a diffusers model "
+                        f"(a torch.nn.Module); supported: {', '.join(supported_models())}")
+    spec = _SPECS.get(type(transformer).__name__)
+    if spec is None or type(transformer) is not spec.model_class:
+        raise TypeError(
+            f"transformer of type {type(transformer).__module__}.{type(transformer).__qualname__} "
+            f"is not supported by dist_attn.integrations.diffusers; supported: "
+            f"{', '.join(supported_models())} (exact classes: a subclass may change forward)"
+        )
+    if not isinstance(backend, str) or backend not in available_backends():
+        raise ValueError(f"backend={backend!r} must be one of {available_backends()}")
+    group_size_and_rank(group)  # a group without torch.distributed raises here, naming it
+    if getattr(transformer, _HANDLE_ATTR, None) is not None:
+        raise ValueError("this transformer is already sequence-parallel (enable_ulysses was "
+                         "called before); call handle.remove() or disable_ulysses() first")
+    if getattr(transformer, "_parallel_config", None) is not None:
+        raise ValueError("this transformer has diffusers' own context parallelism enabled "
+                         "(enable_parallelism); the two cannot be combined")
+    spec.check_model(transformer)
+    attns = spec.self_attention(transformer)
+    for name, attn in attns:
+        proc = attn.processor
+        if type(proc) is not spec.expected_processor:
+            raise ValueError(
+                f"{name} holds a {type(proc).__name__} processor; enable_ulysses replaces only "
+                f"diffusers' default {spec.expected_processor.__name__} (another processor may "
+                f"compute something else, which dist_attn's would silently drop)"
+            )
+    if _diffusers.__version__ != TESTED_DIFFUSERS:
+        logger.warning("diffusers %s is installed; dist_attn's %s processor was written for %s",
+                       _diffusers.__version__, type(transformer).__name__, TESTED_DIFFUSERS)
+
+    runtime = Runtime(spec=spec, group=group, backend=backend)
+    handle = UlyssesHandle(transformer=transformer, runtime=runtime)
+    install_hooks(runtime, transformer)
+    for _, attn in attns:
+        handle.processors.append((attn, attn.processor))
+        attn.set_processor(spec.make_processor(runtime))
+    setattr(transformer, _HANDLE_ATTR, handle)
+    return handle
+
+
+def disable_ulysses(transformer: nn.Module) -> None:
+    """Undoes :func:`enable_ulysses` on ``transformer``; a no-op when it is not enabled."""
+    handle = getattr(transformer, _HANDLE_ATTR, None)
+    if handle is not None:
+        handle.remove()

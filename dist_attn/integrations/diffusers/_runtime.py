@@ -1,0 +1,229 @@
+"""The hooks of an enabled transformer: one sequence plan per forward, shard once, gather once.
+
+Every rank calls the transformer with the FULL inputs. The forward pre-hook checks them (locally,
+then once across the ranks), plans the shard of the S-token sequence (padded to a multiple of W)
+and cuts the per-token forward arguments; the submodule hooks cut every other tensor that carries
+the sequence (hidden states entering the first block, RoPE tables) to this rank's rows and gather
+the output projection back to all S rows; the forward hook closes the plan.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_sequence
+from dist_attn.distributed import group_size_and_rank
+from dist_attn.integrations.diffusers._spec import ModelSpec, ShardPoint
+
+__all__ = ["Runtime", "install_hooks"]
+
+logger = logging.getLogger(__name__)
+
+# Per compared input: present flag, ndim, up to _MAX_DIMS sizes, sum |x|, sum x^2 (float64).
+_MAX_DIMS = 6
+_ROW = 2 + _MAX_DIMS + 2
+# Relative tolerance on the contents fingerprint: ranks that ran the text encoder with
+# nondeterministic kernels differ by ~1e-7 relative; a different seed or prompt differs by ~1e-2.
+_FINGERPRINT_RTOL = 1e-5
+
+
+@dataclass(kw_only=True)
+class Runtime:
+    """The state one enabled transformer shares between its hooks and processors."""
+
+    spec: ModelSpec
+    group: Any
+    """Process group of the Ulysses ranks as the caller gave it (None = the default group)."""
+    backend: str
+    """dist_attn backend name for the self-attention."""
+    world_size: int = 1
+    """W of the forward in flight (read from the group at each forward: the group may be
+    initialised after enable_ulysses)."""
+    shard: SequenceShard | None = None
+    """The plan of the forward in flight; None outside a forward."""
+    handles: list = field(default_factory=list)
+
+    def current(self, where: str) -> SequenceShard:
+        """The plan of the forward in flight, or a clear error when called outside one."""
+        if self.shard is None:
+            raise RuntimeError(
+                f"{where} was called outside the transformer's forward; after enable_ulysses the "
+                f"sequence is sharded by the transformer's forward hooks, so call the transformer "
+                f"itself (or remove the handle first)"
+            )
+        return self.shard
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module:
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        raise TypeError(
+            f"{type(model).__name__} has no submodule {path!r}, which dist_attn's plan for it "
+            f"expects; this diffusers version is not supported"
+        ) from None
+
+
+def _cut(rt: Runtime, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+    shard = rt.current(what)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} should be a tensor carrying the sequence, got {type(x).__name__}")
+    if x.shape[dim] != shard.valid_len:
+        raise ValueError(
+            f"{what} has {x.shape[dim]} rows along dim {dim} (shape {tuple(x.shape)}), but the "
+            f"sequence of this forward has S={shard.valid_len} tokens"
+        )
+    local, got = shard_sequence(x, rt.group, dim=dim)
+    if got != shard:
+        raise RuntimeError(f"{what}: shard {got} differs from the forward's plan {shard}")
+    return local
+
+
+def _output_hook(rt: Runtime, point: ShardPoint):
+    def hook(module, args, output):
+        what = f"the output of {point.module!r}"
+        if not point.items:
+            return _cut(rt, output, point.dim, what)
+        out = list(output)
+        for i in point.items:
+            out[i] = _cut(rt, out[i], point.dim, f"{what}[{i}]")
+        return type(output)(out) if isinstance(output, tuple) else out
+    return hook
+
+
+def _input_hook(rt: Runtime, point: ShardPoint):
+    (index,) = point.items
+
+    def hook(module, args, kwargs):
+        what = f"argument {index} of {point.module!r}"
+        if len(args) > index:
+            args = (*args[:index], _cut(rt, args[index], point.dim, what), *args[index + 1:])
+        elif point.name in kwargs:
+            kwargs = {**kwargs, point.name: _cut(rt, kwargs[point.name], point.dim, what)}
+        else:
+            raise TypeError(f"{point.module!r} was called without its {point.name!r} argument")
+        return args, kwargs
+    return hook
+
+
+def _gather_hook(rt: Runtime, path: str, dim: int):
+    def hook(module, args, output):
+        shard = rt.current(f"the output of {path!r}")
+        return gather_sequence(output, shard, rt.group, dim=dim)
+    return hook
+
+
+def _fingerprint(x: Any) -> list[float]:
+    if not isinstance(x, torch.Tensor):
+        return [0.0] * _ROW
+    if x.ndim > _MAX_DIMS:
+        raise ValueError(f"an input of shape {tuple(x.shape)} has more than {_MAX_DIMS} dims")
+    sizes = list(x.shape) + [-1] * (_MAX_DIMS - x.ndim)
+    flat = x.detach().to(torch.float64)
+    return [1.0, float(x.ndim), *map(float, sizes), float(flat.abs().sum()), float(flat.square().sum())]
+
+
+def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device) -> None:
+    """One all-gather of shape and contents fingerprints; raises the same error on every rank.
+
+    Ranks that pass different inputs (another seed, another prompt, another resolution) would
+    otherwise either crash inside an all-to-all with a size mismatch or, with equal shapes,
+    return a silently wrong mix of the two inputs.
+    """
+    names = rt.spec.compared_inputs
+    mine = torch.tensor([_fingerprint(arguments.get(n)) for n in names], dtype=torch.float64,
+                        device=device)  # [len(names), _ROW]
+    rows = [torch.empty_like(mine) for _ in range(rt.world_size)]
+    dist.all_gather(rows, mine, group=rt.group)
+    ref = rows[0].cpu()
+    for r in range(1, rt.world_size):
+        other = rows[r].cpu()
+        for i, name in enumerate(names):
+            shape_ref, shape_r = ref[i, :2 + _MAX_DIMS], other[i, :2 + _MAX_DIMS]
+            if not torch.equal(shape_ref, shape_r):
+                raise ValueError(
+                    f"{name} differs across the W={rt.world_size} ranks of the group: "
+                    f"{_describe(shape_r)} on rank {r}, {_describe(shape_ref)} on rank 0; every "
+                    f"rank must pass the same full inputs to the transformer"
+                )
+            sums_ref, sums_r = ref[i, 2 + _MAX_DIMS:], other[i, 2 + _MAX_DIMS:]
+            if not torch.allclose(sums_r, sums_ref, rtol=_FINGERPRINT_RTOL, atol=0.0):
+                raise ValueError(
+                    f"{name} has different contents on rank {r} and rank 0 of the group (sum |x| "
+                    f"{float(sums_r[0]):.6g} vs {float(sums_ref[0]):.6g}); every rank must pass "
+                    f"the same full inputs (same seed, same prompt) to the transformer"
+                )
+
+
+def _describe(row: torch.Tensor) -> str:
+    if row[0] == 0:
+        return "absent"
+    ndim = int(row[1])
+    return f"shape {tuple(int(s) for s in row[2:2 + ndim])}"
+
+
+def _forward_pre_hook(rt: Runtime):
+    def hook(model, args, kwargs):
+        spec = rt.spec
+        rt.shard = None
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{type(model).__name__}.forward: {exc}") from None
+        arguments = bound.arguments
+        inputs = spec.read_inputs(model, arguments)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+            raise RuntimeError(
+                "dist_attn's sequence-parallel attention is forward only: call the transformer "
+                "under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)"
+            )
+        _, rt.world_size, _ = group_size_and_rank(rt.group)
+        heads = spec.num_heads(model)
+        if inputs.batch * heads < rt.world_size:
+            raise ValueError(
+                f"batch={inputs.batch} samples x num_heads={heads} = {inputs.batch * heads} folded "
+                f"heads, fewer than the W={rt.world_size} ranks of the group; each rank needs one"
+            )
+        if rt.world_size > 1:
+            device = next((t.device for t in arguments.values() if isinstance(t, torch.Tensor)),
+                          torch.device("cpu"))
+            _check_same_on_all_ranks(rt, arguments, device)
+        rt.shard = plan_shard(inputs.seq_len, rt.group)
+        for point in spec.shards:
+            if point.module or point.where != "input":
+                continue
+            x = arguments.get(point.name)
+            if isinstance(x, torch.Tensor) and (point.only_if_ndim is None or x.ndim == point.only_if_ndim):
+                arguments[point.name] = _cut(rt, x, point.dim, f"argument {point.name!r}")
+        return bound.args, bound.kwargs
+    return hook
+
+
+def _forward_hook(rt: Runtime):
+    def hook(model, args, output):
+        rt.shard = None
+    return hook
+
+
+def install_hooks(rt: Runtime, model: nn.Module) -> None:
+    """Registers every hook of ``rt.spec`` on ``model``; their handles go to ``rt.handles``."""
+    subs = [(p, _submodule(model, p.module)) for p in rt.spec.shards if p.module]
+    gathers = [(path, dim, _submodule(model, path)) for path, dim in rt.spec.gathers]
+    hs = rt.handles
+    hs.append(model.register_forward_pre_hook(_forward_pre_hook(rt), with_kwargs=True))
+    for point, sub in subs:
+        if point.where == "output":
+            hs.append(sub.register_forward_hook(_output_hook(rt, point)))
+        else:
+            hs.append(sub.register_forward_pre_hook(_input_hook(rt, point), with_kwargs=True))
+    for path, dim, sub in gathers:
+        hs.append(sub.register_forward_hook(_gather_hook(rt, path, dim)))
+    # always_call: a forward that raised must not leave its plan for the next call.
+    hs.append(model.register_forward_hook(_forward_hook(rt), always_call=True))
