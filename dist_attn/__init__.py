@@ -10,23 +10,31 @@ from dist_attn.backends import (
     unregister_backend,
 )
 from dist_attn.varlen import sage_varlen, trailing_padding_used_len
+from dist_attn.distributed import DistEnv, init_distributed
 from dist_attn.buffers import StagingBuffers, StagingCapacityError, default_staging_buffers
 from dist_attn.profiling import PhaseTimer
+from dist_attn.sharding import SequenceShard, gather_sequence, plan_shard, shard_sequence
 from dist_attn.ulysses import UlyssesSageAttention, ulysses_attention
 
 __all__ = [
     "AttentionBackend",
     "BackendUnavailableError",
+    "DistEnv",
     "PhaseTimer",
+    "SequenceShard",
     "StagingBuffers",
     "StagingCapacityError",
     "UlyssesSageAttention",
     "available_backends",
     "default_staging_buffers",
+    "gather_sequence",
     "get_backend",
+    "init_distributed",
+    "plan_shard",
     "register_backend",
     "resolve_backend",
     "sage_varlen",
+    "shard_sequence",
     "trailing_padding_used_len",
     "ulysses_attention",
     "unregister_backend",

@@ -1,0 +1,126 @@
+"""Cutting a full sequence into the contiguous per-rank shards Ulysses expects, and back.
+
+Ranks that compute different shard shapes make the all-to-all fail with "Received data size
+doesn't match expected size" (or hang); :func:`plan_shard` is the one place where the padded
+length and every rank's rows are decided, from integers that are the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_attn.distributed import group_size_and_rank
+
+__all__ = ["SequenceShard", "plan_shard", "shard_sequence", "gather_sequence"]
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's share of a sequence padded at the end to a multiple of the group size."""
+
+    valid_len: int
+    """Rows of the real sequence (pass it as ``valid_len=`` to the attention)."""
+    total_len: int
+    """``valid_len`` rounded up to a multiple of ``world_size``: the packed length S."""
+    world_size: int
+    rank: int
+
+    @property
+    def local_len(self) -> int:
+        """S_local = total_len / world_size rows per rank."""
+        return self.total_len // self.world_size
+
+    @property
+    def start(self) -> int:
+        """This rank's first global row."""
+        return self.rank * self.local_len
+
+    @property
+    def local_valid(self) -> int:
+        """How many of this rank's rows are real (the rest are padding)."""
+        return max(0, min(self.local_len, self.valid_len - self.start))
+
+    @property
+    def cu_seqlens_host(self) -> list[int]:
+        """``[0, total_len]``: one segment (padding is said by ``valid_len``, not by the bounds)."""
+        return [0, self.total_len]
+
+
+def plan_shard(seq_len: int, group=None, *, multiple_of: int = 1) -> SequenceShard:
+    """The shard plan of a ``seq_len``-row sequence over ``group`` (None: the default group,
+    or a single rank when torch.distributed is not initialised).
+
+    Args:
+        seq_len: rows of the real sequence (>= 1).
+        multiple_of: pad the total to a multiple of ``world_size * multiple_of`` (e.g. 64 for
+            H3's packed-sequence alignment).
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive int")
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
+    _, world, rank = group_size_and_rank(group)
+    step = world * multiple_of
+    total = -(-seq_len // step) * step
+    return SequenceShard(valid_len=seq_len, total_len=total, world_size=world, rank=rank)
+
+
+def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1,
+                   multiple_of: int = 1) -> tuple[torch.Tensor, SequenceShard]:
+    """This rank's rows of the full tensor ``x`` along ``dim``, zero-padded at the end.
+
+    Args:
+        x: the full tensor, identical on every rank, e.g. ``[B, S, ...]`` with ``dim=1``.
+        group: the Ulysses group (None: the default group).
+        dim: the sequence axis.
+        multiple_of: see :func:`plan_shard`.
+
+    Returns:
+        ``(x_local, shard)``: ``x_local`` has ``shard.local_len`` rows along ``dim`` (a fresh
+        contiguous tensor; ``x`` is not modified); ``shard`` describes the split.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    dim = dim % x.ndim if x.ndim else dim
+    if x.ndim == 0:
+        raise ValueError("x must have at least one dimension (the sequence axis)")
+    shard = plan_shard(x.shape[dim], group, multiple_of=multiple_of)
+    rows = x.narrow(dim, min(shard.start, x.shape[dim]), shard.local_valid)
+    if shard.local_valid < shard.local_len:
+        pad = [0, 0] * (x.ndim - 1 - dim) + [0, shard.local_len - shard.local_valid]
+        return F.pad(rows, pad), shard
+    return rows.contiguous(), shard
+
+
+def gather_sequence(x_local: torch.Tensor, shard: SequenceShard, group=None, *,
+                    dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: every rank gets the full ``valid_len`` rows.
+
+    Args:
+        x_local: ``shard.local_len`` rows along ``dim`` (same shape on every rank).
+        shard: the plan this rank's rows came from.
+        group: the group the shards live on (None: the default group).
+        dim: the sequence axis.
+
+    Returns:
+        The full tensor with ``shard.valid_len`` rows along ``dim`` (one all-gather).
+    """
+    dim = dim % x_local.ndim
+    if x_local.shape[dim] != shard.local_len:
+        raise ValueError(f"x_local.shape[{dim}]={x_local.shape[dim]} must equal shard.local_len="
+                         f"{shard.local_len} (the rows shard_sequence gave this rank)")
+    group, world, _ = group_size_and_rank(group)
+    if world != shard.world_size:
+        raise ValueError(f"the group has {world} ranks but the shard was planned for "
+                         f"{shard.world_size}")
+    if world == 1:
+        return x_local.narrow(dim, 0, shard.valid_len)
+    # all_gather_into_tensor concatenates along dim 0: move the sequence axis there and back.
+    moved = x_local.movedim(dim, 0).contiguous()  # [S_local, ...]
+    full = moved.new_empty((shard.total_len, *moved.shape[1:]))  # [S, ...]
+    dist.all_gather_into_tensor(full, moved, group=group)
+    return full[:shard.valid_len].movedim(0, dim)
