@@ -56,6 +56,26 @@ class AttentionBackend:
         """
         raise NotImplementedError
 
+    def dense_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-causal attention that also returns the log-sum-exp of each query row's scores,
+        which ring attention needs to merge partial results exactly.
+
+        Args:
+            q, k, v: ``[B, T, H, D]``, one dtype and device, last dim contiguous.
+            softmax_scale: multiplier of q.k before the softmax.
+
+        Returns:
+            ``(out, lse)``: out ``[B, T, H, D]`` in q's dtype; lse ``[B, H, T]`` float32, the
+            natural log of ``sum_j exp(softmax_scale * q.k_j)``.
+        """
+        raise NotImplementedError(f"backend {self.name!r} does not return a log-sum-exp")
+
+    @property
+    def supports_lse(self) -> bool:
+        """Whether :meth:`dense_lse` is implemented (ring attention needs it)."""
+        return type(self).dense_lse is not AttentionBackend.dense_lse
+
     # A backend that handles packed varlen natively sets this to a callable
     # (q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out) -> out.
     varlen: Callable | None = None
