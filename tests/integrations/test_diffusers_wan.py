@@ -14,9 +14,10 @@ from tests.integrations._tiny_wan import tiny_wan, wan_inputs  # noqa: E402
 # float32, max |difference| against diffusers' unmodified model on the full inputs, run in the
 # same process: the ranks compute every row with the same kernels on fewer rows (GEMMs over
 # S_local instead of S rows, SDPA over [S, h, D] instead of [B, H, S, D]), which may change
-# summation order and so the last bit or two of O(1) values (~1e-7); 2 blocks carry that
-# through LayerNorm and GEMMs; 1e-5 is 10-100x the worst measured and far below a wrong row order
-# or a padding key attended (both >= 1e-2).
+# summation order and so the last bit or two of O(1) values (~1e-7), carried through 2 blocks.
+# Measured here: 0.0 (bit-identical) in every case. The bound sits far below the two mistakes
+# it must catch, measured on odd_S45_cfg_b2 with the adapter broken on purpose: padding keys
+# attended 1.6e-2, every rank using rank 0's RoPE rows 1.3e-2.
 ATOL = 1e-5
 
 # name: (heads, batch, frames, height, width, per-token timestep); S = frames*(height/2)*(width/2)
@@ -95,7 +96,18 @@ def _worker_2(rank, world):
 
 
 def _worker_4(rank, world):
-    return {"parity": _parity(CASES_4)}
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    results = {"parity": _parity(CASES_4)}
+    model = tiny_wan(2)
+    enable_ulysses(model)
+    try:  # B*H = 2 folded heads for 4 ranks: refused before any collective
+        with torch.no_grad():
+            model(**wan_inputs(1, 1, 4, 4))
+        results["too_few_heads"] = None
+    except ValueError as exc:
+        results["too_few_heads"] = str(exc)
+    return results
 
 
 def _check_parity(results, cases):
@@ -124,3 +136,6 @@ def test_wan_two_ranks_parity_and_errors(tmp_path):
 def test_wan_four_ranks_uneven_heads_odd_length_batch(tmp_path):
     results = run_ranks(_worker_4, 4, tmp_path, timeout=240)
     _check_parity(results, CASES_4)
+    for res in results:
+        assert res["too_few_heads"] and "batch=1 samples x num_heads=2 = 2 folded heads, fewer " \
+            "than the W=4 ranks" in res["too_few_heads"], res["too_few_heads"]

@@ -1,0 +1,144 @@
+"""enable_ulysses in one process (no process group = one rank): what it accepts, what it refuses
+with which message, what remove() restores, and that diffusers stays an optional import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install -e '.[diffusers]')")
+
+import torch.distributed as dist  # noqa: E402
+
+from dist_attn.integrations.diffusers import (  # noqa: E402
+    disable_ulysses, enable_ulysses, supported_models,
+)
+from tests.conftest import subprocess_env  # noqa: E402
+from tests.integrations._tiny_wan import tiny_wan, wan_inputs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not dist.is_initialized(), "these tests are about running without a process group"
+
+
+def _run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+def test_without_process_group_runs_as_one_rank_bit_identical():
+    model = tiny_wan(4)
+    inputs = wan_inputs(2, 3, 6, 10)  # S = 45, B = 2
+    ref = _run(model, inputs)
+    handle = enable_ulysses(model, backend="sdpa")
+    out = _run(model, inputs)
+    handle.remove()
+    # One rank: same rows, same kernels (SDPA in both), so no rounding may differ.
+    assert torch.equal(out, ref), float((out - ref).abs().max())
+    assert torch.equal(_run(model, inputs), ref)
+
+
+def test_remove_restores_processors_and_hooks_and_disable_is_idempotent():
+    model = tiny_wan(2)
+    originals = [b.attn1.processor for b in model.blocks]
+    cross = [b.attn2.processor for b in model.blocks]
+    handle = enable_ulysses(model)
+    assert all(type(b.attn1.processor).__name__ == "WanUlyssesProcessor" for b in model.blocks)
+    assert all(b.attn2.processor is p for b, p in zip(model.blocks, cross)), "cross-attention must stay"
+    disable_ulysses(model)
+    assert handle.removed
+    assert all(b.attn1.processor is p for b, p in zip(model.blocks, originals))
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    disable_ulysses(model)  # not enabled: a no-op
+    handle.remove()  # twice: a no-op
+    with enable_ulysses(model):  # the handle is a context manager
+        assert model.blocks[0].attn1.processor is not originals[0]
+    assert model.blocks[0].attn1.processor is originals[0]
+
+
+def test_supported_models_lists_wan():
+    assert "WanTransformer3DModel" in supported_models()
+
+
+def test_unsupported_models_are_refused_naming_the_supported_ones():
+    from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
+
+    cog = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                      out_channels=4, num_layers=1, sample_width=8, sample_height=8,
+                                      sample_frames=5, text_embed_dim=16, time_embed_dim=8)
+    with pytest.raises(TypeError, match=r"CogVideoXTransformer3DModel is not supported.*supported: .*"
+                                        r"WanTransformer3DModel"):
+        enable_ulysses(cog)
+    with pytest.raises(TypeError, match=r"torch.nn.modules.linear.Linear is not supported"):
+        enable_ulysses(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"transformer='str' must be a diffusers model"):
+        enable_ulysses("WanTransformer3DModel")
+
+    class MyWan(WanTransformer3DModel):
+        pass
+
+    with pytest.raises(TypeError, match=r"MyWan is not supported.*a subclass may change forward"):
+        enable_ulysses(MyWan(num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                             out_channels=4, text_dim=16, freq_dim=16, ffn_dim=8, num_layers=1))
+
+
+def test_bad_arguments_and_states_are_refused_before_anything_changes():
+    model = tiny_wan(2)
+    with pytest.raises(ValueError, match=r"backend='flash' must be one of \('auto'"):
+        enable_ulysses(model, backend="flash")
+    with pytest.raises(ValueError, match=r"group=.* was given but torch.distributed is not initialised"):
+        enable_ulysses(model, group=object())
+    model.blocks[1].attn1.set_processor(_CustomProcessor())
+    with pytest.raises(ValueError, match=r"blocks.1.attn1 holds a _CustomProcessor processor"):
+        enable_ulysses(model)
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    model = tiny_wan(2)
+    handle = enable_ulysses(model)
+    with pytest.raises(ValueError, match=r"already sequence-parallel"):
+        enable_ulysses(model)
+    handle.remove()
+    model._parallel_config = object()  # what diffusers' enable_parallelism leaves behind
+    with pytest.raises(ValueError, match=r"diffusers' own context parallelism"):
+        enable_ulysses(model)
+
+
+class _CustomProcessor:
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def test_bad_inputs_and_grad_mode_raise_clear_errors():
+    model = tiny_wan(2)
+    enable_ulysses(model)
+    inputs = wan_inputs(1, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"hidden_states=a Tensor of shape \(1, 4, 4, 4\) must be a "
+                                         r"\[B, C, F, H, W\] tensor"):
+        _run(model, {**inputs, "hidden_states": inputs["hidden_states"][:, :, 0]})
+    with pytest.raises(ValueError, match=r"timestep of shape \(1, 5\) is per token but .* S=8 tokens"):
+        _run(model, {**inputs, "timestep": torch.zeros(1, 5)})
+    with pytest.raises(RuntimeError, match=r"forward only: call the transformer under torch.no_grad\(\)"):
+        model(**inputs)
+    with pytest.raises(RuntimeError, match=r"called outside the transformer's forward"):
+        with torch.no_grad():
+            model.blocks[0].attn1(torch.zeros(1, 8, 24))
+    _run(model, inputs)  # a good call after the failures works
+
+
+def test_import_dist_attn_does_not_import_diffusers(repo_root):
+    code = "import sys, dist_attn; assert 'diffusers' not in sys.modules, 'diffusers was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root, env=subprocess_env(), timeout=60)
+
+
+def test_missing_diffusers_gives_an_install_hint(repo_root):
+    # sys.modules[name] = None makes `import name` raise ImportError, as if it were not installed.
+    code = ("import sys; sys.modules['diffusers'] = None\n"
+            "try:\n    import dist_attn.integrations.diffusers\n"
+            "except ImportError as e:\n    print(e)\nelse:\n    raise SystemExit('imported')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root,
+                         env=subprocess_env(), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "pip install 'dist-attn[diffusers]'" in res.stdout, res.stdout
