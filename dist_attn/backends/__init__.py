@@ -1,8 +1,9 @@
 """Dense attention kernels behind one small interface, and the registry that names them.
 
 Registered at import: ``"sdpa"`` (torch SDPA, exact), ``"sage"`` (the sageattention package),
-``"sage8"`` (dist_attn's INT8-QK / FP8-PV kernel for Hopper; needs triton at call time).
-``"auto"`` picks the first of sage8, sage, sdpa that can run and logs what it chose.
+``"sage8"`` (dist_attn's INT8-QK / FP8-PV kernel for Hopper; needs triton at call time),
+``"fa3"`` (FlashAttention-3 on Hopper, exact, when importable).
+``"auto"`` picks the first of sage8, sage, fa3, sdpa that can run and logs what it chose.
 """
 
 from dist_attn.backends.base import AttentionBackend, BackendUnavailableError, default_softmax_scale
@@ -13,6 +14,7 @@ from dist_attn.backends.registry import (
     resolve_backend,
     unregister_backend,
 )
+from dist_attn.backends.fa3 import Fa3Backend
 from dist_attn.backends.sage import SageBackend
 from dist_attn.backends.sage8 import Sage8Backend
 from dist_attn.backends.sdpa import SdpaBackend
@@ -20,6 +22,7 @@ from dist_attn.backends.sdpa import SdpaBackend
 __all__ = [
     "AttentionBackend",
     "BackendUnavailableError",
+    "Fa3Backend",
     "SageBackend",
     "Sage8Backend",
     "SdpaBackend",
@@ -34,3 +37,4 @@ __all__ = [
 register_backend(SdpaBackend())
 register_backend(SageBackend())
 register_backend(Sage8Backend())
+register_backend(Fa3Backend())
