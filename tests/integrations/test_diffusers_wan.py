@@ -20,16 +20,19 @@ from tests.integrations._tiny_wan import tiny_wan, wan_inputs  # noqa: E402
 # attended 1.6e-2, every rank using rank 0's RoPE rows 1.3e-2.
 ATOL = 1e-5
 
-# name: (heads, batch, frames, height, width, per-token timestep); S = frames*(height/2)*(width/2)
+# name: (heads, batch, frames, height, width, variant); S = frames*(height/2)*(width/2);
+# variant: "t2v" (Wan 2.1 T2V), "per_token" (Wan 2.2's [B, S] timestep), "i2v" (image tokens
+# in cross-attention)
 CASES_2 = {
-    "even_S16_b1": (4, 1, 2, 4, 8, False),
-    "odd_S45_cfg_b2": (4, 2, 3, 6, 10, False),
-    "odd_S9_per_token_timestep": (4, 1, 1, 6, 6, True),
+    "even_S16_b1": (4, 1, 2, 4, 8, "t2v"),
+    "odd_S45_cfg_b2": (4, 2, 3, 6, 10, "t2v"),
+    "odd_S9_per_token_timestep": (4, 1, 1, 6, 6, "per_token"),
+    "i2v_odd_S15_b2": (4, 2, 1, 6, 10, "i2v"),
 }
 CASES_4 = {
-    "heads6_odd_S45_cfg_b2": (6, 2, 3, 6, 10, False),
-    "heads6_even_S16_b1": (6, 1, 2, 4, 8, False),
-    "heads2_b2_odd_S15": (2, 2, 1, 6, 10, False),  # B*H = 4 = W: heads alone are too few
+    "heads6_odd_S45_cfg_b2": (6, 2, 3, 6, 10, "t2v"),
+    "heads6_even_S16_b1": (6, 1, 2, 4, 8, "t2v"),
+    "heads2_b2_odd_S15": (2, 2, 1, 6, 10, "t2v"),  # B*H = 4 = W: heads alone are too few
 }
 
 
@@ -38,9 +41,10 @@ def _parity(cases):
     from dist_attn.integrations.diffusers import enable_ulysses
 
     results = {}
-    for name, (heads, batch, f, h, w, per_token) in cases.items():
-        model = tiny_wan(heads)
-        inputs = wan_inputs(batch, f, h, w, per_token_timestep=per_token)
+    for name, (heads, batch, f, h, w, variant) in cases.items():
+        model = tiny_wan(heads, i2v=variant == "i2v")
+        inputs = wan_inputs(batch, f, h, w, per_token_timestep=variant == "per_token",
+                            i2v=variant == "i2v")
         with torch.no_grad():
             ref = model(**inputs, return_dict=False)[0]
         before = {k: v.clone() for k, v in inputs.items()}
