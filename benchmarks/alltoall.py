@@ -50,7 +50,7 @@ from dist_attn.plan import head_offsets, heads_per_rank
 
 THEME = "alltoall"
 _BUDGET_REASON = "skipped: the --budget-s wall-time budget was spent"
-# On H200 (shared/h3.md): plain copy 4.2 TB/s, permute-copy 1.7 TB/s; the pack must reach 3.
+# Measured on an H200: plain copy 4.2 TB/s, permute-copy 1.7 TB/s; the pack must reach 3.
 PACK_TARGET_TBS = 3.0
 
 
@@ -158,14 +158,14 @@ def main(argv: list[str] | None = None) -> dict[str, str] | None:
         ("copy_in", "plain device copy, same bytes as pack_qkv", 2 * n_in * es,
          lambda: copy_dst.copy_(copy_src)),
         ("pack_qkv", "dist_attn.comm.pack_qkv (destination-major staging)", 2 * n_in * es,
-         lambda: pack_qkv(q, k, v, send_in, ranges)),
+         lambda: pack_qkv(q[None], k[None], v[None], send_in, ranges)),
         ("pack_separate", "3 permute-copies (DeepSpeed/yunchang input side)", 2 * n_in * es,
          (lambda: [t.reshape(s_local, world, H // world, D).transpose(0, 1).contiguous() for t in (q, k, v)])
          if even else None),
         ("copy_out", "plain device copy, same bytes as unpack_output", 2 * n_out * es,
          lambda: copy_dst[:n_out].copy_(copy_src[:n_out])),
         ("unpack_output", "dist_attn.comm.unpack_output into [S_local, H, D]", 2 * n_out * es,
-         lambda: unpack_output(out_recv, out, ranges)),
+         lambda: unpack_output(out_recv, out[None], ranges)),
     ]
     measure_here = rank == 0 or not ctx.shared_gpu
     local_rows = []
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, str] | None:
         all_to_all_flat(recv_in, send_in, recv_splits=in_recv_splits, send_splits=in_send_splits, group=group)
 
     def packed_in():
-        pack_qkv(q, k, v, send_in, ranges)
+        pack_qkv(q[None], k[None], v[None], send_in, ranges)
         all_to_all_flat(recv_in, send_in, recv_splits=in_recv_splits, send_splits=in_send_splits, group=group)
         return unpack_qkv(recv_in, args.seq, h_r, D)
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, str] | None:
 
     def packed_out():
         a2a_out_raw()
-        unpack_output(out_recv, out, ranges)
+        unpack_output(out_recv, out[None], ranges)
 
     frac = (world - 1) / world  # share of the send buffer that leaves the rank
     comm_ops = [

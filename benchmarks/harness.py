@@ -34,6 +34,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from dist_attn.distributed import DistEnv
+from dist_attn.distributed import init_distributed as init_dist_attn
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = [
@@ -57,7 +60,8 @@ __all__ = [
 
 DEFAULT_OUT_DIR = os.path.join(_REPO, "benchmarks", "results")
 
-#: The reference workload of shared/h3.md: one H3 denoise step's packed attention.
+#: The reference workload (h3-ref): one H3 denoise step's packed attention, one document padded
+#: to a multiple of 64 rows.
 H3_REF = {"used": 37_980, "total": 38_016, "heads": 56, "head_dim": 128, "dtype": "bfloat16"}
 
 
@@ -154,7 +158,7 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def attention_tflops(n_rows: int, heads: int, head_dim: int, ms: float | None) -> float | None:
-    """TFLOP/s-equivalent of non-causal attention: 4 * N^2 * H * D / time (shared/h3.md)."""
+    """TFLOP/s-equivalent of non-causal attention: 4 * N^2 * H * D / time (2 GEMMs of 2*N^2*D per head)."""
     if not ms or ms <= 0 or not math.isfinite(ms):
         return None
     return 4.0 * n_rows * n_rows * heads * head_dim / (ms * 1e-3) / 1e12
@@ -258,13 +262,23 @@ def time_fn(fn: Callable[[], Any], *, device: torch.device, iters: int, warmup: 
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class DistContext:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    backend: str
-    shared_gpu: bool
+    """The rank's :class:`dist_attn.DistEnv` plus what a benchmark needs on top of it."""
+
+    env: DistEnv
     note: str = ""
+
+    rank = property(lambda self: self.env.rank)
+    world = property(lambda self: self.env.world_size)
+    local_rank = property(lambda self: self.env.local_rank)
+    device = property(lambda self: self.env.device)
+    shared_gpu = property(lambda self: self.env.shared_gpu)
+
+    @property
+    def backend(self) -> str:
+        """The process-group backend ("gloo", "nccl"), or "none" without a group."""
+        if torch.distributed.is_initialized():
+            return torch.distributed.get_backend()
+        return "none"
 
     def barrier(self) -> None:
         if torch.distributed.is_initialized():
@@ -281,49 +295,15 @@ class DistContext:
 
 def init_distributed(backend: str = "auto", device: str = "auto", *,
                      single_process_group: bool = False) -> DistContext:
-    """Sets up ranks from torchrun's environment (or one process without it).
-
-    Args:
-        backend: ``"auto"`` (NCCL when every local rank has its own GPU, else gloo), ``"gloo"``,
-            ``"nccl"``. NCCL on fewer GPUs than ranks falls back to gloo (NCCL refuses two ranks
-            on one GPU: "Duplicate GPU detected"), and the note says so.
-        device: ``"auto"`` (CUDA when available), ``"cuda"`` or ``"cpu"``. With gloo and fewer
-            GPUs than local ranks, ranks share ``cuda:0`` (``shared_gpu=True``).
-        single_process_group: outside torchrun, still create a 1-rank gloo group (collectives
-            then work on one rank).
-    """
+    """:func:`dist_attn.init_distributed`, plus a 1-rank gloo group when a single process still
+    needs collectives (``single_process_group``, or a 1-process torchrun)."""
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for but torch.cuda.is_available() is False")
-    ngpu = torch.cuda.device_count() if use_cuda else 0
-    note = ""
-    if backend == "auto":
-        backend = "nccl" if use_cuda and ngpu >= local_world and dist.is_nccl_available() else "gloo"
-    if backend == "nccl" and (not use_cuda or ngpu < local_world):
-        note = (f"nccl asked for with {ngpu} GPU(s) for {local_world} local rank(s); NCCL needs one GPU "
-                "per rank, so gloo is used instead")
-        backend = "gloo"
-    shared = bool(use_cuda and ngpu < local_world)
-    if use_cuda:
-        dev = torch.device("cuda", local_rank % ngpu if not shared else 0)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-    if world > 1 or "RANK" in os.environ:
-        if not dist.is_initialized():
-            dist.init_process_group(backend, rank=rank, world_size=world,
-                                    **({"device_id": dev} if backend == "nccl" else {}))
-    elif single_process_group and not dist.is_initialized():
+    env = init_dist_attn(backend=backend, device=device)
+    if env.world_size == 1 and (single_process_group or "RANK" in os.environ) and not dist.is_initialized():
         path = tempfile.mktemp(prefix="dist_attn_bench_store_")
-        dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
-    return DistContext(rank=rank, world=world, local_rank=local_rank, device=dev, backend=backend,
-                       shared_gpu=shared, note=note)
+        dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+    return DistContext(env=env)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from torch import nn
 
 import dist_attn
 from dist_attn import backends as da_backends
-from dist_attn.varlen import attend_varlen
+from dist_attn.varlen import attend_varlen, segment_layout
 from dist_attn.buffers import StagingBuffers
 from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv
 from dist_attn.serve.config import load_config, request_layout
@@ -302,9 +302,10 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
             recv = torch.randn(lay.total * 3 * width * D, device=dev).to(torch.bfloat16)
             qv, kv, vv = unpack_qkv(recv, lay.total, width, D)
             out = torch.empty(lay.total, width, D, device=dev, dtype=torch.bfloat16)
+            layout = segment_layout(bounds, total=lay.total, valid_len=lay.used)
             kernel_cache[key] = timed(lambda: attend_varlen(
-                be, qv, kv, vv, bounds=bounds, cu_seqlens=cu, max_seqlen=lay.used, softmax_scale=scale,
-                k_is_scratch=True, out=out))
+                be, qv[None], kv[None], vv[None], layout=layout, cu_seqlens=cu, softmax_scale=scale,
+                k_is_scratch=True, out=out[None]))
             del recv, out
         return kernel_cache[key]
 
@@ -400,13 +401,13 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
     def pack_all():
         o = 0
         for rng, sz in zip(ranges, sizes_in):
-            pack_qkv(q, k, v, send[o:o + sz], rng)
+            pack_qkv(q[None], k[None], v[None], send[o:o + sz], rng)
             o += sz
 
     def unpack_all():
         o = 0
         for rng, sz in zip(ranges, sizes_out):
-            unpack_output(recv_out[o:o + sz], out, rng)
+            unpack_output(recv_out[o:o + sz], out[None], rng)
             o += sz
 
     if n > 1:
