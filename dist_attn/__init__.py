@@ -1,14 +1,8 @@
 """dist_attn: Ulysses sequence-parallel attention with 8-bit Sage kernels for video DiTs."""
 
-from dist_attn.backends import (
-    AttentionBackend,
-    BackendUnavailableError,
-    available_backends,
-    get_backend,
-    register_backend,
-    resolve_backend,
-    unregister_backend,
-)
+from dist_attn.backends.base import AttentionBackend, BackendUnavailableError
+from dist_attn.backends.registry import (available_backends, get_backend, register_backend,
+                                         resolve_backend, unregister_backend)
 from dist_attn.varlen import sage_varlen, trailing_padding_used_len
 from dist_attn.distributed import DistEnv, init_distributed
 from dist_attn.buffers import StagingBuffers, StagingCapacityError, default_staging_buffers
