@@ -17,7 +17,7 @@ from dist_attn.integrations.diffusers import (  # noqa: E402
     disable_ulysses, enable_ulysses, supported_models,
 )
 from tests.conftest import subprocess_env  # noqa: E402
-from tests.integrations._tiny_wan import tiny_wan, wan_inputs  # noqa: E402
+from tests.integrations._tiny_models import tiny_wan, wan_inputs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +60,8 @@ def test_remove_restores_processors_and_hooks_and_disable_is_idempotent():
     assert model.blocks[0].attn1.processor is originals[0]
 
 
-def test_supported_models_lists_wan():
-    assert "WanTransformer3DModel" in supported_models()
+def test_supported_models():
+    assert supported_models() == ("WanTransformer3DModel", "LTXVideoTransformer3DModel")
 
 
 def test_unsupported_models_are_refused_naming_the_supported_ones():
@@ -71,7 +71,7 @@ def test_unsupported_models_are_refused_naming_the_supported_ones():
                                       out_channels=4, num_layers=1, sample_width=8, sample_height=8,
                                       sample_frames=5, text_embed_dim=16, time_embed_dim=8)
     with pytest.raises(TypeError, match=r"CogVideoXTransformer3DModel is not supported.*supported: .*"
-                                        r"WanTransformer3DModel"):
+                                        r"WanTransformer3DModel, LTXVideoTransformer3DModel"):
         enable_ulysses(cog)
     with pytest.raises(TypeError, match=r"torch.nn.modules.linear.Linear is not supported"):
         enable_ulysses(torch.nn.Linear(2, 2))

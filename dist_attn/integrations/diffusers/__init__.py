@@ -41,6 +41,7 @@ from dist_attn.backends import available_backends
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.integrations.diffusers._runtime import Runtime, install_hooks
 from dist_attn.integrations.diffusers._spec import ModelSpec
+from dist_attn.integrations.diffusers._ltx import LTX
 from dist_attn.integrations.diffusers._wan import WAN
 
 __all__ = ["UlyssesHandle", "disable_ulysses", "enable_ulysses", "supported_models"]
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 TESTED_DIFFUSERS = "0.42.1"
 
 # One owner for "which models are supported": the class name -> its plan.
-_SPECS: dict[str, ModelSpec] = {spec.model_class.__name__: spec for spec in (WAN,)}
+_SPECS: dict[str, ModelSpec] = {spec.model_class.__name__: spec for spec in (WAN, LTX)}
 _HANDLE_ATTR = "_dist_attn_ulysses"
 
 

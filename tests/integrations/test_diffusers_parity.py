@@ -1,5 +1,6 @@
-"""enable_ulysses on diffusers' WanTransformer3DModel: parity with diffusers' own single-process
-output on 2 and 4 gloo ranks, and the ways it refuses bad input on every rank alike."""
+"""enable_ulysses on diffusers' WanTransformer3DModel and LTXVideoTransformer3DModel: parity with
+diffusers' own single-process output on 2 and 4 gloo ranks, and the ways it refuses bad input on
+every rank alike."""
 
 from __future__ import annotations
 
@@ -9,30 +10,33 @@ import torch
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install -e '.[diffusers]')")
 
 from tests._multirank import run_ranks  # noqa: E402
-from tests.integrations._tiny_wan import tiny_wan, wan_inputs  # noqa: E402
+from tests.integrations._tiny_models import build, tiny_wan, wan_inputs  # noqa: E402
 
 # float32, max |difference| against diffusers' unmodified model on the full inputs, run in the
 # same process: the ranks compute every row with the same kernels on fewer rows (GEMMs over
 # S_local instead of S rows, SDPA over [S, h, D] instead of [B, H, S, D]), which may change
 # summation order and so the last bit or two of O(1) values (~1e-7), carried through 2 blocks.
 # Measured here: 0.0 (bit-identical) in every case. The bound sits far below the two mistakes
-# it must catch, measured on odd_S45_cfg_b2 with the adapter broken on purpose: padding keys
+# it must catch, measured on wan_odd_S45_cfg_b2 with the adapter broken on purpose: padding keys
 # attended 1.6e-2, every rank using rank 0's RoPE rows 1.3e-2.
 ATOL = 1e-5
 
-# name: (heads, batch, frames, height, width, variant); S = frames*(height/2)*(width/2);
-# variant: "t2v" (Wan 2.1 T2V), "per_token" (Wan 2.2's [B, S] timestep), "i2v" (image tokens
-# in cross-attention)
+# name: (model, heads, batch, frames, height, width, variant); Wan's S = frames*(height/2)*(width/2)
+# (patch 1x2x2), LTX's S = frames*height*width; variant: "t2v" (one timestep per sample),
+# "per_token" ([B, S] timestep: Wan 2.2 TI2V, LTX's conditioning pipelines), "i2v" (Wan 2.1 I2V's
+# image tokens in cross-attention). LTX cases mask the last sample's last two caption tokens.
 CASES_2 = {
-    "even_S16_b1": (4, 1, 2, 4, 8, "t2v"),
-    "odd_S45_cfg_b2": (4, 2, 3, 6, 10, "t2v"),
-    "odd_S9_per_token_timestep": (4, 1, 1, 6, 6, "per_token"),
-    "i2v_odd_S15_b2": (4, 2, 1, 6, 10, "i2v"),
+    "wan_even_S16_b1": ("wan", 4, 1, 2, 4, 8, "t2v"),
+    "wan_odd_S45_cfg_b2": ("wan", 4, 2, 3, 6, 10, "t2v"),
+    "wan_odd_S9_per_token_timestep": ("wan", 4, 1, 1, 6, 6, "per_token"),
+    "wan_i2v_odd_S15_b2": ("wan", 4, 2, 1, 6, 10, "i2v"),
+    "ltx_odd_S45_cfg_b2": ("ltx", 4, 2, 3, 3, 5, "t2v"),
 }
 CASES_4 = {
-    "heads6_odd_S45_cfg_b2": (6, 2, 3, 6, 10, "t2v"),
-    "heads6_even_S16_b1": (6, 1, 2, 4, 8, "t2v"),
-    "heads2_b2_odd_S15": (2, 2, 1, 6, 10, "t2v"),  # B*H = 4 = W: heads alone are too few
+    "wan_heads6_odd_S45_cfg_b2": ("wan", 6, 2, 3, 6, 10, "t2v"),
+    "wan_heads6_even_S16_b1": ("wan", 6, 1, 2, 4, 8, "t2v"),
+    "wan_heads2_b2_odd_S15": ("wan", 2, 2, 1, 6, 10, "t2v"),  # B*H = 4 = W: heads alone are too few
+    "ltx_heads6_odd_S15_per_token_b2": ("ltx", 6, 2, 1, 3, 5, "per_token"),
 }
 
 
@@ -41,18 +45,17 @@ def _parity(cases):
     from dist_attn.integrations.diffusers import enable_ulysses
 
     results = {}
-    for name, (heads, batch, f, h, w, variant) in cases.items():
-        model = tiny_wan(heads, i2v=variant == "i2v")
-        inputs = wan_inputs(batch, f, h, w, per_token_timestep=variant == "per_token",
-                            i2v=variant == "i2v")
+    for name, case in cases.items():
+        model, inputs = build(*case)
         with torch.no_grad():
             ref = model(**inputs, return_dict=False)[0]
-        before = {k: v.clone() for k, v in inputs.items()}
+        before = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
         handle = enable_ulysses(model, backend="sdpa")
         with torch.no_grad():
             out = model(**inputs, return_dict=False)[0]
         handle.remove()
-        unmodified = all(torch.equal(before[k], inputs[k]) for k in inputs)
+        unmodified = all(torch.equal(before[k], v) if torch.is_tensor(v) else before[k] == v
+                         for k, v in inputs.items())
         results[name] = (float((out - ref).abs().max()), unmodified, tuple(out.shape) == tuple(ref.shape))
     return results
 
@@ -123,7 +126,7 @@ def _check_parity(results, cases):
             assert err <= ATOL, f"rank {rank} {name}: max |diff| {err:.3g} > {ATOL}"
 
 
-def test_wan_two_ranks_parity_and_errors(tmp_path):
+def test_two_ranks_parity_and_errors(tmp_path):
     results = run_ranks(_worker_2, 2, tmp_path, timeout=180)
     _check_parity(results, CASES_2)
     for rank, res in enumerate(results):
@@ -137,7 +140,7 @@ def test_wan_two_ranks_parity_and_errors(tmp_path):
         assert res["hooks_left"] == 0, f"rank {rank}: remove() left {res['hooks_left']} hooks"
 
 
-def test_wan_four_ranks_uneven_heads_odd_length_batch(tmp_path):
+def test_four_ranks_uneven_heads_odd_length_batch(tmp_path):
     results = run_ranks(_worker_4, 4, tmp_path, timeout=240)
     _check_parity(results, CASES_4)
     for res in results:
