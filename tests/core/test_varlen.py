@@ -176,3 +176,25 @@ def test_staging_limit_from_environment(monkeypatch):
         StagingBuffers()
     with pytest.raises(ValueError, match=r"role='bogus'"):
         StagingBuffers(max_bytes=8).get("bogus", 1, torch.float32, "cpu")
+
+
+def test_sage_varlen_valid_len_overrides_the_sglang_inference():
+    """(0, S, 2S) with max_seqlen = S: SGLang's inference reads one padded request; passing
+    valid_len = 2S says both halves are documents, and valid_len = S says the tail is padding."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(32, 2, 16, generator=g) for _ in range(3))
+    bounds = (0, 16, 32)
+    two_docs = sage_varlen(q, k, v, list(bounds), 16, valid_len=32, backend="sdpa")
+    assert (two_docs.double() - reference_attention(q, k, v, bounds)).abs().max() <= 1e-5
+    assert torch.count_nonzero(two_docs[16:]) == two_docs[16:].numel()
+    padded = sage_varlen(q, k, v, list(bounds), 16, valid_len=16, backend="sdpa")
+    inferred = sage_varlen(q, k, v, list(bounds), 16, backend="sdpa")
+    assert torch.equal(padded, inferred) and torch.count_nonzero(padded[16:]) == 0
+
+
+def test_batched_sage_varlen_matches_reference():
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 20, 2, 8, generator=g) for _ in range(3))
+    out = sage_varlen(q, k, v, [0, 5, 20], valid_len=18, backend="sdpa")
+    ref = reference_attention(q, k, v, (0, 5, 20), 18)
+    assert out.shape == q.shape and (out.double() - ref).abs().max() <= 1e-5
