@@ -1,8 +1,11 @@
 """The served H3-shaped DiT, built on the dist_attn library (which never imports this package).
 
-Config (self-validating TOML dataclasses), the sequence-sharded DiT, quality tiers, weights,
-and the rank loops with HTTP on rank 0. Entry point: ``python -m dist_attn.serve`` or
-``torchrun ... launch/serve.py``.
+Layers, bottom up: ``fields`` / ``tokens`` / ``quality`` -> ``config`` -> ``model`` / ``weights``
+-> ``protocol`` (request schema) -> ``jobs`` (rank-0 bookkeeping) -> ``wire`` (rank-to-rank
+control) -> ``engine`` (denoise loop) -> ``metrics`` / ``http`` (rank 0) -> ``loop`` (rank
+loops) -> ``process`` / ``checks`` / ``logs`` -> ``cli`` (the one launcher). Entry point:
+``python -m dist_attn.serve`` or ``torchrun ... launch/serve.py``. Needs the ``serve`` extra
+(starlette, uvicorn, prometheus_client) for HTTP.
 """
 
 from dist_attn.serve.config import Config, load_config

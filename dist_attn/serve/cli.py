@@ -6,9 +6,10 @@
     torchrun --nproc-per-node 4 launch/serve.py --check-only --quality high
     python launch/serve.py --once                                      # single rank, local
 
-Order on every rank: parse flags -> config (validated, world-size rules included) -> process
-group -> quality tier and backend checks from gathered device facts -> model -> serve. A failure
-before the model prints one message on rank 0 and exits 1 on every rank.
+Order on every rank: parse flags -> parent-death signal -> config (validated, world-size rules
+included) -> process group -> rank 0 binds the HTTP port -> quality tier, backend and port
+checks from gathered facts -> model -> serve. A failure before the model prints one message on
+rank 0 and exits 1 on every rank.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import sys
 import tomllib
 from typing import Any
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["API_KEY_ENV", "build_parser", "config_from_args", "main"]
 
 log = logging.getLogger(__name__)
+
+#: Environment variable holding the API key (keeps the secret off the command line).
+API_KEY_ENV = "DIST_ATTN_API_KEY"
 
 # flag dest -> config field it overrides
 _FLAG_FIELDS = {
@@ -32,6 +36,7 @@ _FLAG_FIELDS = {
     "ulysses_degree": "parallel.ulysses_degree",
     "pg_timeout": "runtime.pg_timeout_s",
     "heartbeat": "runtime.heartbeat_s",
+    "compile": "runtime.compile",
     "host": "serve.host",
     "port": "serve.port",
     "frames": "request.frames",
@@ -46,7 +51,7 @@ _FLAG_FIELDS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML config (default: the embedded tiny config)")
+    p.add_argument("--config", help="TOML config (default: configs/tiny.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field; VALUE is a TOML value (repeatable)")
     p.add_argument("--quality", default=None,
@@ -57,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ulysses-degree", type=int, help="Ulysses degree (0 = world size)")
     p.add_argument("--weights", help="safetensors file or torch state dict (default: seeded "
                                      "random weights)")
-    p.add_argument("--host", help="HTTP bind address (rank 0)")
+    p.add_argument("--compile", action="store_const", const=True, default=None,
+                   help="torch.compile each DiT block (attention stays one opaque op); the "
+                        "first request of each new shape compiles")
+    p.add_argument("--host", help="HTTP bind address (rank 0; default loopback, others warn)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"bearer token required on every endpoint but /health (default: "
+                        f"${API_KEY_ENV})")
     p.add_argument("--port", type=int, help="HTTP port (0: pick a free one)")
     p.add_argument("--frames", type=int)
     p.add_argument("--height", type=int)
@@ -119,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dist_attn.serve.serving import (Engine, RequestError, init_distributed, parse_request,
-                                   run_launch_checks, serve, setup_logging)
+    from dist_attn.distributed import init_distributed
+    from dist_attn.serve.checks import run_launch_checks
+    from dist_attn.serve.logs import setup_logging
+    from dist_attn.serve.process import bind_listener, exposure_warnings, set_parent_death_signal
+    from dist_attn.serve.protocol import RequestError, parse_request
 
     setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
+    set_parent_death_signal()
     # Config errors need no collective: every rank computes the same verdict and exits.
     try:
         cfg = config_from_args(args)
@@ -138,50 +153,62 @@ def main(argv: list[str] | None = None) -> int:
             _rank0_error(rank, f"invalid request: {e}")
             return 1
 
-    ctx = init_distributed(cfg, dist_backend=args.dist_backend)
+    env = init_distributed(backend=args.dist_backend, timeout_s=cfg.runtime.pg_timeout_s)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "auto": torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+             "auto": torch.bfloat16 if env.device.type == "cuda" else torch.float32
              }[cfg.runtime.dtype]
+    listener, local_failures = None, []
+    if rank == 0 and not (args.once or args.check_only):
+        host, port = cfg.serve.host, cfg.serve.port
+        try:
+            listener = bind_listener(host, port, cfg.serve.backlog)
+        except OSError as e:
+            local_failures.append(f"port: cannot listen on {host}:{port} ({e.strerror or e}); "
+                                  "choose another with --port")
+        for warning in exposure_warnings(host, args.api_key):
+            log.warning("%s", warning)
     try:
-        backend, failures = run_launch_checks(cfg, ctx, dtype)
+        backend, failures = run_launch_checks(cfg, env, dtype, local_failures)
         if failures:
             tier = cfg.runtime.quality or "none"
             _rank0_error(rank, f"launch checks failed (quality={tier}, world size "
-                               f"{ctx.world_size}); {len(failures)} condition(s):\n  - "
+                               f"{env.world_size}); {len(failures)} condition(s):\n  - "
                          + "\n  - ".join(failures))
-            return 1
-        if cfg.parallel.ring_degree != 1 or cfg.parallel.tensor_parallel != 1:
-            _rank0_error(rank, f"ring_degree={cfg.parallel.ring_degree} / tensor_parallel="
-                               f"{cfg.parallel.tensor_parallel}: only Ulysses is implemented "
-                               "(both must be 1)")
             return 1
         if args.check_only:
             if rank == 0:
-                print(f"check-only: OK (config {cfg.model.name}, world {ctx.world_size}, "
+                print(f"check-only: OK (config {cfg.model.name}, world {env.world_size}, "
                       f"quality={cfg.runtime.quality or 'none'}, backend {backend}, device "
-                      f"{ctx.device})", flush=True)
+                      f"{env.device})", flush=True)
             return 0
-        model, timer = _build(cfg, ctx, dtype, backend, args.weights, rank)
+        from dist_attn.serve.engine import Engine
+        from dist_attn.serve.loop import serve
+
+        model, timer = _build(cfg, env, dtype, backend, args.weights, rank)
         if model is None:
             return 1
-        engine = Engine(cfg, ctx, model, timer, output_dir=args.output_dir)
+        engine = Engine(cfg, env, model, timer, output_dir=args.output_dir)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
-                "world_size": ctx.world_size, "backend": model.backend_name,
+                "world_size": env.world_size, "backend": model.backend_name,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
-                "device": (torch.cuda.get_device_name(ctx.device)
-                           if ctx.device.type == "cuda" else "cpu")}
-        return serve(cfg, ctx, engine, once=once_req, info=info)
+                "compiled": cfg.runtime.compile,
+                "device": (torch.cuda.get_device_name(env.device)
+                           if env.device.type == "cuda" else "cpu")}
+        return serve(cfg, env, engine, listener=listener, once=once_req, info=info,
+                     api_key=args.api_key)
     finally:
-        if ctx.distributed and torch.distributed.is_initialized():
+        if listener is not None:
+            listener.close()
+        if env.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _build(cfg: Any, ctx: Any, dtype: Any, backend: str, weights: str | None,
+def _build(cfg: Any, env: Any, dtype: Any, backend: str, weights: str | None,
            rank: int) -> tuple[Any, Any]:
     """Builds the model on every rank; a bad weight file fails on every rank alike (all read
     the same file) and is reported once."""
-    from dist_attn.serve.model import DiT, build_model
     from dist_attn.profiling import PhaseTimer
+    from dist_attn.serve.model import DiT, build_model, compile_blocks
     from dist_attn.serve.weights import WeightsError, check_state_dict, load_weights
 
     state = None
@@ -193,11 +220,13 @@ def _build(cfg: Any, ctx: Any, dtype: Any, backend: str, weights: str | None,
         except WeightsError as e:
             _rank0_error(rank, str(e))
             return None, None
-    timer = PhaseTimer(ctx.device)
-    model = build_model(cfg.model, device=ctx.device, dtype=dtype, group=ctx.group,
-                        backend=backend, timer=timer, state_dict=state)
-    log.info("built %s: %d layers, %.2fB parameters, %s on %s, attention backend %s",
+    timer = PhaseTimer(env.device)
+    model = build_model(cfg.model, device=env.device, dtype=dtype, backend=backend, timer=timer,
+                        state_dict=state)
+    if cfg.runtime.compile:
+        compile_blocks(model)
+    log.info("built %s: %d layers, %.2fB parameters, %s on %s, attention backend %s%s",
              cfg.model.name, cfg.model.num_layers,
-             sum(p.numel() for p in model.parameters()) / 1e9, dtype, ctx.device,
-             model.backend_name)
+             sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
+             model.backend_name, ", blocks compiled" if cfg.runtime.compile else "")
     return model, timer

@@ -14,63 +14,44 @@ breaks. Rules that need the world size (heads vs Ulysses degree, packed alignmen
 are checked by :meth:`Config.check_world`, which the launcher calls on every rank before the
 process group is used.
 
-:data:`DEFAULT_CONFIG_TOML` is the embedded default (identical to ``configs/tiny.toml``) so that
-``torchrun --nproc-per-node 4 launch/serve.py`` works with no arguments.
+``load_config(None)`` reads the repository's ``configs/tiny.toml`` (the one copy of the default),
+so ``torchrun --nproc-per-node 4 launch/serve.py`` works with no arguments from a checkout or an
+editable install (``pip install -e .``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
+
+from dist_attn.plan import heads_per_rank
+from dist_attn.serve.fields import field_error, require_non_negative, require_positive
+from dist_attn.serve.quality import QualityTier, tier_backend_rule, tier_name_rule
+from dist_attn.serve.tokens import TokenConfig, request_layout
 
 __all__ = [
     "ModelConfig",
-    "TokenConfig",
     "ParallelConfig",
     "RuntimeConfig",
     "RequestConfig",
     "ServeConfig",
     "Config",
-    "PackedLayout",
-    "DEFAULT_CONFIG_TOML",
-    "QUALITY_TIERS",
+    "DEFAULT_CONFIG_PATH",
     "load_config",
     "parse_config",
     "apply_overrides",
-    "request_layout",
 ]
-
-#: Valid ``--quality`` values. ``None`` (flag absent) means no tier constraint.
-QualityTier = Literal["lossless", "high"]
-QUALITY_TIERS: tuple[str, ...] = get_args(QualityTier)
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
-#: Head dims each attention backend accepts. sageattention 1.0.6 accepts 64/96/128 for its dense
-#: kernel (the (0, used, total) bridge makes one dense call), see shared/h3.md. Backends not listed
-#: accept any head_dim.
-
-
-def _fail(cls: str, name: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"{cls}.{name}={value!r} {rule}")
-
-
-def _positive(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise _fail(type(obj).__name__, name, value, "must be a positive integer")
-
-
-def _non_negative(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise _fail(type(obj).__name__, name, value, "must be a non-negative integer")
+#: The default config: the repository's configs/tiny.toml (found from this file, so a checkout or
+#: an editable install reads the one copy; a plain wheel install has no configs/ and must pass a
+#: path).
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -84,7 +65,8 @@ class ModelConfig:
     hidden_size: int = 256
     """Residual stream width."""
     num_heads: int = 4
-    """Attention heads (plain multi-head, no GQA). Must divide by the Ulysses degree."""
+    """Attention heads (plain multi-head, no GQA). At least the Ulysses degree; need not divide
+    it (the core gives the first ``num_heads % W`` ranks one extra head)."""
     head_dim: int = 64
     """Per-head width. Constrained by the attention backend (``AttentionBackend.head_dims``)."""
     ffn_size: int = 512
@@ -103,50 +85,23 @@ class ModelConfig:
     """Seed of the random weights used when no ``--weights`` file is given."""
 
     def __post_init__(self) -> None:
-        _positive(self, "num_layers", "hidden_size", "num_heads", "head_dim", "ffn_size",
+        require_positive(self, "num_layers", "hidden_size", "num_heads", "head_dim", "ffn_size",
                   "latent_channels", "freq_dim")
-        _non_negative(self, "rope_dims", "weight_seed")
+        require_non_negative(self, "rope_dims", "weight_seed")
         if self.rope_dims % 2 or self.rope_dims > self.head_dim:
-            raise _fail("ModelConfig", "rope_dims", self.rope_dims,
+            raise field_error("ModelConfig", "rope_dims", self.rope_dims,
                         f"must be even and at most head_dim={self.head_dim} (RoPE rotates pairs)")
         if self.freq_dim % 2:
-            raise _fail("ModelConfig", "freq_dim", self.freq_dim, "must be even (sin/cos halves)")
+            raise field_error("ModelConfig", "freq_dim", self.freq_dim, "must be even (sin/cos halves)")
         if not self.rope_theta > 0:
-            raise _fail("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
+            raise field_error("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
         if not self.norm_eps > 0:
-            raise _fail("ModelConfig", "norm_eps", self.norm_eps, "must be > 0")
+            raise field_error("ModelConfig", "norm_eps", self.norm_eps, "must be > 0")
 
     @property
     def inner_dim(self) -> int:
         """num_heads * head_dim: width of q, k, v and of the attention output."""
         return self.num_heads * self.head_dim
-
-
-@dataclass(kw_only=True, frozen=True)
-class TokenConfig:
-    """How a request (frames x height x width, or a raw token count) becomes packed rows.
-
-    latent frames = (frames - 1) // temporal_compression + 1 + extra_latent_frames;
-    latent height/width = height/width // spatial_compression; used rows = latent video rows +
-    text_tokens + audio_tokens; total rows = used rounded up to ``alignment``.
-    """
-
-    spatial_compression: int = 32
-    """Pixels per latent row along height and width (VAE downsampling x patch size)."""
-    temporal_compression: int = 4
-    """Video frames per latent frame (the first frame gets its own latent frame)."""
-    extra_latent_frames: int = 0
-    """Conditioning latent frames added to every request (H3: 6, so 124 frames -> 37)."""
-    text_tokens: int = 64
-    """Text-encoder tokens packed after the video rows."""
-    audio_tokens: int = 20
-    """Audio tokens packed after the text rows."""
-    alignment: int = 64
-    """The packed length is padded at the end to a multiple of this. Must divide by world size."""
-
-    def __post_init__(self) -> None:
-        _positive(self, "spatial_compression", "temporal_compression", "alignment")
-        _non_negative(self, "extra_latent_frames", "text_tokens", "audio_tokens")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -162,8 +117,8 @@ class ParallelConfig:
     """Tensor-parallel degree. dist_attn implements 1 only."""
 
     def __post_init__(self) -> None:
-        _non_negative(self, "ulysses_degree")
-        _positive(self, "ring_degree", "tensor_parallel")
+        require_non_negative(self, "ulysses_degree")
+        require_positive(self, "ring_degree", "tensor_parallel")
 
     def resolved_ulysses(self, world_size: int) -> int:
         """The Ulysses degree for ``world_size`` ranks (0 -> world_size)."""
@@ -181,37 +136,42 @@ class RuntimeConfig:
     quality: QualityTier | None = None
     """Quality tier checked at launch; None admits every backend and topology."""
     pg_timeout_s: float = 60.0
-    """Process-group timeout: a rank whose peers died exits non-zero after at most this long."""
+    """Process-group timeout: a rank whose peers died or hang exits non-zero after at most this
+    long."""
     heartbeat_s: float = 2.0
-    """Idle rank 0 broadcasts a heartbeat this often, so waiting ranks never reach the timeout."""
+    """Idle rank 0 exchanges a heartbeat with every rank this often, so waiting ranks never reach
+    the timeout and rank 0 knows they answer."""
+    compile: bool = False
+    """torch.compile each DiT block (attention stays one opaque op inside it)."""
+    health_timeout_s: float = 10.0
+    """/health reports not-ready when rank 0 has not heard from every rank for this long. Rank 0
+    hears from all ranks at every heartbeat and after every denoise step, so this must exceed one
+    step."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
-            raise _fail("RuntimeConfig", "backend", self.backend, "must be a non-empty string")
+            raise field_error("RuntimeConfig", "backend", self.backend, "must be a non-empty string")
         if self.dtype not in get_args(DType):
-            raise _fail("RuntimeConfig", "dtype", self.dtype,
+            raise field_error("RuntimeConfig", "dtype", self.dtype,
                         f"must be one of {', '.join(map(repr, get_args(DType)))}")
-        if self.quality is not None and self.quality not in QUALITY_TIERS:
-            raise _fail("RuntimeConfig", "quality", self.quality,
-                        "is not a quality tier; valid values: absent (no constraint), "
-                        + ", ".join(map(repr, QUALITY_TIERS)))
-        if self.quality == "lossless" and _is_8bit_name(self.backend):
-            raise _fail("RuntimeConfig", "backend", self.backend,
-                        "is an 8-bit backend, not allowed under quality='lossless' "
-                        "(exact bf16 kernels only; use 'sdpa' or 'auto')")
+        if not isinstance(self.compile, bool):
+            raise field_error("RuntimeConfig", "compile", self.compile, "must be true or false")
+        rule = tier_name_rule(self.quality)
+        if rule:
+            raise field_error("RuntimeConfig", "quality", self.quality, rule)
+        rule = tier_backend_rule(self.quality, self.backend, _registered(self.backend))
+        if rule:
+            raise field_error("RuntimeConfig", "backend", self.backend, rule)
         if not self.pg_timeout_s > 0:
-            raise _fail("RuntimeConfig", "pg_timeout_s", self.pg_timeout_s, "must be > 0")
+            raise field_error("RuntimeConfig", "pg_timeout_s", self.pg_timeout_s, "must be > 0")
         if not 0 < self.heartbeat_s < self.pg_timeout_s / 2:
-            raise _fail("RuntimeConfig", "heartbeat_s", self.heartbeat_s,
+            raise field_error("RuntimeConfig", "heartbeat_s", self.heartbeat_s,
                         f"must be > 0 and below pg_timeout_s/2={self.pg_timeout_s / 2} so idle "
                         "ranks are woken before their broadcast times out")
-
-
-def _is_8bit_name(name: str) -> bool:
-    """Whether a backend name denotes an 8-bit (quantized) kernel (the registry's ``exact`` flag)."""
-    from dist_attn.serve.quality import is_8bit_backend
-
-    return is_8bit_backend(name, _registered(name))
+        if not self.health_timeout_s > self.heartbeat_s:
+            raise field_error("RuntimeConfig", "health_timeout_s", self.health_timeout_s,
+                        f"must exceed heartbeat_s={self.heartbeat_s} (a healthy idle server "
+                        "hears from its ranks once per heartbeat)")
 
 
 def _registered(name: str):
@@ -239,8 +199,12 @@ class RequestConfig:
     """Seed of the initial noise."""
 
     def __post_init__(self) -> None:
-        _positive(self, "frames", "height", "width", "steps")
-        _non_negative(self, "num_tokens", "seed")
+        require_positive(self, "frames", "height", "width", "steps")
+        require_non_negative(self, "num_tokens", "seed")
+
+
+#: torchrun's agent sends SIGKILL this long after forwarding SIGTERM to its ranks.
+_TORCHRUN_KILL_GRACE_S = 30.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -257,18 +221,43 @@ class ServeConfig:
     """Largest accepted step count; larger requests get 413."""
     max_body_bytes: int = 65536
     """Largest accepted request body; larger bodies get 413."""
+    max_header_bytes: int = 16384
+    """Largest accepted request head (request line + headers); larger heads get 400."""
+    max_json_depth: int = 4
+    """Deepest accepted JSON nesting (a request is one flat object); deeper bodies get 400
+    before they are parsed (30,000 levels crashed a recursive parser)."""
+    max_int_digits: int = 20
+    """Longest accepted integer literal (2**63 has 19 digits); longer ones get 400 before they
+    are converted (a 5000-digit literal raised inside the parser)."""
     queue_size: int = 64
-    """Requests waiting beyond this get 503."""
+    """Requests waiting beyond this get 429 with Retry-After."""
     request_timeout_s: float = 3600.0
-    """How long an HTTP handler waits for its result before answering 504."""
+    """Default and largest deadline of a request, receipt to result: past it the request is
+    dropped from the queue or aborted between denoise steps, and answered 504."""
+    idle_timeout_s: float = 5.0
+    """A connection that has not sent a complete request head, or a complete body, within this
+    many seconds is closed (idle keep-alive connections too)."""
+    backlog: int = 2048
+    """Listen backlog: connections the kernel holds before the server accepts them (a burst of
+    a few hundred must not be reset)."""
+    drain_timeout_s: float = 20.0
+    """On SIGTERM/SIGINT the running request gets this long to finish before it is aborted;
+    below torchrun's 30 s between its SIGTERM and SIGKILL, so every rank exits on its own."""
 
     def __post_init__(self) -> None:
-        _non_negative(self, "port")
+        require_non_negative(self, "port")
         if self.port > 65535:
-            raise _fail("ServeConfig", "port", self.port, "must be <= 65535")
-        _positive(self, "max_tokens", "max_steps", "max_body_bytes", "queue_size")
-        if not self.request_timeout_s > 0:
-            raise _fail("ServeConfig", "request_timeout_s", self.request_timeout_s, "must be > 0")
+            raise field_error("ServeConfig", "port", self.port, "must be <= 65535")
+        require_positive(self, "max_tokens", "max_steps", "max_body_bytes", "max_header_bytes",
+                  "max_json_depth", "max_int_digits", "queue_size", "backlog")
+        for name in ("request_timeout_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise field_error("ServeConfig", name, getattr(self, name), "must be > 0")
+        if not 0 < self.drain_timeout_s <= _TORCHRUN_KILL_GRACE_S - 5:
+            raise field_error("ServeConfig", "drain_timeout_s", self.drain_timeout_s,
+                        f"must be > 0 and at most {_TORCHRUN_KILL_GRACE_S - 5} s (torchrun kills "
+                        f"ranks {_TORCHRUN_KILL_GRACE_S} s after its SIGTERM; 5 s are left for "
+                        "the shutdown itself)")
 
 
 _SECTIONS: dict[str, type] = {
@@ -295,10 +284,10 @@ class Config:
 
     def __post_init__(self) -> None:
         self.check_backend(self.runtime.backend)
-        rows = request_layout(self, frames=self.request.frames, height=self.request.height,
+        rows = request_layout(self.tokens, frames=self.request.frames, height=self.request.height,
                               width=self.request.width, num_tokens=self.request.num_tokens)
         if rows.used > self.serve.max_tokens:
-            raise _fail("RequestConfig", "num_tokens" if self.request.num_tokens else "frames",
+            raise field_error("RequestConfig", "num_tokens" if self.request.num_tokens else "frames",
                         rows.used, f"gives {rows.used} rows, above serve.max_tokens="
                         f"{self.serve.max_tokens}")
 
@@ -307,126 +296,37 @@ class Config:
         registered = _registered(backend)
         allowed = registered.head_dims if registered is not None else None
         if allowed is not None and self.model.head_dim not in allowed:
-            raise _fail("ModelConfig", "head_dim", self.model.head_dim,
+            raise field_error("ModelConfig", "head_dim", self.model.head_dim,
                         f"is not supported by backend {backend!r} (accepts head_dim in "
                         f"{list(allowed)})")
 
     def check_world(self, world_size: int) -> None:
         """Raises :class:`ValueError` if this config cannot run on ``world_size`` ranks.
 
-        Rules: ulysses * ring * tensor_parallel == world size; num_heads divisible by the Ulysses
-        degree (each rank owns num_heads / W whole heads); alignment divisible by the world size
-        (so every packed length, a multiple of alignment, splits into equal contiguous shards).
+        Rules: ulysses * ring * tensor_parallel == world size; the core's head split accepts
+        num_heads on the Ulysses degree (at least one head per rank; uneven splits are fine);
+        alignment divisible by the world size (so every packed length, a multiple of alignment,
+        splits into equal contiguous shards).
         """
         p = self.parallel
         ulysses = p.resolved_ulysses(world_size)
         if ulysses * p.ring_degree * p.tensor_parallel != world_size:
-            raise _fail("ParallelConfig", "ulysses_degree", ulysses,
+            raise field_error("ParallelConfig", "ulysses_degree", ulysses,
                         f"times ring_degree={p.ring_degree} times tensor_parallel="
                         f"{p.tensor_parallel} must equal the world size {world_size}")
-        if self.model.num_heads % ulysses:
-            raise _fail("ModelConfig", "num_heads", self.model.num_heads,
-                        f"is not divisible by the Ulysses degree {ulysses} (each rank must own "
-                        "whole heads)")
+        try:
+            heads_per_rank(self.model.num_heads, ulysses)
+        except ValueError as e:
+            raise field_error("ModelConfig", "num_heads", self.model.num_heads,
+                        f"cannot be split over the Ulysses degree {ulysses}: {e}") from None
         if self.tokens.alignment % world_size:
-            raise _fail("TokenConfig", "alignment", self.tokens.alignment,
+            raise field_error("TokenConfig", "alignment", self.tokens.alignment,
                         f"is not divisible by the world size {world_size} (the packed length, a "
                         "multiple of alignment, must split into equal per-rank shards)")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (for logs and benchmark result files)."""
         return dataclasses.asdict(self)
-
-
-@dataclass(kw_only=True, frozen=True)
-class PackedLayout:
-    """Packed rows of one request: rows [0, used) are real, [used, total) padding."""
-
-    used: int
-    """Real rows (video + text + audio)."""
-    total: int
-    """used rounded up to the alignment."""
-    latent_shape: tuple[int, int, int] | None = None
-    """(latent frames, latent height, latent width), or None for a num_tokens request."""
-
-    def cu_seqlens(self) -> list[int]:
-        """Global bounds (0, used, total) when padded, else (0, used): one document per request."""
-        return [0, self.used, self.total] if self.total > self.used else [0, self.used]
-
-
-def request_layout(cfg: Config, *, frames: int, height: int, width: int,
-                   num_tokens: int = 0) -> PackedLayout:
-    """Packed layout of a request; raises ValueError naming the offending request field."""
-    tok = cfg.tokens
-    if num_tokens:
-        if num_tokens < 0:
-            raise _fail("request", "num_tokens", num_tokens, "must be a positive integer")
-        used, shape = num_tokens, None
-    else:
-        for name, value in (("height", height), ("width", width)):
-            if value % tok.spatial_compression:
-                raise _fail("request", name, value, "must be a multiple of "
-                            f"tokens.spatial_compression={tok.spatial_compression}")
-        shape = ((frames - 1) // tok.temporal_compression + 1 + tok.extra_latent_frames,
-                 height // tok.spatial_compression, width // tok.spatial_compression)
-        used = math.prod(shape) + tok.text_tokens + tok.audio_tokens
-    total = -(-used // tok.alignment) * tok.alignment
-    return PackedLayout(used=used, total=total, latent_shape=shape)
-
-
-DEFAULT_CONFIG_TOML = """\
-# tiny: the CPU default. 2 layers, 4 heads of 64, ~300 tokens; runs on 1, 2 or 4 gloo ranks.
-[model]
-name = "tiny"
-num_layers = 2
-hidden_size = 256
-num_heads = 4
-head_dim = 64
-ffn_size = 512
-rope_dims = 48          # 3/4 of the head dims, as H3 rotates 96 of 128
-rope_theta = 10000.0
-latent_channels = 16
-freq_dim = 256
-norm_eps = 1e-6
-weight_seed = 0
-
-[tokens]
-spatial_compression = 32
-temporal_compression = 4
-extra_latent_frames = 0
-text_tokens = 64
-audio_tokens = 20
-alignment = 64
-
-[parallel]
-ulysses_degree = 0      # 0 = the world size
-ring_degree = 1
-tensor_parallel = 1
-
-[runtime]
-backend = "auto"
-dtype = "auto"
-pg_timeout_s = 30.0
-heartbeat_s = 1.0
-
-[request]
-# 9 frames at 256x256 -> latent 3x8x8 = 192 rows + 64 text + 20 audio = 276 used, 320 packed.
-frames = 9
-height = 256
-width = 256
-num_tokens = 0
-steps = 4
-seed = 0
-
-[serve]
-host = "127.0.0.1"
-port = 8000
-max_tokens = 16384
-max_steps = 50
-max_body_bytes = 65536
-queue_size = 64
-request_timeout_s = 600.0
-"""
 
 
 def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
@@ -451,9 +351,12 @@ def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:
-    """Loads a TOML config file; ``None`` loads :data:`DEFAULT_CONFIG_TOML`."""
+    """Loads a TOML config file; ``None`` loads :data:`DEFAULT_CONFIG_PATH`."""
     if path is None:
-        return parse_config(tomllib.loads(DEFAULT_CONFIG_TOML), source="<embedded tiny>")
+        if not DEFAULT_CONFIG_PATH.is_file():
+            raise ValueError(f"no default config: {DEFAULT_CONFIG_PATH} does not exist (the "
+                             "package was installed without its repository); pass a config path")
+        path = DEFAULT_CONFIG_PATH
     with open(path, "rb") as f:
         return parse_config(tomllib.load(f), source=str(path))
 

@@ -41,6 +41,7 @@ __all__ = [
     "timestep_embedding",
     "init_weights",
     "build_model",
+    "compile_blocks",
 ]
 
 
@@ -275,3 +276,11 @@ def build_model(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype, g
     else:
         model.load_state_dict(state_dict, strict=True)
     return model.eval().requires_grad_(False)
+
+
+def compile_blocks(model: DiT) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile``): the row-wise work around
+    attention (norms, RoPE, projections, MLP) fuses, attention stays one opaque call. Blocks
+    share their code, so one compilation serves every layer of a shape."""
+    for block in model.blocks:
+        block.compile()

@@ -16,16 +16,15 @@ Tiers (``--quality``):
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 import torch
 
-from dist_attn.serve.config import QUALITY_TIERS
-
 __all__ = [
+    "QualityTier",
+    "QUALITY_TIERS",
     "DeviceFacts",
     "Topology",
     "QualityError",
@@ -35,7 +34,14 @@ __all__ = [
     "quality_failures",
     "is_8bit_backend",
     "check_tier_name",
+    "tier_name_rule",
+    "tier_backend_rule",
+    "tier_backend_name",
 ]
+
+#: Valid ``--quality`` values. ``None`` (flag absent) means no tier constraint.
+QualityTier = Literal["lossless", "high"]
+QUALITY_TIERS: tuple[str, ...] = get_args(QualityTier)
 
 #: quality="high" is the 4 x H200 H3 deployment (shared/h3.md).
 HIGH_WORLD_SIZE = 4
@@ -120,11 +126,35 @@ def is_8bit_backend(name: str, backend: Any = None) -> bool:
     return any(tag in lowered for tag in ("sage", "fp8", "int8", "8bit"))
 
 
+def tier_name_rule(tier: Any) -> str | None:
+    """The broken rule (to follow the offending value in a message) if ``tier`` is not None or
+    a quality tier, else None."""
+    if tier is None or tier in QUALITY_TIERS:
+        return None
+    return ("is not a quality tier; valid values: " + ", ".join(map(repr, QUALITY_TIERS))
+            + " (absent: no constraint)")
+
+
 def check_tier_name(tier: str | None) -> None:
     """Raises ValueError listing the valid values if ``tier`` is not a quality tier."""
-    if tier is not None and tier not in QUALITY_TIERS:
-        raise ValueError(f"--quality {tier!r} is not a quality tier; valid values: "
-                         + ", ".join(map(repr, QUALITY_TIERS)) + " (or omit the flag)")
+    rule = tier_name_rule(tier)
+    if rule:
+        raise ValueError(f"quality={tier!r} {rule}")
+
+
+def tier_backend_rule(tier: str | None, name: str, backend: Any = None) -> str | None:
+    """The broken rule if ``tier`` does not admit the attention backend ``name`` (object
+    ``backend`` when known), else None. Only "lossless" restricts backends: no 8-bit kernel."""
+    if tier == "lossless" and is_8bit_backend(name, backend):
+        return ("is an 8-bit backend, not allowed under quality='lossless' (exact kernels only; "
+                "use 'sdpa' or 'auto')")
+    return None
+
+
+def tier_backend_name(tier: str | None, name: str) -> str:
+    """The backend name to resolve under ``tier``: "auto" means "sdpa" under "lossless", since
+    auto may pick an 8-bit kernel."""
+    return "sdpa" if tier == "lossless" and name == "auto" else name
 
 
 def _fmt(values: Sequence[Any]) -> str:
@@ -148,9 +178,9 @@ def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: T
     if tier is None:
         return failures
     if tier == "lossless":
-        if is_8bit_backend(backend, backend_obj):
-            failures.append(f"backend: quality='lossless' admits exact bf16 kernels only, but "
-                            f"backend {backend!r} is 8-bit")
+        rule = tier_backend_rule(tier, backend, backend_obj)
+        if rule:
+            failures.append(f"backend: {backend!r} {rule}")
         return failures
 
     # tier == "high"

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
-import sys
 import tomllib
 
 import pytest
 
-from dist_attn.serve.config import (DEFAULT_CONFIG_TOML, Config, ModelConfig, RuntimeConfig,
-                              TokenConfig, apply_overrides, load_config, parse_config,
-                              request_layout)
+from dist_attn.serve.config import (DEFAULT_CONFIG_PATH, Config, ModelConfig, RuntimeConfig,
+                                    ServeConfig, apply_overrides, load_config, parse_config)
+from dist_attn.serve.tokens import TokenConfig, request_layout
 
 from tests.conftest import ROOT
+
+TINY_TOML = os.path.join(ROOT, "configs", "tiny.toml")
 
 
 def test_h3_config_matches_the_reference_workload():
@@ -22,7 +23,7 @@ def test_h3_config_matches_the_reference_workload():
         50, 5376, 56, 128, 14336, 96)
     assert cfg.tokens.alignment == 64
     r = cfg.request
-    layout = request_layout(cfg, frames=r.frames, height=r.height, width=r.width)
+    layout = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width)
     # shared/h3.md: latent 37 x 42 x 24 = 37,296 video rows; h3-ref used 37,980, total 38,016.
     assert layout.latent_shape == (37, 42, 24)
     assert (layout.used, layout.total) == (37_980, 38_016)
@@ -30,27 +31,26 @@ def test_h3_config_matches_the_reference_workload():
     cfg.check_world(4)
 
 
-def test_tiny_file_is_the_embedded_default():
-    path = os.path.join(ROOT, "configs", "tiny.toml")
-    with open(path, encoding="utf-8") as f:
-        assert f.read() == DEFAULT_CONFIG_TOML
+def test_default_config_is_the_tiny_file():
+    assert str(DEFAULT_CONFIG_PATH) == os.path.realpath(TINY_TOML)
     cfg = load_config(None)
-    assert cfg == load_config(path)
+    assert cfg == load_config(TINY_TOML)
     r = cfg.request
-    layout = request_layout(cfg, frames=r.frames, height=r.height, width=r.width)
+    layout = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width)
     assert 100 <= layout.used <= 1000 and layout.total % 64 == 0  # "a few hundred tokens"
     assert cfg.model.head_dim == 64
     for world in (1, 2, 4):
         cfg.check_world(world)
 
 
-@pytest.mark.parametrize("world, match", [
-    (3, r"ModelConfig.num_heads=4 is not divisible by the Ulysses degree 3"),
-    (8, r"ModelConfig.num_heads=4 is not divisible by the Ulysses degree 8"),
-])
-def test_heads_vs_ulysses_degree(world, match):
-    with pytest.raises(ValueError, match=match):
-        load_config(None).check_world(world)
+def test_heads_vs_ulysses_degree():
+    # Uneven heads are valid, as in the core (4 heads on 3 ranks: 2, 1, 1) ...
+    apply_overrides(load_config(None), {"tokens.alignment": 96}).check_world(3)
+    # ... but every rank needs one head: the core's rule, with the config field named.
+    with pytest.raises(ValueError, match=r"ModelConfig.num_heads=4 cannot be split over the "
+                                         r"Ulysses degree 8: num_heads=4 must be >= the Ulysses "
+                                         r"world size 8"):
+        load_config(None).check_world(8)
 
 
 def test_alignment_vs_world_size():
@@ -84,7 +84,7 @@ def test_head_dim_vs_backend():
 
 def test_quality_values_listed_and_lossless_rejects_sage():
     with pytest.raises(ValueError, match=r"quality='medium' is not a quality tier; valid values: "
-                                         r"absent \(no constraint\), 'lossless', 'high'"):
+                                         r"'lossless', 'high' \(absent: no constraint\)"):
         RuntimeConfig(quality="medium")
     with pytest.raises(ValueError, match=r"backend='sage' is an 8-bit backend, not allowed under "
                                          r"quality='lossless'"):
@@ -113,12 +113,14 @@ def test_heartbeat_must_be_well_below_timeout():
 
 
 def test_unknown_fields_and_sections_are_named(tmp_path):
-    data = tomllib.loads(DEFAULT_CONFIG_TOML)
+    with open(TINY_TOML, encoding="utf-8") as f:
+        tiny = f.read()
+    data = tomllib.loads(tiny)
     data["model"]["num_head"] = 4
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['num_head'\] in \[model\]"):
         parse_config(data)
     bad = tmp_path / "bad.toml"
-    bad.write_text(DEFAULT_CONFIG_TOML + "\n[modle]\nx = 1\n")
+    bad.write_text(tiny + "\n[modle]\nx = 1\n")
     with pytest.raises(ValueError, match=r"bad.toml: unknown config section\(s\) \['modle'\]"):
         load_config(bad)
 
@@ -127,10 +129,10 @@ def test_request_geometry_rules():
     cfg = load_config(None)
     with pytest.raises(ValueError, match=r"request.height=250 must be a multiple of "
                                          r"tokens.spatial_compression=32"):
-        request_layout(cfg, frames=9, height=250, width=256)
-    layout = request_layout(cfg, frames=1, height=32, width=32, num_tokens=100)
+        request_layout(cfg.tokens, frames=9, height=250, width=256)
+    layout = request_layout(cfg.tokens, frames=1, height=32, width=32, num_tokens=100)
     assert (layout.used, layout.total, layout.latent_shape) == (100, 128, None)
-    layout = request_layout(cfg, frames=1, height=32, width=32, num_tokens=128)
+    layout = request_layout(cfg.tokens, frames=1, height=32, width=32, num_tokens=128)
     assert layout.cu_seqlens() == [0, 128]  # no padding segment when already aligned
     assert TokenConfig().alignment == 64
 
@@ -155,9 +157,29 @@ def test_command_line_flags_override_config_fields():
     assert cfg.request.num_tokens == 1000
     assert cfg.model.hidden_size == 5376  # untouched fields keep the file's values
     args = launcher.build_parser().parse_args(["--quality", "medium"])
-    with pytest.raises(ValueError, match=r"valid values: absent \(no constraint\), 'lossless', "
-                                         r"'high'"):
+    with pytest.raises(ValueError, match=r"valid values: 'lossless', 'high' \(absent: no "
+                                         r"constraint\)"):
         launcher.config_from_args(args)
     args = launcher.build_parser().parse_args(["--set", "model.nope=1"])
     with pytest.raises(ValueError, match=r"override 'model.nope': no such config field"):
         launcher.config_from_args(args)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"drain_timeout_s": 40.0}, r"ServeConfig.drain_timeout_s=40.0 must be > 0 and at most 25.0 s "
+                                r"\(torchrun kills ranks 30.0 s after its SIGTERM"),
+    ({"idle_timeout_s": 0}, r"ServeConfig.idle_timeout_s=0 must be > 0"),
+    ({"max_json_depth": 0}, r"ServeConfig.max_json_depth=0 must be a positive integer"),
+    ({"backlog": -1}, r"ServeConfig.backlog=-1 must be a positive integer"),
+])
+def test_serve_limits_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ServeConfig(**kwargs)
+
+
+def test_health_timeout_must_exceed_heartbeat():
+    with pytest.raises(ValueError, match=r"RuntimeConfig.health_timeout_s=1.0 must exceed "
+                                         r"heartbeat_s=2.0"):
+        RuntimeConfig(heartbeat_s=2.0, health_timeout_s=1.0)
+    with pytest.raises(ValueError, match=r"RuntimeConfig.compile='yes' must be true or false"):
+        RuntimeConfig(compile="yes")

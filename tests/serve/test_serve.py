@@ -4,40 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import subprocess
+import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
 
-from dist_attn.serve.config import load_config
-from dist_attn.serve.serving import (DistContext, Metrics, RequestError, _latent_checksum,
-                               parse_request)
+from dist_attn.serve.engine import latent_checksum
 from dist_attn.serve.weights import load_safetensors, save_safetensors
 
-from tests.conftest import ROOT, free_port, subprocess_env
+from tests.serve._server import SERVE, STARTUP_S, http, metric_samples, run, server, torchrun
 
-SERVE = os.path.join(ROOT, "launch", "serve.py")
-# Start-up of 4 ranks importing torch on a loaded 2-core CI box takes ~15 s; allow 8x.
-STARTUP_S = 120
 # Every float op of the sharded DiT is row-wise or per-head, so 4 ranks match 1 rank to
 # reduction-order noise (observed: bit-identical on CPU float32); 1e-5 is the float32 allowance.
 RTOL_F32 = 1e-5
-
-
-def _torchrun(n: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(n), SERVE, *args]
-
-
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _last_json(stdout: str) -> dict:
@@ -51,9 +33,9 @@ def _last_json(stdout: str) -> dict:
 
 def test_once_on_4_ranks_matches_a_single_rank(tmp_path):
     args = ["--once", "--steps", "2", "--seed", "5"]
-    dist_run = _run(_torchrun(4, *args, "--output-dir", str(tmp_path / "w4")), STARTUP_S)
+    dist_run = run(torchrun(4, *args, "--output-dir", str(tmp_path / "w4")), STARTUP_S)
     assert dist_run.returncode == 0, dist_run.stderr[-3000:]
-    single = _run([sys.executable, SERVE, *args, "--output-dir", str(tmp_path / "w1")],
+    single = run([sys.executable, SERVE, *args, "--output-dir", str(tmp_path / "w1")],
                   STARTUP_S)
     assert single.returncode == 0, single.stderr[-3000:]
     r4, r1 = _last_json(dist_run.stdout), _last_json(single.stdout)
@@ -70,100 +52,65 @@ def test_once_on_4_ranks_matches_a_single_rank(tmp_path):
     assert err < RTOL_F32, err
     assert abs(r4["checksum"]["sum"] - r1["checksum"]["sum"]) <= 1e-4 * r1["checksum"]["abs_sum"]
     # the checksum reduced from 4 shards is the checksum of the saved (gathered) latent
-    ctx1 = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    assert _latent_checksum(a, 0, 276, ctx1)["bits64"] == r4["checksum"]["bits64"]
+    assert latent_checksum(a, 0, 276).bits64 == r4["checksum"]["bits64"]
     # per-step progress logged on rank 0 only, with the rank in every line
-    assert "[rank 0] INFO dist_attn.serve: once-5 step 2/2" in dist_run.stderr
+    assert "[rank 0] INFO dist_attn.serve.engine: once-5 step 2/2" in dist_run.stderr
     assert "[rank 1] INFO" not in dist_run.stderr
 
 
 # --------------------------------------------------------------------------- HTTP server
 
 
-def _http(method: str, url: str, body: bytes | None = None) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=body, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_server_under_torchrun(tmp_path, world):
-    port = free_port()
-    err_path = tmp_path / "stderr.txt"
-    with open(err_path, "w") as err, open(tmp_path / "stdout.txt", "w") as out:
-        proc = subprocess.Popen(_torchrun(world, "--port", str(port), "--log-all-ranks"),
-                                cwd=ROOT, env=subprocess_env(), stdout=out, stderr=err,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert proc.poll() is None, err_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                status, body = _http("GET", base + "/health")
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.3)
+    with server(tmp_path, world, "--log-all-ranks") as srv:
+        base = srv.base
+        status, body, _ = http("GET", base + "/health")
         health = json.loads(body)
         assert status == 200 and health["status"] == "ok" and health["world_size"] == world
 
         good = json.dumps({"num_tokens": 200, "steps": 2, "seed": 1}).encode()
-        status, body = _http("POST", base + "/v1/generate", good)
+        status, body, _ = http("POST", base + "/v1/generate", good)
         assert status == 200, body
         first = json.loads(body)
         assert first["tokens"] == {"used": 200, "total": 256, "latent_shape": None}
         assert len(first["step_latency_ms"]) == 2 and first["world_size"] == world
         assert len(first["checksum"]["bits64"]) == 16
 
-        status, body = _http("POST", base + "/v1/generate", b'{"steps": "many"}')
+        status, body, _ = http("POST", base + "/v1/generate", b'{"steps": "many"}')
         assert status == 400 and "steps='many' must be an integer" in json.loads(body)["error"][
             "message"]
-        status, body = _http("POST", base + "/v1/generate", b'{"num_tokens": 10000000}')
+        status, body, _ = http("POST", base + "/v1/generate", b'{"num_tokens": 10000000}')
         assert status == 413 and "max_tokens" in body
-        status, body = _http("POST", base + "/v1/generate", b"x" * 70_000)
+        status, body, _ = http("POST", base + "/v1/generate", b"x" * 70_000)
         assert status == 413 and "max_body_bytes" in body
 
         # workers keep serving after rejected requests; same request -> same latent
-        status, body = _http("POST", base + "/v1/generate", good)
+        status, body, _ = http("POST", base + "/v1/generate", good)
         assert status == 200, body
         second = json.loads(body)
         assert second["request_id"] != first["request_id"]
         assert second["checksum"] == first["checksum"]
 
-        status, metrics = _http("GET", base + "/metrics")
+        status, metrics, _ = http("GET", base + "/metrics")
         assert status == 200
-        assert "dist_attn_requests_total 2\n" in metrics
-        assert 'dist_attn_request_errors_total{code="400"} 1\n' in metrics
-        assert 'dist_attn_request_errors_total{code="413"} 2\n' in metrics
-        assert 'dist_attn_request_latency_seconds_bucket{le="+Inf"} 2\n' in metrics
-        assert "dist_attn_request_latency_seconds_count 2\n" in metrics
-        tps = [ln for ln in metrics.splitlines() if ln.startswith("dist_attn_tokens_per_second ")]
-        assert float(tps[0].split()[1]) > 0
-        assert _http("GET", base + "/nope")[0] == 404
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    # every process of the job is gone, and each rank left through the shutdown broadcast
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "ranks still alive after SIGTERM"
-        time.sleep(0.2)
-    log = err_path.read_text()
-    for rank in range(world):
-        assert f"[rank {rank}] INFO dist_attn.serve: shut down cleanly" in log, log[-3000:]
+        samples = metric_samples(metrics)
+        assert samples["dist_attn_requests_total"] == 2
+        assert samples['dist_attn_request_errors_total{code="400"}'] == 1
+        assert samples['dist_attn_request_errors_total{code="413"}'] == 2
+        assert samples['dist_attn_request_latency_seconds_bucket{le="+Inf"}'] == 2
+        assert samples["dist_attn_request_latency_seconds_count"] == 2
+        assert samples["dist_attn_tokens_per_second"] > 0
+        assert http("GET", base + "/nope")[0] == 404
+
+        pids = list(srv.rank_pids().values())
+        assert len(pids) == world
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.wait_gone([srv.proc.pid, *pids], timeout=60)
+        # every rank left through the shutdown message
+        log = srv.log()
+        for rank in range(world):
+            assert f"[rank {rank}] INFO dist_attn.serve.loop: shut down cleanly" in log, log[-3000:]
 
 
 # --------------------------------------------------------------------------- launch checks
@@ -171,11 +118,11 @@ def test_server_under_torchrun(tmp_path, world):
 
 def test_quality_high_on_cpu_fails_fast_naming_conditions():
     t0 = time.monotonic()
-    run = _run(_torchrun(4, "--quality", "high"), STARTUP_S)
+    res = run(torchrun(4, "--quality", "high"), STARTUP_S)
     elapsed = time.monotonic() - t0
-    assert run.returncode != 0
+    assert res.returncode != 0
     assert elapsed < STARTUP_S
-    msg = run.stderr
+    msg = res.stderr
     assert msg.count("launch checks failed") == 1  # ONE message, from rank 0
     assert "GPU model: every GPU name must contain H200" in msg
     assert "GPU per rank: every rank must run on a CUDA GPU" in msg
@@ -183,8 +130,21 @@ def test_quality_high_on_cpu_fails_fast_naming_conditions():
     assert "shut down" not in msg  # no model was built, nothing was served
 
 
+def test_port_in_use_fails_before_the_model_with_one_message():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        res = run(torchrun(2, "--port", str(port)), STARTUP_S)
+    assert res.returncode != 0
+    assert res.stderr.count("launch checks failed") == 1, res.stderr[-3000:]
+    assert f"port: cannot listen on 127.0.0.1:{port} (Address already in use)" in res.stderr
+    assert "Traceback" not in res.stderr.split("launch checks failed")[0]
+    assert "built tiny" not in res.stderr  # caught before the model was built
+
+
 def test_single_process_check_only_ok():
-    ok = _run([sys.executable, SERVE, "--check-only"], STARTUP_S)
+    ok = run([sys.executable, SERVE, "--check-only"], STARTUP_S)
     assert ok.returncode == 0 and "check-only: OK" in ok.stdout, ok.stderr
 
 
@@ -206,7 +166,7 @@ def test_launch_rejects_bad_tier_backend_and_weights(launcher, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "backend='sage' is an 8-bit backend, not allowed under quality='lossless'" in err
     assert launcher.main(["--check-only", "--quality", "best"]) == 1
-    assert "valid values: absent (no constraint), 'lossless', 'high'" in capsys.readouterr().err
+    assert "valid values: 'lossless', 'high' (absent: no constraint)" in capsys.readouterr().err
     weights = tmp_path / "w.safetensors"
     save_safetensors({"patch_in.weight": torch.zeros(3, 3)}, weights)
     assert launcher.main(["--once", "--weights", str(weights)]) == 1
@@ -215,53 +175,3 @@ def test_launch_rejects_bad_tier_backend_and_weights(launcher, tmp_path, capsys)
     assert "missing keys" in err and "blocks.1.qkv.weight" in err
     assert launcher.main(["--once", "--layers", "0"]) == 1
     assert "ModelConfig.num_layers=0 must be a positive integer" in capsys.readouterr().err
-
-
-# --------------------------------------------------------------------------- in-process units
-
-
-def test_parse_request_rules():
-    cfg = load_config(None)
-    req = parse_request({"frames": 5, "height": 64, "width": 96, "steps": 3, "seed": 2}, cfg)
-    assert req.layout(cfg).latent_shape == (2, 2, 3)
-    assert parse_request({"num_tokens": 50}, cfg).layout(cfg).total == 64
-    for payload, status, match in [
-        ([], 400, "JSON object"),
-        ({"frame": 3}, 400, r"unknown field\(s\) \['frame'\]"),
-        ({"steps": True}, 400, "must be an integer"),
-        ({"steps": 0}, 400, "steps=0 must be a positive integer"),
-        ({"steps": 51}, 413, "max_steps=50"),
-        ({"num_tokens": 10, "frames": 3}, 400, "either num_tokens or frames"),
-        ({"height": 100}, 400, "multiple of tokens.spatial_compression=32"),
-        ({"frames": 10**12}, 413, "too large"),
-        ({"seed": -1}, 400, "seed=-1"),
-    ]:
-        with pytest.raises(RequestError, match=match) as info:
-            parse_request(payload, cfg)
-        assert info.value.status == status, payload
-
-
-def test_metrics_histogram_is_cumulative():
-    m = Metrics()
-    m.observe(0.02, 100, 0.01)
-    m.observe(3.0, 100, 1.0)
-    m.error(400)
-    text = m.render(queue_depth=1)
-    assert 'dist_attn_request_latency_seconds_bucket{le="0.025"} 1\n' in text
-    assert 'dist_attn_request_latency_seconds_bucket{le="5.0"} 2\n' in text
-    assert 'dist_attn_request_errors_total{code="400"} 1\n' in text
-    assert "dist_attn_tokens_total 200\n" in text and "dist_attn_queue_depth 1\n" in text
-
-
-def test_checksum_is_independent_of_sharding():
-    ctx1 = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    z = torch.randn(128, 16)
-    full = _latent_checksum(z, 0, 100, ctx1)
-    parts = [_latent_checksum(z[r * 32:(r + 1) * 32], r * 32, 100, ctx1) for r in range(4)]
-    assert sum(int(p["bits64"], 16) for p in parts) % 2**64 == int(full["bits64"], 16)
-    assert abs(sum(p["sum"] for p in parts) - full["sum"]) < 1e-9
-    z2 = z.clone()
-    z2[100:] = 7.0  # padding rows do not count
-    assert _latent_checksum(z2, 0, 100, ctx1) == full
-    z2[99, 15] = torch.nextafter(z[99, 15], torch.tensor(1e9))  # one ulp of one element does
-    assert _latent_checksum(z2, 0, 100, ctx1)["bits64"] != full["bits64"]

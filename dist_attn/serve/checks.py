@@ -1,0 +1,71 @@
+"""Launch checks on every rank before the model is built: backend, quality tier, topology.
+
+Every rank ends with the same list of failures (local findings are merged with one
+all_gather_object), so all ranks take the same exit and a failed check cannot hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dist_attn import resolve_backend
+from dist_attn.distributed import DistEnv
+from dist_attn.plan import heads_per_rank
+from dist_attn.serve.config import Config
+from dist_attn.serve.quality import (Topology, gather_device_facts, local_device_facts,
+                                     quality_failures, tier_backend_name)
+
+__all__ = ["resolve_backend_name", "run_launch_checks"]
+
+
+def resolve_backend_name(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[str, Any]:
+    """The attention backend that will run, as (name, backend object).
+
+    The core's registry is asked with a probe tensor of this rank's largest per-rank head
+    count; an unavailable backend (e.g. Sage on CPU) raises here, before the model is built.
+    """
+    name = tier_backend_name(cfg.runtime.quality, cfg.runtime.backend)
+    heads = max(heads_per_rank(cfg.model.num_heads, cfg.parallel.resolved_ulysses(env.world_size)))
+    probe = torch.zeros(cfg.tokens.alignment, heads, cfg.model.head_dim, dtype=dtype,
+                        device=env.device)
+    obj = resolve_backend(name, probe)
+    return str(getattr(obj, "name", name)), obj
+
+
+def run_launch_checks(cfg: Config, env: DistEnv, dtype: torch.dtype,
+                      local_failures: list[str] | None = None) -> tuple[str, list[str]]:
+    """Quality tier, backend and topology checks from gathered device facts.
+
+    ``local_failures``: what this rank found on its own (rank 0: a port in use). Returns
+    (resolved backend name, failures), the failures identical on every rank.
+    """
+    failures: list[str] = list(local_failures or [])
+    try:
+        backend, obj = resolve_backend_name(cfg, env, dtype)
+    except Exception as e:  # noqa: BLE001 - reported as a failed launch condition
+        backend, obj = cfg.runtime.backend, None
+        failures.append(f"backend: {cfg.runtime.backend!r} cannot run here ({e})")
+    facts = gather_device_facts(local_device_facts(env.rank, env.device))
+    p = cfg.parallel
+    topo = Topology(world_size=env.world_size, ulysses_degree=p.resolved_ulysses(env.world_size),
+                    ring_degree=p.ring_degree, tensor_parallel=p.tensor_parallel)
+    failures += quality_failures(cfg.runtime.quality, facts, topo, backend=backend,
+                                 backend_obj=obj)
+    try:
+        cfg.check_backend(backend)
+    except ValueError as e:
+        failures.append(str(e))
+    if p.ring_degree != 1 or p.tensor_parallel != 1:
+        failures.append(f"ring_degree={p.ring_degree} / tensor_parallel={p.tensor_parallel}: "
+                        "only Ulysses is implemented (both must be 1)")
+    if env.distributed:
+        everyone: list[Any] = [None] * env.world_size
+        dist.all_gather_object(everyone, failures)
+        merged: list[str] = []
+        for rank_failures in everyone:
+            merged += [f for f in rank_failures if f not in merged]
+        failures = merged
+    return backend, failures

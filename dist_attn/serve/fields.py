@@ -1,0 +1,33 @@
+"""Field rules shared by the config dataclasses: each error names the field, its value and the
+rule it breaks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["field_error", "require_positive", "require_non_negative"]
+
+
+def field_error(cls: str, name: str, value: Any, rule: str) -> ValueError:
+    """``ValueError("Cls.name=value rule")``."""
+    return ValueError(f"{cls}.{name}={value!r} {rule}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require_positive(obj: Any, *names: str) -> None:
+    """Raises :func:`field_error` unless every named field of ``obj`` is an int > 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if not _is_int(value) or value <= 0:
+            raise field_error(type(obj).__name__, name, value, "must be a positive integer")
+
+
+def require_non_negative(obj: Any, *names: str) -> None:
+    """Raises :func:`field_error` unless every named field of ``obj`` is an int >= 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if not _is_int(value) or value < 0:
+            raise field_error(type(obj).__name__, name, value, "must be a non-negative integer")

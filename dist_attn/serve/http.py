@@ -1,0 +1,258 @@
+"""HTTP on rank 0: a Starlette app served by uvicorn in a thread of its own.
+
+Endpoints: ``GET /health`` (200 ok, 503 not ready or shutting down; never needs a token),
+``POST /v1/generate`` (JSON request -> JSON result), ``GET /metrics`` (Prometheus text). Every
+error is a JSON body ``{"error": {"code", "message"}}``; no server banner; messages never carry
+server paths or library internals (those go to the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from dist_attn.serve.config import Config
+from dist_attn.serve.jobs import Abort, Job, JobError, JobQueue, Liveness, QueueFull
+from dist_attn.serve.metrics import CONTENT_TYPE, Metrics
+from dist_attn.serve.protocol import RequestError, decode_json, parse_request
+
+__all__ = ["ServerState", "build_app", "HttpServer"]
+
+log = logging.getLogger(__name__)
+
+# A waiting handler checks for a vanished client this often; a dropped request then stops
+# within one poll plus one denoise step.
+_POLL_S = 0.25
+
+
+@dataclass(kw_only=True)
+class ServerState:
+    """What the HTTP thread shares with the rank-0 loop."""
+
+    cfg: Config
+    jobs: JobQueue
+    metrics: Metrics
+    liveness: Liveness
+    info: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = None
+    mean_run_s: float = 1.0
+    """Recent request duration, for Retry-After (updated by the loop)."""
+
+
+def _error(status: int, message: str, *, close: bool = False,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    hdrs = dict(headers or {})
+    if close:  # the body was left unread: the connection cannot carry another request
+        hdrs["connection"] = "close"
+    return JSONResponse({"error": {"code": status, "message": message}}, status_code=status,
+                        headers=hdrs)
+
+
+def build_app(state: ServerState) -> Starlette:
+    """The ASGI app over ``state``."""
+    cfg, limits = state.cfg, state.cfg.serve
+
+    def refused(request: HttpRequest) -> JSONResponse | None:
+        if state.api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            return None
+        return _error(401, "missing or wrong bearer token",
+                      headers={"www-authenticate": "Bearer"})
+
+    def fail(status: int, message: str, **kw: Any) -> JSONResponse:
+        state.metrics.error(status)
+        return _error(status, message, **kw)
+
+    async def health(_request: HttpRequest) -> JSONResponse:
+        silent = state.liveness.silent_s()
+        if state.liveness.stopping:
+            status, code = "shutting_down", 503
+        elif silent > cfg.runtime.health_timeout_s:
+            status, code = "not_ready", 503
+        else:
+            status, code = "ok", 200
+        state.metrics.set_ready(code == 200)
+        return JSONResponse({"status": status, **state.info, "queue_depth": len(state.jobs),
+                             "ranks_silent_s": round(silent, 3)}, status_code=code)
+
+    async def metrics(request: HttpRequest) -> Response:
+        return refused(request) or Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def read_body(request: HttpRequest, length: int) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > length:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def generate(request: HttpRequest) -> Response:
+        received = time.perf_counter()
+        denied = refused(request)
+        if denied:
+            return denied
+        lengths = request.headers.getlist("content-length")
+        if "transfer-encoding" in request.headers or not lengths:
+            return fail(411, "Content-Length required (chunked bodies are not accepted)",
+                        close=True)
+        if len(lengths) > 1:
+            return fail(400, f"{len(lengths)} Content-Length headers; exactly one is allowed",
+                        close=True)
+        length = int(lengths[0])  # h11 accepts digits only
+        if length > limits.max_body_bytes:
+            return fail(413, f"body of {length} bytes exceeds serve.max_body_bytes="
+                             f"{limits.max_body_bytes}", close=True)
+        try:
+            body = await asyncio.wait_for(read_body(request, length), limits.idle_timeout_s)
+        except ClientDisconnect:  # a truncated body is never executed
+            return Response(status_code=400)
+        except asyncio.TimeoutError:
+            return fail(408, f"body not received within serve.idle_timeout_s="
+                             f"{limits.idle_timeout_s}", close=True)
+        try:
+            req = parse_request(decode_json(body, limits), cfg)
+        except RequestError as e:
+            return fail(e.status, str(e))
+        if state.liveness.stopping:
+            return fail(503, "server is shutting down")
+        job = Job(request=req, received=received,
+                  deadline=received + (req.timeout_s or limits.request_timeout_s))
+        try:
+            state.jobs.put(job)
+        except QueueFull:
+            retry = max(1, round(state.mean_run_s * (len(state.jobs) + 1)))
+            return fail(429, f"queue full ({limits.queue_size} waiting)",
+                        headers={"retry-after": str(retry)})
+        return await wait_for_job(request, job)
+
+    async def wait_for_job(request: HttpRequest, job: Job) -> Response:
+        future = asyncio.wrap_future(job.future)
+        while not future.done():
+            await asyncio.wait({future}, timeout=_POLL_S)
+            if future.done():
+                break
+            reason = Abort.CLIENT_GONE if await request.is_disconnected() else job.abort_reason()
+            if reason is Abort.NONE:
+                continue
+            job.cancel(reason)  # a running job is aborted (and counted) by the rank-0 loop
+            if state.jobs.remove(job):
+                state.metrics.cancelled(reason.label)
+                job.fail(499, "cancelled while queued")
+            if reason is Abort.CLIENT_GONE:
+                return Response(status_code=499)
+            return _error(504, f"{job.request.request_id} not done within its deadline")
+        try:
+            result = future.result()
+        except JobError as e:
+            return _error(e.status, e.message)
+        try:
+            body = json.dumps(result.to_json(), allow_nan=False).encode() + b"\n"
+        except (TypeError, ValueError):
+            log.exception("%s: result could not be encoded", job.request.request_id)
+            return fail(500, f"{job.request.request_id}: the result could not be encoded")
+        return Response(body, media_type="application/json")
+
+    async def http_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    async def internal_error(_request: HttpRequest, _exc: Exception) -> JSONResponse:
+        return _error(500, "internal error (details in the server log)")
+
+    return Starlette(routes=[Route("/health", health, methods=["GET"]),
+                             Route("/metrics", metrics, methods=["GET"]),
+                             Route("/v1/generate", generate, methods=["POST"])],
+                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on the request head and JSON for the 400 it sends
+    itself. uvicorn times out an idle connection only after a response, so a connection that
+    never completes a head (silent, or a byte at a time) was held forever: 300 idle
+    connections stayed open for 32 s, one thread each, with the old server."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # a complete head arrived
+            self._cancel_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timeout)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": {"code": 400, "message": "invalid HTTP request (malformed, "
+                                     "or a head above serve.max_header_bytes)"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+class HttpServer:
+    """uvicorn serving :func:`build_app` on an already listening socket, in a daemon thread."""
+
+    def __init__(self, state: ServerState, sock: Any) -> None:
+        limits = state.cfg.serve
+        config = uvicorn.Config(build_app(state), http=_Protocol, lifespan="off",
+                                log_config=None, access_log=False, server_header=False,
+                                timeout_keep_alive=limits.idle_timeout_s,
+                                h11_max_incomplete_event_size=limits.max_header_bytes,
+                                backlog=limits.backlog, timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._server.serve([sock]),),
+                                        name="http", daemon=True)
+
+    def start(self) -> None:
+        """Starts serving."""
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops accepting, closes connections and waits for the thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout_s)

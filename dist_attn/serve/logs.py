@@ -1,0 +1,32 @@
+"""Logging for the served DiT: one stderr handler, the rank in every line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+__all__ = ["setup_logging"]
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def setup_logging(rank: int, *, level: str = "INFO", all_ranks: bool = False) -> None:
+    """Root logging to stderr with the rank in every line; ranks other than 0 log WARNING and
+    above unless ``all_ranks``. uvicorn's access log is silenced (one line per request would
+    cost more than the request's bookkeeping); its error log goes through the same handler."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_RankFilter(rank))
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper() if rank == 0 or all_ranks else logging.WARNING)
+    logging.getLogger("uvicorn.access").disabled = True

@@ -1,0 +1,195 @@
+"""The rank loops: rank 0 decides, every rank follows.
+
+Control flow (one direction)::
+
+    HTTP thread (rank 0) --validate--> JobQueue --> rank-0 loop --exchange(RUN)--> all ranks
+                                                                   |
+                  all ranks: Engine.run (denoise loop; an abort vote before every step)
+                                                                   |
+    HTTP response <-- Job.future <-- rank 0 (checksum, optional save: rank-0-only, local faults)
+
+Idle, rank 0 exchanges a heartbeat every ``runtime.heartbeat_s``; the other ranks always wait
+inside an exchange, bounded by the process-group timeout ``runtime.pg_timeout_s``, so if a rank
+dies or hangs the rest leave non-zero within that bound. On SIGTERM/SIGINT rank 0 answers every
+queued request 503 at once, lets the running one finish for up to ``serve.drain_timeout_s``,
+aborts it between steps otherwise, and sends SHUTDOWN: every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from typing import Any
+
+from dist_attn.distributed import DistEnv
+from dist_attn.serve.config import Config
+from dist_attn.serve.engine import Engine, RunResult
+from dist_attn.serve.http import HttpServer, ServerState
+from dist_attn.serve.jobs import Abort, Job, JobQueue, Liveness
+from dist_attn.serve.metrics import Metrics
+from dist_attn.serve.process import Shutdown
+from dist_attn.serve.protocol import Request, request_from_wire
+from dist_attn.serve.wire import Control, Op, exchange
+
+__all__ = ["serve"]
+
+log = logging.getLogger(__name__)
+
+# How the answer to an aborted job reads (CLIENT_GONE is never read: nobody is waiting).
+_ABORT_ANSWER = {Abort.CLIENT_GONE: (499, "client disconnected"),
+                 Abort.DEADLINE: (504, "not done within its deadline"),
+                 Abort.SHUTDOWN: (503, "server shut down")}
+# Shutdown steps after the drain (telling the ranks, stopping HTTP) get this long.
+_EXIT_GRACE_S = 5.0
+
+
+def serve(cfg: Config, env: DistEnv, engine: Engine, *, listener: socket.socket | None = None,
+          once: Request | None = None, info: dict[str, Any] | None = None,
+          api_key: str | None = None) -> int:
+    """Runs this rank's loop until shutdown; returns the process exit code. Rank 0 serves HTTP
+    on ``listener`` (or runs ``once``, prints its JSON result on stdout and stops)."""
+    hard_exit = cfg.serve.drain_timeout_s + _EXIT_GRACE_S
+    if env.rank != 0:
+        Shutdown(hard_exit_after_s=hard_exit).install()  # rank 0 tells us when to leave
+        return _worker_loop(env, engine)
+    return _Rank0(cfg, env, engine, info or {}, api_key).run(listener, once)
+
+
+def _worker_loop(env: DistEnv, engine: Engine) -> int:
+    while True:
+        msg = exchange(None, env)
+        if msg.op is Op.SHUTDOWN:
+            log.info("shut down cleanly")
+            return 0
+        if msg.op is Op.RUN:
+            engine.run(request_from_wire(msg.request))
+
+
+class _Rank0:
+    def __init__(self, cfg: Config, env: DistEnv, engine: Engine, info: dict[str, Any],
+                 api_key: str | None) -> None:
+        self.cfg, self.env, self.engine = cfg, env, engine
+        self.jobs = JobQueue(cfg.serve.queue_size)
+        self.metrics = Metrics(lambda: len(self.jobs))
+        self.liveness = Liveness()
+        self.state = ServerState(cfg=cfg, jobs=self.jobs, metrics=self.metrics,
+                                 liveness=self.liveness, info=info, api_key=api_key)
+        self.shutdown = Shutdown(hard_exit_after_s=cfg.serve.drain_timeout_s + _EXIT_GRACE_S,
+                                 on_request=self._refuse_queued)
+
+    def _refuse_queued(self) -> None:
+        """Answers every waiting request 503 at once (runs on its own thread at a signal)."""
+        self.liveness.stopping = True
+        for job in self.jobs.drain():
+            self.metrics.cancelled(Abort.SHUTDOWN.label)
+            job.fail(503, "server is shutting down")
+
+    def _vote(self, job: Job) -> Abort:
+        """Rank 0's abort vote before a denoise step. The previous step's all-to-alls needed
+        every rank, so reaching this point is also proof of life."""
+        self.liveness.contact()
+        reason = job.abort_reason()
+        since = self.shutdown.since
+        if reason is Abort.NONE and since is not None and (
+                time.perf_counter() - since > self.cfg.serve.drain_timeout_s):
+            reason = Abort.SHUTDOWN
+        return reason
+
+    def run(self, listener: socket.socket | None, once: Request | None) -> int:
+        self.shutdown.install()
+        http = None
+        if once is None:
+            assert listener is not None, "rank 0 serves HTTP on a bound listener"
+            http = HttpServer(self.state, listener)
+            http.start()
+            host, port = listener.getsockname()[:2]
+            log.info("serving on http://%s:%d (world %d, backend %s)", host, port,
+                     self.env.world_size, self.state.info.get("backend"))
+        else:
+            self.jobs.put(Job(request=once))
+        result = None
+        clean = False
+        try:
+            result = self._loop(once is not None)
+            clean = True
+        finally:
+            self._refuse_queued()
+            if clean:
+                exchange(Control(Op.SHUTDOWN), self.env)
+            if http is not None:
+                http.stop()
+            if clean:
+                log.info("shut down cleanly")
+        if once is not None:
+            if result is None:
+                return 1
+            print(json.dumps(result.to_json()), flush=True)
+        return 0
+
+    def _loop(self, once: bool) -> RunResult | None:
+        heartbeat = self.cfg.runtime.heartbeat_s
+        last = time.monotonic()
+        while not self.shutdown.requested.is_set():
+            # Short waits so a signal (which only sets a flag) is seen within 0.2 s.
+            job = self.jobs.get(timeout=min(0.2, heartbeat))
+            if job is None:
+                if once:
+                    return None
+                if time.monotonic() - last >= heartbeat:
+                    exchange(Control(Op.HEARTBEAT), self.env)
+                    self.liveness.contact()
+                    last = time.monotonic()
+                continue
+            result = self._run(job)
+            last = time.monotonic()
+            if once:
+                return result
+        return None
+
+    def _run(self, job: Job) -> RunResult | None:
+        req = job.request
+        reason = job.abort_reason()
+        if reason is not Abort.NONE:  # dropped before it started: no collective spent on it
+            self.metrics.cancelled(reason.label)
+            job.fail(*_ABORT_ANSWER[reason])
+            return None
+        started = time.perf_counter()
+        exchange(Control(Op.RUN, req.wire()), self.env)
+        try:
+            result = self.engine.run(req, abort=lambda: self._vote(job))
+        except Exception:
+            # Peers may be stuck in a collective of this request: fail it, then leave non-zero;
+            # the others exit on the process-group timeout.
+            self.metrics.error(500)
+            job.fail(500, f"{req.request_id} failed; the server is stopping")
+            raise
+        assert result is not None
+        self.liveness.contact()
+        if result.aborted is not Abort.NONE:
+            status, message = _ABORT_ANSWER[result.aborted]
+            self.metrics.cancelled(result.aborted.label)
+            job.fail(status, f"{req.request_id} {message}; aborted after "
+                             f"{len(result.step_latency_ms)} of {req.steps} steps")
+            log.info("%s aborted (%s) after %d of %d steps", req.request_id,
+                     result.aborted.label, len(result.step_latency_ms), req.steps)
+            return None
+        try:
+            self.engine.save_output(result)
+        except Exception:  # noqa: BLE001 - rank 0 alone: this request fails, the server serves on
+            log.exception("%s: writing the output failed", req.request_id)
+            self.metrics.error(500)
+            job.fail(500, f"{req.request_id}: the output could not be written (details in the "
+                          "server log)")
+            return None
+        now = time.perf_counter()
+        result.queue_ms = round((started - job.received) * 1e3, 3)
+        result.total_latency_ms = round((now - job.received) * 1e3, 3)
+        self.state.mean_run_s = 0.8 * self.state.mean_run_s + 0.2 * (now - started)
+        self.metrics.observe(now - job.received, result.tokens.used * req.steps,
+                             result.denoise_ms / 1e3)
+        job.finish(result)
+        log.info("%s done: %d tokens x %d steps in %.1f ms", req.request_id, result.tokens.used,
+                 req.steps, result.total_latency_ms)
+        return result

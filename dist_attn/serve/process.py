@@ -1,0 +1,127 @@
+"""The server process's relations with the operating system: its parent, its signals, its port.
+
+- Parent death: under torchrun every rank asks Linux for SIGTERM when its parent (the agent)
+  dies, so a ``kill -9`` of the agent cannot leave ranks serving forever (they drained and
+  exited within the drain bound instead of running on for 75 s and more).
+- SIGTERM/SIGINT: the first one starts a drain (the loop's business) and arms a hard exit, so a
+  rank stuck anyway leaves before torchrun's SIGKILL; a second one is logged and ignored.
+- The listening socket is bound on rank 0 before the model is built, so a port in use fails the
+  launch with one message instead of a traceback after minutes of weight loading.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+__all__ = ["set_parent_death_signal", "Shutdown", "bind_listener", "is_loopback",
+           "exposure_warnings"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def set_parent_death_signal(sig: signal.Signals = signal.SIGTERM) -> None:
+    """Linux: the kernel sends ``sig`` to this process when its parent dies. Elsewhere: logs a
+    warning (a killed launcher then leaves its ranks running)."""
+    if not sys.platform.startswith("linux"):
+        log.warning("parent-death signal is Linux-only: on %s, ranks outlive a killed launcher",
+                    sys.platform)
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), sig)
+
+
+class Shutdown:
+    """The first SIGTERM/SIGINT sets :attr:`requested`, runs ``on_request`` in a new thread and
+    arms ``os._exit(1)`` after ``hard_exit_after_s``. Signal handlers run on the main thread
+    between bytecodes, so a rank blocked in a collective sees the signal when it returns (at
+    the next heartbeat at the latest)."""
+
+    def __init__(self, *, hard_exit_after_s: float,
+                 on_request: Callable[[], None] | None = None) -> None:
+        self.hard_exit_after_s = hard_exit_after_s
+        self.on_request = on_request
+        self.requested = threading.Event()
+        self.since: float | None = None
+        """``time.perf_counter()`` of the first signal."""
+
+    def install(self) -> None:
+        """Installs the handlers for SIGTERM and SIGINT (main thread only)."""
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def request(self, why: str) -> None:
+        """Starts the shutdown as a signal would."""
+        if self.requested.is_set():
+            log.info("%s while already shutting down; ignored", why)
+            return
+        log.info("%s; shutting down (drain bound %.1f s)", why, self.hard_exit_after_s)
+        self.since = time.perf_counter()
+        self.requested.set()
+        if self.on_request is not None:
+            threading.Thread(target=self.on_request, name="drain", daemon=True).start()
+        timer = threading.Timer(self.hard_exit_after_s, self._hard_exit)
+        timer.daemon = True
+        timer.start()
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.request(f"received {signal.Signals(signum).name}")
+
+    def _hard_exit(self) -> None:
+        log.error("still running %.1f s after the shutdown request; exiting with status 1",
+                  self.hard_exit_after_s)
+        logging.shutdown()
+        os._exit(1)
+
+
+def bind_listener(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening; raises OSError (e.g. EADDRINUSE)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # REUSEADDR lets a restart bind while old connections sit in TIME_WAIT; it never lets
+        # two listeners share the port on Linux.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names a loopback address ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def exposure_warnings(host: str, api_key: str | None) -> list[str]:
+    """What to warn about when binding ``host`` (empty on loopback)."""
+    if is_loopback(host):
+        return []
+    warnings = [f"serve.host={host!r} is not a loopback address: the server is reachable from "
+                "other machines"]
+    if not api_key:
+        warnings.append("no API key is set (--api-key or DIST_ATTN_API_KEY): anyone who reaches "
+                        "the port can submit work")
+    return warnings

@@ -1,0 +1,73 @@
+"""What the ranks say to each other outside attention: control messages and abort votes.
+
+Control messages travel as ONE int64 all-reduce (SUM; rank 0 contributes the message, the others
+zeros): ``[op, frames, height, width, num_tokens, steps, seed]``. An all-reduce, unlike a
+broadcast, completes on rank 0 only after every rank has entered it, so each heartbeat doubles as
+proof that every rank answers (what /health reports). One small tensor costs ~1 ms on loaded CPU
+gloo where broadcast_object_list cost 2.4 ms (two broadcasts plus pickling).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dist_attn.distributed import DistEnv
+from dist_attn.serve.jobs import Abort
+from dist_attn.serve.protocol import WIRE_FIELDS
+
+__all__ = ["Op", "Control", "exchange", "agree_abort"]
+
+
+class Op(enum.IntEnum):
+    """Control operations (0 is never sent: it is what the non-root ranks contribute)."""
+
+    HEARTBEAT = 1
+    RUN = 2
+    SHUTDOWN = 3
+
+
+@dataclass(frozen=True)
+class Control:
+    """One control message; ``request`` holds the request's wire integers for Op.RUN."""
+
+    op: Op
+    request: tuple[int, ...] = ()
+
+
+def _device(env: DistEnv) -> torch.device:
+    # NCCL moves device tensors only; gloo is fastest on host tensors.
+    return env.device if env.backend == "nccl" else torch.device("cpu")
+
+
+def exchange(msg: Control | None, env: DistEnv) -> Control:
+    """Rank 0 passes ``msg`` and gets it back once every rank has received it; the other ranks
+    pass None and block (up to the process-group timeout) until rank 0 sends."""
+    if not env.distributed:
+        assert msg is not None, "a single rank is rank 0"
+        return msg
+    wire = torch.zeros(1 + len(WIRE_FIELDS), dtype=torch.int64)
+    if msg is not None:
+        wire[0] = int(msg.op)
+        if msg.request:
+            wire[1:] = torch.tensor(msg.request, dtype=torch.int64)
+    wire = wire.to(_device(env))
+    dist.all_reduce(wire, op=dist.ReduceOp.SUM)
+    if msg is not None:
+        return msg
+    values = wire.tolist()
+    op = Op(values[0])
+    return Control(op, tuple(values[1:]) if op is Op.RUN else ())
+
+
+def agree_abort(local: Abort, env: DistEnv) -> Abort:
+    """Every rank's vote in, the same verdict out on every rank (the largest reason wins), so all
+    ranks leave a denoise loop at the same step. One all-reduce of one integer."""
+    if not env.distributed:
+        return local
+    vote = torch.tensor([int(local)], dtype=torch.int64, device=_device(env))
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return Abort(int(vote.item()))

@@ -1,0 +1,116 @@
+"""In-process units of the server: request schema and limits, metrics, checksum, job queue,
+binding rules. No ranks, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_attn.serve.config import load_config
+from dist_attn.serve.engine import latent_checksum
+from dist_attn.serve.jobs import Abort, Job, JobQueue, QueueFull
+from dist_attn.serve.metrics import Metrics
+from dist_attn.serve.process import exposure_warnings, is_loopback
+from dist_attn.serve.protocol import RequestError, decode_json, parse_request
+
+from tests.serve._server import metric_samples
+
+
+def test_parse_request_rules():
+    cfg = load_config(None)
+    req = parse_request({"frames": 5, "height": 64, "width": 96, "steps": 3, "seed": 2}, cfg)
+    assert req.layout(cfg).latent_shape == (2, 2, 3)
+    assert parse_request({"num_tokens": 50}, cfg).layout(cfg).total == 64
+    assert parse_request({"num_tokens": 50, "timeout_s": 1.5}, cfg).timeout_s == 1.5
+    for payload, status, match in [
+        ([], 400, "JSON object"),
+        ({"frame": 3}, 400, r"unknown field\(s\) \['frame'\]"),
+        ({"steps": True}, 400, "must be an integer"),
+        ({"steps": 0}, 400, "steps=0 must be a positive integer"),
+        ({"steps": 51}, 413, "max_steps=50"),
+        ({"num_tokens": 10, "frames": 3}, 400, "either num_tokens or frames"),
+        ({"height": 100}, 400, "multiple of tokens.spatial_compression=32"),
+        ({"frames": 10**12}, 413, "too large"),
+        ({"seed": -1}, 400, "seed=-1"),
+        ({"timeout_s": 0}, 400, r"timeout_s=0 must be a number in \(0, serve.request_timeout_s"),
+        ({"timeout_s": 10**6}, 400, "timeout_s=1000000 must be a number"),
+        ({"timeout_s": "1"}, 400, "timeout_s='1' must be a number"),
+    ]:
+        with pytest.raises(RequestError, match=match) as info:
+            parse_request(payload, cfg)
+        assert info.value.status == status, payload
+
+
+def test_json_limits_refuse_before_parsing():
+    limits = load_config(None).serve
+    assert decode_json(b'{"seed": 12345678901234567890, "a": [1, {"b": "[[[["}]}', limits) == {
+        "seed": 12345678901234567890, "a": [1, {"b": "[[[["}]}  # brackets in strings do not count
+    for body, match in [
+        (b"[" * 30_000 + b"]" * 30_000, "JSON nesting depth 30000 exceeds serve.max_json_depth=4"),
+        (b'{"seed": ' + b"9" * 5000 + b"}", "integer literal of 5000 digits exceeds "
+                                             "serve.max_int_digits=20"),
+        (b'{"seed": -' + b"9" * 21 + b"}", "integer literal of 21 digits"),
+        (b'{"seed": NaN}', "NaN is not valid JSON"),
+        (b'{"seed": 1', "body is not valid JSON"),
+        (b"\xff\xfe", "body is not valid JSON"),
+    ]:
+        with pytest.raises(RequestError, match=match) as info:
+            decode_json(body, limits)
+        assert info.value.status == 400
+
+
+def test_metrics_histogram_is_cumulative():
+    m = Metrics(lambda: 1)
+    m.observe(0.02, 100, 0.01)
+    m.observe(3.0, 100, 1.0)
+    m.error(400)
+    m.cancelled(Abort.DEADLINE.label)
+    samples = metric_samples(m.render().decode())
+    assert samples['dist_attn_request_latency_seconds_bucket{le="0.025"}'] == 1
+    assert samples['dist_attn_request_latency_seconds_bucket{le="5.0"}'] == 2
+    assert samples['dist_attn_request_errors_total{code="400"}'] == 1
+    assert samples['dist_attn_requests_cancelled_total{reason="deadline"}'] == 1
+    assert samples["dist_attn_tokens_total"] == 200 and samples["dist_attn_queue_depth"] == 1
+    assert samples["dist_attn_tokens_per_second"] == pytest.approx(200 / 1.01)
+
+
+def test_checksum_is_independent_of_sharding():
+    z = torch.randn(128, 16)
+    full = latent_checksum(z, 0, 100)
+    parts = [latent_checksum(z[r * 32:(r + 1) * 32], r * 32, 100) for r in range(4)]
+    assert sum(int(p.bits64, 16) for p in parts) % 2**64 == int(full.bits64, 16)
+    assert abs(sum(p.sum for p in parts) - full.sum) < 1e-9
+    z2 = z.clone()
+    z2[100:] = 7.0  # padding rows do not count
+    assert latent_checksum(z2, 0, 100) == full
+    z2[99, 15] = torch.nextafter(z[99, 15], torch.tensor(1e9))  # one ulp of one element does
+    assert latent_checksum(z2, 0, 100).bits64 != full.bits64
+
+
+def test_job_queue_bounds_removes_and_drains():
+    cfg = load_config(None)
+    q = JobQueue(2)
+    a, b, c = (Job(request=parse_request({}, cfg)) for _ in range(3))
+    q.put(a)
+    q.put(b)
+    with pytest.raises(QueueFull):
+        q.put(c)
+    assert q.remove(a) and not q.remove(a) and len(q) == 1  # a client that left frees its slot
+    q.put(c)
+    assert q.get(timeout=0) is b and q.drain() == [c] and q.get(timeout=0.01) is None
+    a.cancel(Abort.CLIENT_GONE)
+    a.cancel(Abort.DEADLINE)  # the first reason sticks
+    assert a.abort_reason() is Abort.CLIENT_GONE
+    late = Job(request=b.request, deadline=0.0)
+    assert late.abort_reason() is Abort.DEADLINE
+
+
+def test_binding_outside_loopback_warns():
+    assert is_loopback("127.0.0.1") and is_loopback("127.3.4.5") and is_loopback("::1")
+    assert is_loopback("localhost") and not is_loopback("0.0.0.0")
+    assert not is_loopback("example.org")
+    assert exposure_warnings("127.0.0.1", None) == []
+    open_warnings = exposure_warnings("0.0.0.0", None)
+    assert len(open_warnings) == 2 and "not a loopback address" in open_warnings[0]
+    assert "no API key is set (--api-key or DIST_ATTN_API_KEY)" in open_warnings[1]
+    assert len(exposure_warnings("0.0.0.0", "secret")) == 1
