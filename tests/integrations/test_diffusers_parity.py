@@ -63,6 +63,8 @@ def _parity(cases):
 def _worker_2(rank, world):
     from dist_attn.integrations.diffusers import enable_ulysses
 
+    from torch.distributed.tensor.debug import CommDebugMode
+
     results = {"parity": _parity(CASES_2)}
     model = tiny_wan(4)
     inputs = wan_inputs(2, 3, 6, 10)
@@ -70,6 +72,10 @@ def _worker_2(rank, world):
         ref = model(**inputs, return_dict=False)[0]
     originals = [b.attn1.processor for b in model.blocks]
     with enable_ulysses(model, backend="sdpa"):
+        comm = CommDebugMode()
+        with torch.no_grad(), comm:
+            model(**inputs)
+        results["collectives"] = {str(op): n for op, n in comm.get_comm_counts().items()}
         # A rank with another seed: same shapes, other contents.
         other = wan_inputs(2, 3, 6, 10, seed=1 + rank)
         try:
@@ -130,6 +136,13 @@ def test_two_ranks_parity_and_errors(tmp_path):
     results = run_ranks(_worker_2, 2, tmp_path, timeout=180)
     _check_parity(results, CASES_2)
     for rank, res in enumerate(results):
+        # Per forward of 2 blocks with a CFG batch of 2: two all-gathers (the input check, the
+        # output) and one all-to-all pair per self-attention for the whole batch; nothing else.
+        kinds = {"alltoall": 0, "allgather": 0}
+        for op, n in res["collectives"].items():
+            kind = next((k for k in kinds if k in op), op)
+            kinds[kind] = kinds.get(kind, 0) + n
+        assert kinds == {"alltoall": 4, "allgather": 2}, res["collectives"]
         assert res["other_seed"] and "different contents on rank 1" in res["other_seed"], res["other_seed"]
         assert res["other_shape"] and "hidden_states differs across the W=2 ranks" in res["other_shape"]
         assert "(2, 4, 3, 6, 12) on rank 1" in res["other_shape"], res["other_shape"]
