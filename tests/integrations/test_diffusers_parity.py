@@ -92,6 +92,14 @@ def _worker_2(rank, world):
             results["other_shape"] = None
         except ValueError as exc:
             results["other_shape"] = str(exc)
+        # Bad on rank 1 only (4-D latents): refused on both ranks, rank 0 does not hang.
+        bad = dict(inputs, hidden_states=inputs["hidden_states"][:, :, 0]) if rank == 1 else inputs
+        try:
+            with torch.no_grad():
+                model(**bad)
+            results["bad_on_one_rank"] = None
+        except ValueError as exc:
+            results["bad_on_one_rank"] = str(exc)
         try:
             model(**inputs)  # grad mode with trainable parameters
             results["grad_mode"] = None
@@ -146,6 +154,8 @@ def test_two_ranks_parity_and_errors(tmp_path):
         assert res["other_seed"] and "different contents on rank 1" in res["other_seed"], res["other_seed"]
         assert res["other_shape"] and "hidden_states differs across the W=2 ranks" in res["other_shape"]
         assert "(2, 4, 3, 6, 12) on rank 1" in res["other_shape"], res["other_shape"]
+        assert res["bad_on_one_rank"] and "shape (2, 4, 6, 10) on rank 1, shape (2, 4, 3, 6, 10) " \
+            "on rank 0" in res["bad_on_one_rank"], res["bad_on_one_rank"]
         assert res["grad_mode"] and "torch.no_grad()" in res["grad_mode"], res["grad_mode"]
         assert res["after_errors"] <= ATOL, res["after_errors"]
         assert res["restored_bitwise"], f"rank {rank}: output after remove() is not diffusers' own"

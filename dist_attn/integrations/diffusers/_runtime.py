@@ -1,7 +1,7 @@
 """The hooks of an enabled transformer: one sequence plan per forward, shard once, gather once.
 
-Every rank calls the transformer with the FULL inputs. The forward pre-hook checks them (locally,
-then once across the ranks), plans the shard of the S-token sequence (padded to a multiple of W)
+Every rank calls the transformer with the FULL inputs. The forward pre-hook checks them (once
+across the ranks, then locally), plans the shard of the S-token sequence (padded to a multiple of W)
 and cuts the per-token forward arguments; the submodule hooks cut every other tensor that carries
 the sequence (hidden states entering the first block, RoPE tables) to this rank's rows and gather
 the output projection back to all S rows; the forward hook closes the plan.
@@ -120,14 +120,17 @@ def _gather_hook(rt: Runtime, path: str, dim: int):
     return hook
 
 
-def _fingerprint(x: Any) -> list[float]:
+def _fingerprint(x: Any, device: torch.device) -> torch.Tensor:
+    """``[_ROW]`` float64 on ``device``; the sums stay on the device (no host synchronisation)."""
     if not isinstance(x, torch.Tensor):
-        return [0.0] * _ROW
-    if x.ndim > _MAX_DIMS:
-        raise ValueError(f"an input of shape {tuple(x.shape)} has more than {_MAX_DIMS} dims")
-    sizes = list(x.shape) + [-1] * (_MAX_DIMS - x.ndim)
-    flat = x.detach().to(torch.float64)
-    return [1.0, float(x.ndim), *map(float, sizes), float(flat.abs().sum()), float(flat.square().sum())]
+        return torch.zeros(_ROW, dtype=torch.float64, device=device)
+    # Nothing here may raise on one rank only: its peers would wait in the all-gather. A tensor
+    # of more dims than _MAX_DIMS is told apart by its ndim; the model's own checks refuse it.
+    dims = list(map(float, x.shape[:_MAX_DIMS]))
+    sizes = [1.0, float(x.ndim), *dims] + [-1.0] * (_MAX_DIMS - len(dims))
+    flat = x.detach().to(device, torch.float64)
+    sums = torch.stack((flat.abs().sum(), flat.square().sum()))
+    return torch.cat((torch.tensor(sizes, dtype=torch.float64, device=device), sums))
 
 
 def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device) -> None:
@@ -138,13 +141,13 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device)
     return a silently wrong mix of the two inputs.
     """
     names = rt.spec.compared_inputs
-    mine = torch.tensor([_fingerprint(arguments.get(n)) for n in names], dtype=torch.float64,
-                        device=device)  # [len(names), _ROW]
+    mine = torch.stack([_fingerprint(arguments.get(n), device) for n in names])  # [len(names), _ROW]
     rows = [torch.empty_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(rows, mine, group=rt.group)
-    ref = rows[0].cpu()
+    every = torch.stack(rows).cpu()  # [W, len(names), _ROW]
+    ref = every[0]
     for r in range(1, rt.world_size):
-        other = rows[r].cpu()
+        other = every[r]
         for i, name in enumerate(names):
             shape_ref, shape_r = ref[i, :2 + _MAX_DIMS], other[i, :2 + _MAX_DIMS]
             if not torch.equal(shape_ref, shape_r):
@@ -154,7 +157,7 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device)
                     f"rank must pass the same full inputs to the transformer"
                 )
             sums_ref, sums_r = ref[i, 2 + _MAX_DIMS:], other[i, 2 + _MAX_DIMS:]
-            if not torch.allclose(sums_r, sums_ref, rtol=_FINGERPRINT_RTOL, atol=0.0):
+            if not torch.allclose(sums_r, sums_ref, rtol=_FINGERPRINT_RTOL, atol=0.0, equal_nan=True):
                 raise ValueError(
                     f"{name} has different contents on rank {r} and rank 0 of the group (sum |x| "
                     f"{float(sums_r[0]):.6g} vs {float(sums_ref[0]):.6g}); every rank must pass "
@@ -166,7 +169,7 @@ def _describe(row: torch.Tensor) -> str:
     if row[0] == 0:
         return "absent"
     ndim = int(row[1])
-    return f"shape {tuple(int(s) for s in row[2:2 + ndim])}"
+    return f"shape {tuple(int(s) for s in row[2:2 + min(ndim, _MAX_DIMS)])}" + ("..." if ndim > _MAX_DIMS else "")
 
 
 def _forward_pre_hook(rt: Runtime):
@@ -178,23 +181,26 @@ def _forward_pre_hook(rt: Runtime):
         except TypeError as exc:
             raise TypeError(f"{type(model).__name__}.forward: {exc}") from None
         arguments = bound.arguments
-        inputs = spec.read_inputs(model, arguments)
         if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
             raise RuntimeError(
                 "dist_attn's sequence-parallel attention is forward only: call the transformer "
                 "under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)"
             )
         _, rt.world_size, _ = group_size_and_rank(rt.group)
+        # The cross-rank comparison comes before the model's own input checks: inputs that are
+        # bad on one rank only would otherwise raise there and leave its peers waiting in the
+        # first all-to-all; after it, the inputs are the same everywhere, so every check below
+        # raises on every rank alike.
+        if rt.world_size > 1:
+            device = next(model.parameters()).device  # NCCL needs the compute device
+            _check_same_on_all_ranks(rt, arguments, device)
+        inputs = spec.read_inputs(model, arguments)
         heads = spec.num_heads(model)
         if inputs.batch * heads < rt.world_size:
             raise ValueError(
                 f"batch={inputs.batch} samples x num_heads={heads} = {inputs.batch * heads} folded "
                 f"heads, fewer than the W={rt.world_size} ranks of the group; each rank needs one"
             )
-        if rt.world_size > 1:
-            device = next((t.device for t in arguments.values() if isinstance(t, torch.Tensor)),
-                          torch.device("cpu"))
-            _check_same_on_all_ranks(rt, arguments, device)
         rt.shard = plan_shard(inputs.seq_len, rt.group)
         for point in spec.shards:
             if point.module or point.where != "input":
