@@ -109,14 +109,10 @@ def build_app(state: ServerState) -> Starlette:
         denied = refused(request)
         if denied:
             return denied
-        lengths = request.headers.getlist("content-length")
-        if "transfer-encoding" in request.headers or not lengths:
+        if "transfer-encoding" in request.headers or "content-length" not in request.headers:
             return fail(411, "Content-Length required (chunked bodies are not accepted)",
                         close=True)
-        if len(lengths) > 1:
-            return fail(400, f"{len(lengths)} Content-Length headers; exactly one is allowed",
-                        close=True)
-        length = int(lengths[0])  # h11 accepts digits only
+        length = int(request.headers["content-length"])  # one, digits only (h11 + _Protocol)
         if length > limits.max_body_bytes:
             return fail(413, f"body of {length} bytes exceeds serve.max_body_bytes="
                              f"{limits.max_body_bytes}", close=True)
@@ -184,18 +180,38 @@ def build_app(state: ServerState) -> Starlette:
 
 
 class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on the request head and JSON for the 400 it sends
-    itself. uvicorn times out an idle connection only after a response, so a connection that
-    never completes a head (silent, or a byte at a time) was held forever: 300 idle
-    connections stayed open for 32 s, one thread each, with the old server."""
+    """uvicorn's h11 protocol with a deadline on the request head, a refusal of repeated
+    Content-Length headers, and JSON for the 400 it sends itself.
+
+    uvicorn times out an idle connection only after a response, so a connection that never
+    completes a head (silent, or a byte at a time) was held forever: 300 idle connections stayed
+    open for 32 s, one thread each, with the old server. h11 merges repeated Content-Length
+    headers of equal value, so the app cannot see them; the raw head is checked here.
+    """
 
     _head_timer: asyncio.TimerHandle | None = None
+    _head: bytes = b""
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._head += data
+            head, complete, _ = self._head.partition(b"\r\n\r\n")
+            limit = self.config.h11_max_incomplete_event_size
+            if len(head) > limit:  # h11 bounds only heads still incomplete after a read
+                self._send_json_error(431, f"request head above serve.max_header_bytes={limit}")
+                return
+            if complete:
+                self._head = b""
+                lengths = [ln for ln in head.lower().split(b"\r\n")
+                           if ln.startswith(b"content-length:")]
+                if len(lengths) > 1:
+                    self._send_json_error(400, f"{len(lengths)} Content-Length headers; exactly "
+                                               "one is allowed")
+                    return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # a complete head arrived
             self._cancel_head_timer()
@@ -224,11 +240,14 @@ class _Protocol(H11Protocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        body = json.dumps({"error": {"code": 400, "message": "invalid HTTP request (malformed, "
-                                     "or a head above serve.max_header_bytes)"}}).encode()
+        self._send_json_error(400, "invalid HTTP request (malformed, or a head above "
+                                   "serve.max_header_bytes)")
+
+    def _send_json_error(self, status: int, message: str) -> None:
+        body = json.dumps({"error": {"code": status, "message": message}}).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+        for event in (h11.Response(status_code=status, headers=headers),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()

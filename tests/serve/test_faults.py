@@ -1,0 +1,156 @@
+"""The server under torchrun (2 CPU gloo ranks, loopback) meeting its faults: cancellation on
+every rank, rank-0-only errors, a stopped rank, SIGTERM with work in flight, a killed agent.
+
+A "long" request is 2,000 denoise steps of 2,048 tokens (minutes on CPU); each test ends it
+well before that, so a test that waits for it would time out and fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.serve._server import http, metric_samples, server
+
+LONG = json.dumps({"num_tokens": 2048, "steps": 2000, "seed": 3}).encode()
+SHORT = json.dumps({"num_tokens": 200, "steps": 1, "seed": 1}).encode()
+FLAGS = ("--set", "serve.max_steps=2000", "--set", "runtime.heartbeat_s=0.5",
+         "--set", "runtime.health_timeout_s=3.0", "--set", "runtime.pg_timeout_s=60.0",
+         "--log-all-ranks")
+
+
+def _metrics(srv) -> dict[str, float]:
+    return metric_samples(http("GET", srv.base + "/metrics")[1])
+
+
+def _wait_for_log(srv, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in srv.log():
+        assert time.monotonic() < deadline, f"{text!r} not logged: {srv.log()[-2000:]}"
+        time.sleep(0.1)
+
+
+def _short_request_is_served(srv, timeout: float = 30) -> None:
+    """A short request completes: every rank left the previous request at the same step."""
+    t0 = time.monotonic()
+    status, body, _ = http("POST", srv.base + "/v1/generate", SHORT, timeout=timeout)
+    assert status == 200, body
+    assert time.monotonic() - t0 < timeout
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    with server(tmp, 2, *FLAGS, "--output-dir", str(tmp / "out")) as s:
+        s.output_dir = str(tmp / "out")
+        yield s
+
+
+def test_deadline_aborts_a_running_request_on_every_rank(srv):
+    before = _metrics(srv)
+    t0 = time.monotonic()
+    status, body, _ = http("POST", srv.base + "/v1/generate",
+                           LONG[:-1] + b', "timeout_s": 3}', timeout=60)
+    assert status == 504 and "deadline" in json.loads(body)["error"]["message"], body
+    assert time.monotonic() - t0 < 15
+    _wait_for_log(srv, "aborted (deadline) after")
+    _short_request_is_served(srv)
+    after = _metrics(srv)
+    assert after['dist_attn_requests_cancelled_total{reason="deadline"}'] == 1
+    assert after["dist_attn_requests_total"] == before["dist_attn_requests_total"] + 1
+
+
+def test_client_disconnect_aborts_a_running_request(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(LONG)}\r\n\r\n".encode() + LONG)
+        time.sleep(3)  # running by now
+    _wait_for_log(srv, "aborted (client_gone) after", timeout=30)
+    _short_request_is_served(srv)
+    assert _metrics(srv)['dist_attn_requests_cancelled_total{reason="client_gone"}'] == 1
+
+
+def test_rank0_only_error_fails_one_request_and_keeps_serving(srv):
+    shutil.rmtree(srv.output_dir, ignore_errors=True)  # earlier requests may have made it
+    with open(srv.output_dir, "w") as f:  # a file where the output directory should be
+        f.write("in the way")
+    status, body, _ = http("POST", srv.base + "/v1/generate", SHORT)
+    error = json.loads(body)["error"]
+    assert status == 500 and "the output could not be written" in error["message"]
+    assert srv.output_dir not in body  # no server paths in answers
+    pids = srv.rank_pids()
+    os.remove(srv.output_dir)
+    status, body, _ = http("POST", srv.base + "/v1/generate", SHORT)
+    assert status == 200, body
+    assert json.loads(body)["output"].startswith(srv.output_dir)
+    assert srv.rank_pids() == pids  # no rank restarted or left
+    assert http("GET", srv.base + "/health")[0] == 200
+
+
+def test_health_is_not_ready_while_a_rank_is_stopped(srv):
+    worker = srv.rank_pids()[1]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            status, body, _ = http("GET", srv.base + "/health", timeout=5)
+            if status == 503:
+                break
+            assert time.monotonic() < deadline, "still healthy with a stopped rank"
+            time.sleep(0.2)
+        assert json.loads(body)["status"] == "not_ready" and json.loads(body)["ranks_silent_s"] > 3
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    srv.wait_healthy(timeout=15)
+
+
+def test_sigterm_drains_queued_503_running_aborted_all_ranks_exit_0(tmp_path):
+    with server(tmp_path, 2, *FLAGS, "--set", "serve.drain_timeout_s=3.0") as srv:
+        answers: dict[str, tuple] = {}
+
+        def post(name: str, body: bytes) -> None:
+            t0 = time.monotonic()
+            status, text, _ = http("POST", srv.base + "/v1/generate", body, timeout=60)
+            answers[name] = (status, text, time.monotonic() - t0)
+
+        threads = [threading.Thread(target=post, args=("running", LONG))]
+        threads[0].start()
+        _wait_for_log(srv, "step 1/2000")
+        threads += [threading.Thread(target=post, args=(f"queued{i}", SHORT)) for i in range(2)]
+        for t in threads[1:]:
+            t.start()
+        deadline = time.monotonic() + 10
+        while json.loads(http("GET", srv.base + "/health")[1])["queue_depth"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pids = list(srv.rank_pids().values())
+        t_signal = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        for name in ("queued0", "queued1"):
+            status, text, _ = answers[name]
+            assert status == 503 and "shutting down" in text, answers[name]
+        status, text, _ = answers["running"]
+        assert status == 503 and "aborted after" in text, answers["running"]
+        srv.wait_gone([srv.proc.pid, *pids], timeout=20)
+        # the 3 s drain bound plus the shutdown, well inside torchrun's 30 s
+        assert time.monotonic() - t_signal < 15
+        log = srv.log()
+        for rank in (0, 1):
+            assert f"[rank {rank}] INFO dist_attn.serve.loop: shut down cleanly" in log, log[-3000:]
+        assert "exiting with status 1" not in log
+
+
+def test_killed_agent_leaves_no_rank_alive(tmp_path):
+    with server(tmp_path, 2, *FLAGS) as srv:
+        pids = list(srv.rank_pids().values())
+        assert len(pids) == 2
+        srv.proc.kill()  # kill -9 of the torchrun agent
+        srv.wait_gone(pids, timeout=15)

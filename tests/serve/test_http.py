@@ -1,0 +1,239 @@
+"""The HTTP layer alone: uvicorn + the Starlette app on a loopback port in this process, with the
+test playing the rank-0 loop (it takes jobs from the queue itself). Raw sockets send what
+ordinary clients would not. Every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from dist_attn.serve.config import apply_overrides, load_config
+from dist_attn.serve.http import HttpServer, ServerState
+from dist_attn.serve.jobs import JobQueue, Liveness
+from dist_attn.serve.metrics import Metrics
+from dist_attn.serve.process import bind_listener
+
+from tests.serve._server import metric_samples
+
+KEY = "s3cret"
+AUTH = f"Authorization: Bearer {KEY}\r\n"
+IDLE_S = 1.0
+
+
+class _Done:
+    """A finished job's result as the HTTP layer sees it."""
+
+    def to_json(self) -> dict:
+        return {"ok": True}
+
+
+@pytest.fixture
+def app():
+    cfg = apply_overrides(load_config(None), {"serve.queue_size": 2,
+                                              "serve.idle_timeout_s": IDLE_S})
+    jobs = JobQueue(cfg.serve.queue_size)
+    state = ServerState(cfg=cfg, jobs=jobs, metrics=Metrics(lambda: len(jobs)),
+                        liveness=Liveness(), info={"model": "tiny"}, api_key=KEY)
+    sock = bind_listener("127.0.0.1", 0, cfg.serve.backlog)
+    server = HttpServer(state, sock)
+    server.start()
+    state.port = sock.getsockname()[1]
+    yield state
+    for job in jobs.drain():
+        job.fail(503, "test over")
+    server.stop()
+    sock.close()
+
+
+def _exchange(port: int, raw: bytes, *, half_close: bool = False, timeout: float = 10) -> bytes:
+    """Sends ``raw`` on a fresh connection and reads until the server closes it or ``timeout``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(raw)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        data = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            data += chunk
+            if b"\r\n\r\n" in data and _complete(data):
+                break
+        return data
+
+
+def _complete(data: bytes) -> bool:
+    head, _, body = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False
+
+
+def _parse(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return int(lines[0].split()[1]), headers, body
+
+
+def _post(body: bytes, extra: str = "") -> bytes:
+    return (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+def _json_error(data: bytes, status: int) -> dict[str, str]:
+    got, headers, body = _parse(data)
+    assert got == status, data[:500]
+    assert headers["content-type"] == "application/json", headers
+    assert json.loads(body)["error"]["code"] == status
+    assert "server" not in headers  # no version banner
+    return headers
+
+
+def test_malformed_inputs_get_json_4xx(app):
+    port = app.port
+    _json_error(_exchange(port, _post(b'{"seed": ' + b"9" * 5000 + b"}")), 400)
+    _json_error(_exchange(port, _post(b"[" * 30_000 + b"]" * 30_000)), 400)
+    headers = _json_error(_exchange(port, _post(b"{}", "Content-Length: 2\r\n")), 400)
+    assert headers["connection"] == "close"  # duplicate Content-Length
+    big = f"POST /v1/generate HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 70000\r\n\r\n"
+    assert _json_error(_exchange(port, big.encode()), 413)["connection"] == "close"
+    chunked = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\n{AUTH}Transfer-Encoding: chunked\r\n"
+               "\r\n2\r\n{}\r\n0\r\n\r\n")
+    assert _json_error(_exchange(port, chunked.encode()), 411)["connection"] == "close"
+    _json_error(_exchange(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n"), 404)
+    _json_error(_exchange(port, b"BREW /v1/generate HTTP/1.1\r\nHost: x\r\n\r\n"), 405)
+    huge_head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20_000 + b"\r\n\r\n"
+    _json_error(_exchange(port, huge_head), 431)
+    _json_error(_exchange(port, b"\x16\x03\x01 not http\r\n\r\n"), 400)
+    # a truncated body (Content-Length larger than what was sent, then half-close) never runs
+    truncated = _post(b'{"steps": 1}')[:-4]
+    _exchange(port, truncated, half_close=True, timeout=3)
+    assert len(app.jobs) == 0
+    samples = metric_samples(app.metrics.render().decode())
+    assert samples["dist_attn_requests_total"] == 0
+
+
+def test_bearer_token_on_every_endpoint_but_health(app):
+    port = app.port
+    status, headers, _ = _parse(_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert status == 200
+    for request in (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+                    b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+                    b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\r\n"):
+        assert _json_error(_exchange(port, request), 401)["www-authenticate"] == "Bearer"
+    ok = _exchange(port, f"GET /metrics HTTP/1.1\r\nHost: x\r\n{AUTH}\r\n".encode())
+    assert _parse(ok)[0] == 200 and b"dist_attn_requests_total" in ok
+
+
+def _submit(port: int, body: bytes, out: list) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.append(_exchange(port, _post(body), timeout=20)))
+    t.start()
+    return t
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_queue_full_answers_429_with_retry_after(app):
+    answers: list[bytes] = []
+    waiting = [_submit(app.port, b'{"steps": 1}', answers) for _ in range(2)]
+    _wait(lambda: len(app.jobs) == 2)
+    headers = _json_error(_exchange(app.port, _post(b'{"steps": 1}')), 429)
+    assert int(headers["retry-after"]) >= 1
+    for _ in range(2):  # play the loop: serve the queued two
+        app.jobs.get(timeout=1).finish(_Done())
+    for t in waiting:
+        t.join(10)
+    assert [_parse(a)[0] for a in answers] == [200, 200]
+
+
+def test_client_that_disconnects_is_dropped_from_the_queue(app):
+    with socket.create_connection(("127.0.0.1", app.port), timeout=5) as s:
+        s.sendall(_post(b'{"steps": 1}'))
+        _wait(lambda: len(app.jobs) == 1)
+    _wait(lambda: len(app.jobs) == 0, timeout=5)  # gone without being taken by the loop
+    samples = metric_samples(app.metrics.render().decode())
+    assert samples['dist_attn_requests_cancelled_total{reason="client_gone"}'] == 1
+
+
+def test_deadline_drops_a_queued_request(app):
+    t0 = time.monotonic()
+    data = _exchange(app.port, _post(b'{"steps": 1, "timeout_s": 0.5}'), timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert "deadline" in json.loads(_parse(data)[2])["error"]["message"]
+    _json_error(data, 504)
+    assert len(app.jobs) == 0
+    samples = metric_samples(app.metrics.render().decode())
+    assert samples['dist_attn_requests_cancelled_total{reason="deadline"}'] == 1
+
+
+def test_200_concurrent_connections_are_all_answered(app):
+    conns = [socket.create_connection(("127.0.0.1", app.port), timeout=30) for _ in range(200)]
+    try:
+        for c in conns:  # all 200 are open before any request is sent
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        statuses = []
+        for c in conns:
+            data = b""
+            while not (b"\r\n\r\n" in data and _complete(data)):
+                chunk = c.recv(65536)
+                assert chunk, "connection closed without an answer"
+                data += chunk
+            statuses.append(_parse(data)[0])
+    finally:
+        for c in conns:
+            c.close()
+    assert statuses == [200] * 200
+
+
+def test_idle_and_slow_connections_are_closed(app):
+    with socket.create_connection(("127.0.0.1", app.port), timeout=10) as s:
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # closed by the server, nothing sent
+        assert time.monotonic() - t0 < IDLE_S + 3
+    with socket.create_connection(("127.0.0.1", app.port), timeout=10) as s:
+        t0 = time.monotonic()
+        closed = False
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n":  # a head, one byte per 0.2 s
+            try:
+                s.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.2)
+            if time.monotonic() - t0 > IDLE_S + 3:
+                break
+        if not closed:
+            s.settimeout(3)
+            closed = s.recv(1) == b""
+        assert closed and time.monotonic() - t0 < IDLE_S + 4
+
+
+def test_health_reports_silent_ranks_and_shutdown(app):
+    status = _parse(_exchange(app.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert status[0] == 200 and json.loads(status[2])["status"] == "ok"
+    app.liveness._last -= app.cfg.runtime.health_timeout_s + 1  # no rank answered for a while
+    status = _parse(_exchange(app.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert status[0] == 503 and json.loads(status[2])["status"] == "not_ready"
+    app.liveness.contact()
+    app.liveness.stopping = True
+    status = _parse(_exchange(app.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert status[0] == 503 and json.loads(status[2])["status"] == "shutting_down"
+    _json_error(_exchange(app.port, _post(b'{"steps": 1}')), 503)
