@@ -119,7 +119,20 @@ def _worker_2(rank, world):
 def _worker_4(rank, world):
     from dist_attn.integrations.diffusers import enable_ulysses
 
+    import torch.distributed as dist
+
     results = {"parity": _parity(CASES_4)}
+    # Two Ulysses groups of 2 ranks, each with its own inputs (a CFG-parallel layout): the input
+    # comparison and the attention stay inside each group.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    model, inputs = build("wan", 6, 1, 3, 6, 10, "t2v")
+    inputs = wan_inputs(1, 3, 6, 10, seed=10 + rank // 2)
+    with torch.no_grad():
+        ref = model(**inputs, return_dict=False)[0]
+    with enable_ulysses(model, mine, backend="sdpa"), torch.no_grad():
+        out = model(**inputs, return_dict=False)[0]
+    results["subgroup"] = float((out - ref).abs().max())
     model = tiny_wan(2)
     enable_ulysses(model)
     try:  # B*H = 2 folded heads for 4 ranks: refused before any collective
@@ -163,9 +176,10 @@ def test_two_ranks_parity_and_errors(tmp_path):
         assert res["hooks_left"] == 0, f"rank {rank}: remove() left {res['hooks_left']} hooks"
 
 
-def test_four_ranks_uneven_heads_odd_length_batch(tmp_path):
+def test_four_ranks_uneven_heads_odd_length_batch_and_subgroups(tmp_path):
     results = run_ranks(_worker_4, 4, tmp_path, timeout=240)
     _check_parity(results, CASES_4)
     for res in results:
+        assert res["subgroup"] <= ATOL, res["subgroup"]
         assert res["too_few_heads"] and "batch=1 samples x num_heads=2 = 2 folded heads, fewer " \
             "than the W=4 ranks" in res["too_few_heads"], res["too_few_heads"]
