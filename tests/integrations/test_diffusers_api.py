@@ -55,6 +55,19 @@ def test_fused_projections_one_rank_bit_identical():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
+def test_positional_arguments_and_a_wrapped_forward():
+    model = tiny_wan(4)
+    inputs = wan_inputs(1, 2, 4, 8)
+    ref = _run(model, inputs)
+    inner = model.forward
+    # Offloading wrappers replace the instance's forward by a (*args, **kwargs) function.
+    model.forward = lambda *args, **kwargs: inner(*args, **kwargs)
+    with enable_ulysses(model, backend="sdpa"), torch.no_grad():
+        out = model(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"],
+                    return_dict=False)[0]
+    assert torch.equal(out, ref)
+
+
 def test_remove_restores_processors_and_hooks_and_disable_is_idempotent():
     model = tiny_wan(2)
     originals = [b.attn1.processor for b in model.blocks]

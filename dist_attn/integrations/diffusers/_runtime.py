@@ -180,7 +180,9 @@ def _forward_pre_hook(rt: Runtime):
         spec = rt.spec
         rt.shard = None
         try:
-            bound = inspect.signature(model.forward).bind(*args, **kwargs)
+            # The class's signature, not the instance's: offloading wrappers (accelerate's
+            # cpu_offload) replace model.forward by a (*args, **kwargs) function.
+            bound = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{type(model).__name__}.forward: {exc}") from None
         arguments = bound.arguments
@@ -211,7 +213,7 @@ def _forward_pre_hook(rt: Runtime):
             x = arguments.get(point.name)
             if isinstance(x, torch.Tensor) and (point.only_if_ndim is None or x.ndim == point.only_if_ndim):
                 arguments[point.name] = _cut(rt, x, point.dim, f"argument {point.name!r}")
-        return bound.args, bound.kwargs
+        return bound.args[1:], bound.kwargs
     return hook
 
 
