@@ -9,6 +9,7 @@ from dist_attn.buffers import StagingBuffers, StagingCapacityError, default_stag
 from dist_attn.profiling import PhaseTimer
 from dist_attn.sharding import SequenceShard, gather_sequence, plan_shard, shard_sequence
 from dist_attn.ulysses import UlyssesSageAttention, ulysses_attention
+from dist_attn.mesh import init_usp_mesh, shard_index
 
 __all__ = [
     "AttentionBackend",
@@ -24,10 +25,12 @@ __all__ = [
     "gather_sequence",
     "get_backend",
     "init_distributed",
+    "init_usp_mesh",
     "plan_shard",
     "register_backend",
     "resolve_backend",
     "sage_varlen",
+    "shard_index",
     "shard_sequence",
     "trailing_padding_used_len",
     "ulysses_attention",

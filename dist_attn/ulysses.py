@@ -6,6 +6,10 @@ of q, k and v for its share of the B*H (sample, head) pairs; the varlen bridge a
 all-to-all returns the output shard in the caller's layout. With ``overlap_chunks=C > 1`` the heads
 are cut into C chunks whose all-to-alls are issued asynchronously, so chunk c+1's transfer runs
 while chunk c's kernel does. Under ``torch.compile`` the whole call is one opaque custom op.
+
+Beyond one host, a 2-D mesh ``("ring", "ulysses")`` (:mod:`dist_attn.mesh`) replaces the group:
+the all-to-all runs over the mesh's Ulysses dim and gathers the rows of this rank's ring chunk,
+and the kernel step becomes ring attention over the ring dim (:mod:`dist_attn.ring`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from torch import nn
 from dist_attn.backends import default_softmax_scale, resolve_backend
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
-from dist_attn.distributed import group_size_and_rank
+from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
+from dist_attn.ring import check_ring_backend, ring_attention
 from dist_attn.validation import check_bounds, check_no_grad, check_qkv, host_bounds
 from dist_attn.varlen import attend_varlen, segment_layout
 
@@ -42,22 +47,20 @@ def _check_chunks(overlap_chunks) -> None:
         raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")
 
 
-def _group_desc(group) -> str:
-    return "the default process group" if group is None else "the given process group"
-
-
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
                       max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
-                      valid_len: int | None = None, group=None, backend: str = "auto",
+                      valid_len: int | None = None, group=None, mesh=None, backend: str = "auto",
                       softmax_scale: float | None = None, num_heads: int | None = None,
                       head_dim: int | None = None, buffers: StagingBuffers | None = None,
                       timer: PhaseTimer | None = None, overlap_chunks: int = 1) -> torch.Tensor:
-    """Sequence-parallel block-diagonal attention over the ranks of ``group`` (forward only).
+    """Sequence-parallel block-diagonal attention over the ranks of ``group`` or ``mesh`` (forward only).
 
     Args:
         q, k, v: ``[S_local, H, D]`` or ``[B, S_local, H, D]`` fp16/bf16/fp32 on one device:
-            rank r's rows ``[r*S_local, (r+1)*S_local)`` of the packed global sequence of
-            ``S = S_local * W`` rows (W = the size of ``group``). Never modified.
+            shard i's rows ``[i*S_local, (i+1)*S_local)`` of the packed global sequence of
+            ``S = S_local * W`` rows. With ``group``: i = the rank in the group, W its size. With
+            ``mesh`` (R ring x U Ulysses): i = ``r*U + u`` at mesh coordinate ``(r, u)``, W = R*U.
+            Never modified.
         cu_seqlens: GLOBAL segment bounds 0, ..., S, the same for every sample: an int32/int64
             tensor (q's device or CPU) or a list of ints. None = one segment of S rows. Bounds
             are documents, never padding.
@@ -67,12 +70,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         valid_len: rows ``>= valid_len`` of the global sequence are padding: never attended, and
             exactly zero in the output. None = no padding.
         group: process group (None = the default group; no group initialised = local attention).
+        mesh: a 2-D ``DeviceMesh`` with dims ``("ring", "ulysses")`` for Ulysses x Ring; not
+            together with ``group``. Ring size > 1 needs a backend that returns a log-sum-exp.
         backend: ``"auto"`` or a registered backend name (see :mod:`dist_attn.backends`).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         num_heads, head_dim: expected H and D (checked when given).
         buffers: staging pool; None = the process-wide pool.
         timer: optional :class:`PhaseTimer` that records pack / a2a_in / kernel / a2a_out / unpack.
-        overlap_chunks: number of head chunks to pipeline (1 = two collectives per call).
+        overlap_chunks: number of head chunks to pipeline (1 = two all-to-alls per call, plus
+            R-1 K/V ring steps with a mesh; each chunk runs its own ring).
 
     Returns:
         Fresh tensor of q's shape, dtype and device.
@@ -85,14 +91,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
-            max_seqlen, valid_len, _group_key(group), backend, softmax_scale, num_heads, head_dim,
+            max_seqlen, valid_len, _group_key(group, mesh), backend, softmax_scale, num_heads, head_dim,
             overlap_chunks)
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
-                    group=group, backend=backend, softmax_scale=softmax_scale, num_heads=num_heads,
-                    head_dim=head_dim, buffers=buffers, timer=timer, overlap_chunks=overlap_chunks)
+                    group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
+                    num_heads=num_heads, head_dim=head_dim, buffers=buffers, timer=timer,
+                    overlap_chunks=overlap_chunks)
 
 
-def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, backend,
+def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, mesh, backend,
              softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks) -> torch.Tensor:
     # ---- validation: host-only facts, identical on every rank, before any collective ----
     check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
@@ -100,33 +107,43 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     _check_scale(softmax_scale)
     _check_chunks(overlap_chunks)
     check_bounds(cu_seqlens, device=q.device)
-    given_group = group
-    group, world, rank = group_size_and_rank(group)
+    groups = parallel_groups(mesh=mesh, group=group)
+    group, world, rank, n_ring = (groups.ulysses_group, groups.ulysses_size, groups.ulysses_rank,
+                                  groups.ring_size)
     batched = q.ndim == 4
     q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [S_local, H, D] -> [1, S_local, H, D]
     batch, s_local, n_heads, d = q4.shape
-    seq = s_local * world
-    bounds = host_bounds(
-        cu_seqlens, cu_seqlens_host, total=seq,
-        total_desc=f"S = S_local*W = {s_local}*{world} = {seq} (W={world} is the size of "
-                   f"{_group_desc(given_group)}; each rank holds S_local={s_local} rows: pad the "
-                   f"packed sequence to a multiple of W and pass valid_len)",
-    )
+    chunk = s_local * world  # rows one Ulysses group gathers: the whole sequence without a ring
+    seq = chunk * n_ring
+    if n_ring == 1:
+        total_desc = (f"S = S_local*W = {s_local}*{world} = {seq} (W={world} is the size of "
+                      f"{groups.desc}; each rank holds S_local={s_local} rows: pad the packed "
+                      "sequence to a multiple of W and pass valid_len)")
+    else:
+        total_desc = (f"S = S_local*U*R = {s_local}*{world}*{n_ring} = {seq} (U={world}, R={n_ring}: "
+                      f"{groups.desc}; each rank holds S_local={s_local} rows: pad the packed "
+                      "sequence to a multiple of U*R and pass valid_len)")
+    bounds = host_bounds(cu_seqlens, cu_seqlens_host, total=seq, total_desc=total_desc)
     layout = segment_layout(bounds, total=seq, valid_len=valid_len, max_seqlen=max_seqlen)
     be = resolve_backend(backend, q)
+    check_ring_backend(be, requested=backend, ring_size=n_ring)
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
 
     if world == 1:
-        with phase("kernel"):
-            out = attend_varlen(be, q4, k4, v4, layout=layout, cu_seqlens=cu_seqlens,
-                                softmax_scale=scale, k_is_scratch=False)
+        if n_ring > 1:
+            out = ring_attention(q4, k4, v4, layout=layout, groups=groups, backend=be,
+                                 softmax_scale=scale, phase=phase)
+        else:
+            with phase("kernel"):
+                out = attend_varlen(be, q4, k4, v4, layout=layout, cu_seqlens=cu_seqlens,
+                                    softmax_scale=scale, k_is_scratch=False)
         return out if batched else out[0]
 
     if batch * n_heads < world:
         raise ValueError(
             f"num_heads={n_heads} x batch {batch} = {batch * n_heads} (sample, head) pairs must be "
-            f">= the Ulysses world size {world} (the size of {_group_desc(given_group)}): every "
+            f">= the Ulysses world size {world} (the size of {groups.desc}): every "
             "rank needs at least one head")
     plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
                      head_dim=d, overlap_chunks=overlap_chunks)
@@ -154,12 +171,16 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
         if asynchronous:
             with phase("a2a_in"):
                 work.wait()
-        qc, kc, vc = unpack_qkv(view("in_recv", c.in_recv), seq, w_r, d)  # [S, w_r, D] views
-        with phase("kernel"):
-            # k lives in our receive buffer, so Sage 1.0.6 may smooth it in place (no copy).
-            attend_varlen(be, qc[None], kc[None], vc[None], layout=layout, cu_seqlens=cu_seqlens,
-                          softmax_scale=scale, k_is_scratch=True,
-                          out=view("out_send", c.out_send).view(1, seq, w_r, d))
+        qc, kc, vc = unpack_qkv(view("in_recv", c.in_recv), chunk, w_r, d)  # [L, w_r, D] views
+        dst = view("out_send", c.out_send).view(1, chunk, w_r, d)  # [1, L, w_r, D]
+        if n_ring > 1:
+            ring_attention(qc[None], kc[None], vc[None], layout=layout, groups=groups, backend=be,
+                           softmax_scale=scale, out=dst, phase=phase)
+        else:
+            with phase("kernel"):
+                # k lives in our receive buffer, so Sage 1.0.6 may smooth it in place (no copy).
+                attend_varlen(be, qc[None], kc[None], vc[None], layout=layout, cu_seqlens=cu_seqlens,
+                              softmax_scale=scale, k_is_scratch=True, out=dst)
         with phase("a2a_out"):
             works_out.append(all_to_all_flat(view("out_recv", c.out_recv), view("out_send", c.out_send),
                                              recv_splits=list(c.out_recv_splits),
@@ -176,16 +197,29 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
 
 
 # ---- torch.compile: the whole call as one custom op with a fake (shape-only) implementation ----
-# Process groups cannot cross the op boundary, so the op receives a key into this table.
+# Process groups and meshes cannot cross the op boundary, so the op receives a key into this
+# table ("mesh:" keys name a DeviceMesh).
 _GROUPS: dict[str, object] = {}
 
 
-def _group_key(group) -> str:
+def _group_key(group, mesh=None) -> str:
+    check_mesh_or_group(mesh, group)
+    if mesh is not None:
+        key = f"mesh:{id(mesh)}"
+        _GROUPS[key] = mesh
+        return key
     if group is None:
         return ""
     key = str(getattr(group, "group_name", id(group)))
     _GROUPS[key] = group
     return key
+
+
+def _from_key(key: str) -> dict:
+    if not key:
+        return {"group": None, "mesh": None}
+    obj = _GROUPS[key]
+    return {"group": None, "mesh": obj} if key.startswith("mesh:") else {"group": obj, "mesh": None}
 
 
 @torch.library.custom_op("dist_attn::ulysses_attention", mutates_args=())
@@ -195,7 +229,7 @@ def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: O
                 softmax_scale: Optional[float], num_heads: Optional[int], head_dim: Optional[int],
                 overlap_chunks: int) -> torch.Tensor:
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
-                    group=_GROUPS[group_key] if group_key else None, backend=backend,
+                    **_from_key(group_key), backend=backend,
                     softmax_scale=softmax_scale, num_heads=num_heads, head_dim=head_dim,
                     buffers=None, timer=None, overlap_chunks=overlap_chunks)
 
@@ -213,6 +247,8 @@ class UlyssesSageAttention(nn.Module):
         num_heads: H, heads of q/k/v (plain multi-head; need not divide the group size W: the
             first ``(B*H) % W`` ranks take one extra (sample, head) pair; ``B*H >= W``).
         head_dim: D.
+        mesh: 2-D ``DeviceMesh`` with dims ``("ring", "ulysses")`` for Ulysses x Ring (see
+            :mod:`dist_attn.mesh` for which rows each rank holds); not together with ``group``.
         group: process group of the Ulysses ranks (None = default group).
         backend: ``"auto"``, ``"sage"``, ``"sage8"``, ``"sdpa"`` or another registered name.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
@@ -225,7 +261,7 @@ class UlyssesSageAttention(nn.Module):
     :func:`ulysses_attention`.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, *, group=None, backend: str = "auto",
+    def __init__(self, num_heads: int, head_dim: int, *, mesh=None, group=None, backend: str = "auto",
                  softmax_scale: float | None = None, buffers: StagingBuffers | None = None,
                  timer: PhaseTimer | None = None, overlap_chunks: int = 1) -> None:
         super().__init__()
@@ -236,8 +272,10 @@ class UlyssesSageAttention(nn.Module):
             raise TypeError(f"backend={backend!r} must be a str")
         _check_scale(softmax_scale)
         _check_chunks(overlap_chunks)
+        check_mesh_or_group(mesh, group)
         self.num_heads = num_heads
         self.head_dim = head_dim
+        self.mesh = mesh
         self.group = group
         self.backend = backend
         self.softmax_scale = softmax_scale
@@ -251,7 +289,7 @@ class UlyssesSageAttention(nn.Module):
         compiling = torch.compiler.is_compiling()
         return ulysses_attention(
             q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len, group=self.group,
-            backend=self.backend, softmax_scale=self.softmax_scale, num_heads=self.num_heads,
+            mesh=self.mesh, backend=self.backend, softmax_scale=self.softmax_scale, num_heads=self.num_heads,
             head_dim=self.head_dim, buffers=None if compiling else self.buffers,
             timer=None if compiling else self.timer, overlap_chunks=self.overlap_chunks,
         )

@@ -62,11 +62,13 @@ class AttentionBackend:
         which ring attention needs to merge partial results exactly.
 
         Args:
-            q, k, v: ``[B, T, H, D]``, one dtype and device, last dim contiguous.
+            q: ``[B, Tq, H, D]``; k, v: ``[B, Tk, H, D]`` (ring attention pairs query rows of one
+                chunk with key rows of another, so Tq and Tk may differ); one dtype and device,
+                last dim contiguous.
             softmax_scale: multiplier of q.k before the softmax.
 
         Returns:
-            ``(out, lse)``: out ``[B, T, H, D]`` in q's dtype; lse ``[B, H, T]`` float32, the
+            ``(out, lse)``: out ``[B, Tq, H, D]`` in q's dtype; lse ``[B, H, Tq]`` float32, the
             natural log of ``sum_j exp(softmax_scale * q.k_j)``.
         """
         raise NotImplementedError(f"backend {self.name!r} does not return a log-sum-exp")
