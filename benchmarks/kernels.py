@@ -13,13 +13,17 @@ sdpa_cudnn             torch SDPA under sdpa_kernel(CUDNN_ATTENTION), all rows  
 sdpa_flash             torch SDPA under sdpa_kernel(FLASH_ATTENTION), all rows   total
 sage_dense             sageattention.core.sageattn, NHD, K = a scratch clone     total
 sage_varlen            sageattention.core.sageattn_varlen at (0, used, total)    used (37,980)
+fa3_fp8                FA3 FP8 (fa3-fwd wheel), per-head e4m3 quantization in    total
+                       plain torch counted in the time
+fa3_fp8_prequant       FA3 FP8 on operands quantized outside the timed region    total
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
 =====================  ========================================================  ==============
 
 ``<backend>`` is every name of ``dist_attn.backends.available_backends()`` except "auto"
-(sdpa, sage, sage8 once it lands, ...). TFLOP/s-equivalent = 4 * N^2 * heads * D / time.
+(sdpa, sage, sage8 and its second kernel sage8_triton or sage8_gluon, fa3 = FA3 bf16, ...).
+TFLOP/s-equivalent = 4 * N^2 * heads * D / time.
 
 The bridge overhead row is ``bridge:<b> / dense_used:<b> - 1`` at the same heads: what the
 packed-layout handling costs over a dense call on exactly the used rows (target <= 1%).
@@ -150,6 +154,44 @@ def _sage_varlen(q, k, v, lay):
     return run
 
 
+def _fa3_fp8(prequant: bool):
+    """FA3's FP8 forward with one scale per (batch, head) for each of q, k, v (what SGLang's FP8
+    path does); ``prequant`` leaves the quantization out of the timed call."""
+    def build(q, k, v, lay):
+        if q.device.type != "cuda":
+            raise Unavailable(f"FA3 needs a Hopper GPU (q is on {q.device})")
+        try:
+            import importlib
+            config = importlib.import_module("fa3_fwd_config")
+            sys.modules.setdefault("flash_attn_config", config)  # the interface imports this name
+            fa3 = importlib.import_module("fa3_fwd_interface")
+        except Exception as exc:  # noqa: BLE001
+            raise Unavailable(f"the fa3-fwd wheel does not import ({describe_exception(exc)})") from None
+        fp8 = torch.float8_e4m3fn
+
+        def quant(t):  # [T, H, D] -> ([1, T, H, D] e4m3, [1, H] fp32 descale)
+            amax = t.abs().amax(dim=(0, 2)).float().clamp_min(1e-12)  # [H]
+            scale = 448.0 / amax
+            return (t.float() * scale[None, :, None]).to(fp8)[None], (1.0 / scale)[None].contiguous()
+
+        def call(q8, k8, v8, dq, dk, dv):
+            res = fa3.flash_attn_func(q8, k8, v8, softmax_scale=lay.scale, causal=False,
+                                      q_descale=dq, k_descale=dk, v_descale=dv)
+            out = res[0] if isinstance(res, tuple) else res
+            return out[0]
+
+        if prequant:
+            (q8, dq), (k8, dk), (v8, dv) = (quant(t) for t in (q, k, v))
+            run = lambda: call(q8, k8, v8, dq, dk, dv)  # noqa: E731
+        else:
+            def run():
+                (q8, dq), (k8, dk), (v8, dv) = (quant(t) for t in (q, k, v))
+                return call(q8, k8, v8, dq, dk, dv)
+        run()  # raises here (not mid-timing) when the build refuses these inputs
+        return run
+    return build
+
+
 def _backend_or_raise(name: str, q: torch.Tensor):
     try:
         be = da_backends.get_backend(name)
@@ -198,6 +240,10 @@ def kernel_specs() -> list[KernelSpec]:
                    "sageattention.core.sageattn NHD on a clone of K, all rows"),
         KernelSpec("sage_varlen", "used", True, _sage_varlen,
                    "sageattention.core.sageattn_varlen at (0, used, total)"),
+        KernelSpec("fa3_fp8", "total", False, _fa3_fp8(prequant=False),
+                   "FA3 FP8, per-head e4m3 quantization in torch counted"),
+        KernelSpec("fa3_fp8_prequant", "total", False, _fa3_fp8(prequant=True),
+                   "FA3 FP8 on pre-quantized operands (quantization not counted)"),
     ]
     names = [n for n in da_backends.available_backends() if n != "auto"]
     for n in names:

@@ -1,16 +1,19 @@
-"""Dev benchmark for the Sage8 Triton kernel (tracker issue 5): correctness + speed of variants, side by
-side with torch SDPA (cuDNN) and sageattention 1.0.6, in ONE device call.
+"""Dev benchmark of the Sage8 kernels: correctness, speed of variants, pre-pass split, varlen, LSE
+cost, accuracy, registers and SASS, side by side with cuDNN, in ONE device call.
 
-Run on the H200:  PYTHONUNBUFFERED=1 python3 -m benchmarks.sage8_dev --out $OUT
-Prints compact tables last; writes the full record (config, versions, GPU, date) as JSON to --out.
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.sage8_dev --out $OUT          # H200, ~4 minutes
+    python3 -m benchmarks.sage8_dev --check --out $OUT                      # correctness only
 
-TFLOP/s-equivalent = 4 * N^2 * H * D / time (non-causal attention), as in shared/h3.md. The Sage8 time
-includes its quantization launches.
+Every Gluon variant is first checked in a child process with a time limit (``--check``): a wrong
+mbarrier phase hangs the GPU, and a hang must cost one variant, not the device call. Only variants
+that pass are timed. TFLOP/s-equivalent = 4 * N^2 * H * D / time; every sage8 time includes the
+quantization pre-pass unless the row says "attention only".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -25,7 +28,8 @@ from collections import Counter
 
 import torch
 
-from dist_attn.kernels import sage8_dense, sage8_varlen
+from dist_attn.kernels.sage8 import reference
+from dist_attn.kernels.sage8.api import sage8_dense, sage8_varlen
 
 __all__ = ["main"]
 
@@ -33,25 +37,17 @@ N_ROWS = 38016  # h3-ref: 594 x 64 packed rows
 USED = 37980
 D = 128
 
-#: the variants timed at 14 heads; each entry overrides _sage8_triton.DEFAULT_CONFIG
-VARIANTS = {
-    # run 3: BM64 w4 s3 TMA 13.18 (best), BN64 s3/s4 14.72/14.73, s2 maxnreg168 13.48, s3 maxnreg168 14.41
-    # run 1 (2026-12-02): ptr w8s3 14.75 ms, TMA w8s3 13.88, TMA w8s4 14.18, w8s2 17.39, TMA w8s2 16.95,
-    # w4s3 27.80 (255 regs, spills), w4 bn64 14.25 / TMA 13.96, I2F 15.08, non-ftz exp2 14.79
-    # run 2: BLOCK_M 64: w4s3 TMA 13.28 (best), ptr 13.99, s2 14.52, PIPE (manual QK prefetch) 14.91-16.32;
-    # BLOCK_M 128: w8s3 TMA 14.22, PIPE 14.08 / s4 14.15, ptr PIPE 14.77
-    "m64_w4s3_tma": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, USE_TMA=True),
-    "m64_bn64_w4s3_tma": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=True),
-    "m64_bn64_w4s4_tma": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, USE_TMA=True),
-    "m64_w4s2_tma_r168": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, USE_TMA=True, maxnreg=168),
-    "m64_w4s3_tma_r168": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, USE_TMA=True, maxnreg=168),
+#: Gluon variants (GluonConfig overrides); the first that passes and is fastest becomes "best"
+GLUON_VARIANTS = {
+    "g_s3": dict(stages=3),
+    "g_s3_pp": dict(stages=3, pingpong=True),
+    "g_s2": dict(stages=2),
+    "g_s3_e16": dict(stages=3, exp16=True),
+    "g_s3_pp_e16": dict(stages=3, pingpong=True, exp16=True),
 }
-#: quantization-pass configs (rows per tile, warps) timed with the best attention config
-PREP_CONFIGS = [(32, 4), (64, 4), (64, 8), (16, 4)]
-
-SASS_OPS = ("IGMMA", "QGMMA", "HGMMA", "HMMA", "IMMA", "MUFU.EX2", "I2F", "F2FP", "FFMA", "FMUL", "FADD",
-            "FMNMX", "IADD3", "SHFL", "LDS", "STS", "LDSM", "LDG", "LDGSTS", "UTMALDG", "SYNCS", "BAR",
-            "WARPGROUP", "LDL", "STL", "FSETP", "PRMT", "F2F", "FSEL")
+SASS_OPS = ("IGMMA", "QGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP", "PRMT", "LOP3",
+            "IMAD", "SHFL", "HADD2", "ISETP", "SEL", "LDS", "STS", "LDL", "STL", "BAR", "SYNCS", "WARPGROUP")
+ACC_CASES = ("normal", "bias", "outlier_q", "outlier_k", "outlier_qkv", "rms_gain")
 
 
 def _tflops(n: int, h: int, ms: float) -> float:
@@ -60,264 +56,311 @@ def _tflops(n: int, h: int, ms: float) -> float:
 
 def _bench(fn, rep_ms: int = 200) -> float:
     from triton.testing import do_bench
-    return float(do_bench(fn, warmup=30, rep=rep_ms, return_mode="median"))
+    return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
-def _ref_subset(q, k, v, heads, rows):
-    """float64 reference for query rows ``rows`` of ``heads``; q/k/v [1, N, H, D] -> [len(rows), len(heads), D]."""
-    outs = []
-    for h in heads:
-        qh = q[0, rows, h].double()
-        kh = k[0, :, h].double()
-        vh = v[0, :, h].double()
-        s = (qh @ kh.T) / math.sqrt(q.shape[-1])
-        outs.append(torch.softmax(s, dim=-1) @ vh)
-    return torch.stack(outs, dim=1)
+def _err(out, ref):
+    a, b = out.double().flatten(), ref.double().flatten()
+    return ((a - b).norm() / b.norm()).item(), torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 
-def _err(out_sub, ref):
-    a = out_sub.double().flatten()
-    b = ref.flatten()
-    rel = ((a - b).norm() / b.norm()).item()
-    cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
-    return rel, cos
+def _f64(q, k, v, scale=None):
+    """float64 attention and LSE of [T, H, D] inputs -> ([T, H, D], [H, T])."""
+    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
+    s = (q @ k.transpose(1, 2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    return (torch.softmax(s, -1) @ v).transpose(0, 1), torch.logsumexp(s, -1)
 
 
-def _sass_hist(kern, save_to: str | None):
-    """Opcode counts of a compiled Triton kernel (cuobjdump on its cubin)."""
-    try:
-        cubin = kern.asm["cubin"]
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(cubin)
-            path = f.name
-        txt = subprocess.run(["cuobjdump", "-sass", path], capture_output=True, text=True, timeout=60).stdout
-        if save_to:
-            with open(save_to, "w") as f:
-                f.write(txt)
-        ops = Counter()
-        for line in txt.splitlines():
-            m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
-            if m:
-                ops[m.group(1)] += 1
-        hist = {}
-        for key in SASS_OPS:
-            hist[key] = sum(c for op, c in ops.items() if op == key or op.startswith(key + "."))
-        hist["total"] = sum(ops.values())
-        return hist
-    except Exception as e:  # noqa: BLE001 - diagnostics only
-        return {"error": repr(e)}
-
-
-def _sdpa_cudnn(qt, kt, vt):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
-
-
-def _load_sage106():
-    try:
-        from sageattention import sageattn
-        return sageattn
-    except Exception as e:  # noqa: BLE001
-        print("sageattention not importable:", repr(e))
-        return None
-
-
-def _make(h, seed, case="a"):
+def _case(case: str, shape, seed: int, dtype=torch.bfloat16):
+    """q, k, v of one input family (the accuracy table's rows)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (1, N_ROWS, h, D)
-    q, k, v = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) for _ in range(3))
-    if case == "b":
+    q, k, v = (torch.randn(shape, generator=g, device="cuda") for _ in range(3))
+    ch = [3, 77 % shape[-1], 100 % shape[-1]]
+    if case == "bias":
         k += 0.5
-    if case == "c":
+    elif case == "outlier_q":
+        q[..., ch] *= 20
+    elif case == "outlier_k":
+        k[..., ch] *= 20
+    elif case == "outlier_qkv":
         for t in (q, k, v):
-            t[..., 3] *= 20
-            t[..., 77] *= 20
-            t[..., 100] *= 20
-    return tuple(t.to(torch.bfloat16) for t in (q, k, v))
+            t[..., ch] *= 20
+    elif case == "rms_gain":  # RMS-normed q/k with heavy-tailed per-channel gains (QK norm)
+        gq = torch.exp(torch.randn(shape[-1], generator=g, device="cuda"))
+        gk = torch.exp(torch.randn(shape[-1], generator=g, device="cuda"))
+        q = q / q.pow(2).mean(-1, keepdim=True).sqrt() * gq
+        k = k / k.pow(2).mean(-1, keepdim=True).sqrt() * gk
+    return tuple(t.to(dtype) for t in (q, k, v))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def _gluon_config(over: dict):
+    from dist_attn.kernels.sage8.attn_gluon import GluonConfig
+    return dataclasses.replace(GluonConfig(), **over)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check_variant(name: str, over: dict) -> dict:
+    """Correctness of one Gluon variant against the torch reference and float64 (small shapes)."""
+    cfg = _gluon_config(over)
+    res = {"variant": name}
+    # dense, several lengths, both head dims and dtypes
+    for T, hd, dt in ((1000, 128, torch.bfloat16), (77, 128, torch.bfloat16), (300, 64, torch.float16),
+                      (1, 128, torch.bfloat16), (4096, 128, torch.bfloat16)):
+        q, k, v = _case("bias", (2, T, 3, hd), seed=T, dtype=dt)
+        keep = [t.clone() for t in (q, k, v)]
+        out, lse = sage8_dense(q, k, v, impl="gluon", config=cfg, return_lse=True)
+        out2 = sage8_dense(q, k, v, impl="gluon", config=cfg)
+        torch.cuda.synchronize()
+        emu, emu_lse = reference.sage8_reference(q[1], k[1], v[1])
+        o64, l64 = _f64(q[1], k[1], v[1])
+        res[f"dense_T{T}_D{hd}"] = dict(
+            vs_reference=_err(out[1], emu)[0], vs_f64=_err(out[1], o64)[0],
+            lse_max_abs_vs_f64=(lse[1].double() - l64).abs().max().item(),
+            finite=bool(out.isfinite().all()), bit_stable=bool(torch.equal(out, out2)),
+            inputs_unchanged=all(torch.equal(a, b) for a, b in zip((q, k, v), keep)))
+    # varlen: empty segments, a 1-row segment, trailing padding, strided receive-buffer views
+    lens = [0, 77, 300, 1, 0, 129, 128, 1000]
+    used = sum(lens)
+    T = used + 40
+    buf = torch.randn((T, 3, 3, 128), device="cuda").to(torch.bfloat16)
+    q, k, v = buf[:, 0], buf[:, 1], buf[:, 2]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    obuf = torch.full((T, 2, 3, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, lse = sage8_varlen(q, k, v, cu, max(lens), used=used, out=obuf[:, 1], impl="gluon", config=cfg,
+                            return_lse=True)
+    worst = 0.0
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if b > a:
+            emu, _ = reference.sage8_reference(q[a:b], k[a:b], v[a:b])
+            worst = max(worst, _err(out[a:b], emu)[0])
+    res["varlen"] = dict(worst_vs_reference=worst, tail_zero=bool((out[used:] == 0).all()),
+                         lse_tail_neg_inf=bool(torch.isneginf(lse[:, used:]).all()),
+                         finite=bool(out[:used].isfinite().all()))
+    ok = all(v.get("vs_reference", 0) < 2e-2 and v.get("finite") and v.get("bit_stable", True)
+             and v.get("inputs_unchanged", True) for key, v in res.items() if key.startswith("dense"))
+    ok = ok and worst < 2e-2 and res["varlen"]["tail_zero"] and res["varlen"]["finite"]
+    res["ok"] = bool(ok)
+    return res
+
+
+def _run_checks(names: list[str], limit_s: int) -> dict:
+    """The first variant alone, then the others together, each group in a child process under a
+    time limit (a hang loses its group only); returns {name: result}."""
+    results = {}
+    for group in ([names[0]], names[1:]) if len(names) > 1 else ([names[0]],):
+        path = os.path.join(tempfile.gettempdir(), f"sage8_check_{group[0]}.json")
+        cmd = [sys.executable, "-m", "benchmarks.sage8_dev", "--check", "--variants", ",".join(group),
+               "--check-out", path]
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s * len(group) ** 0.5)
+            found = json.load(open(path)) if proc.returncode == 0 and os.path.exists(path) else {}
+            err = (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired:
+            found, err = {}, f"timed out after {limit_s} s (hang?)"
+        for name in group:
+            results[name] = found.get(name, {"ok": False, "error": err})
+            results[name]["check_s"] = round(time.time() - t0, 1)
+            print(f"check {name}: ok={results[name]['ok']} {json.dumps(results[name])[:900]}", flush=True)
+    return results
+
+
+# --------------------------------------------------------------------------------------- measuring
+def _sass(kern, save_to: str | None = None) -> dict:
+    """Opcode counts of a compiled kernel, whole kernel and its hottest loop (largest backward branch
+    target range that contains wgmma), plus registers / spills / shared memory."""
+    info = {"regs": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None),
+            "smem": getattr(getattr(kern, "metadata", None), "shared", None)}
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(kern.asm["cubin"])
+        txt = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True, timeout=60).stdout
+        if save_to:
+            open(save_to, "w").write(txt)
+        ins = []
+        for line in txt.splitlines():
+            m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*?(0x[0-9a-f]+)?\s*;", line)
+            if m:
+                ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+        whole = Counter(op for _, op, _ in ins)
+        loops = [(int(t, 16), a) for a, op, t in ins if op == "BRA" and t and int(t, 16) < a]
+        loops = [(lo, hi) for lo, hi in loops
+                 if any(op in ("IGMMA", "QGMMA") and lo <= a <= hi for a, op, _ in ins)]
+        info["whole"] = {k: whole.get(k, 0) for k in SASS_OPS} | {"total": sum(whole.values())}
+        if loops:
+            lo, hi = min(loops, key=lambda r: r[1] - r[0])
+            body = Counter(op for a, op, _ in ins if lo <= a <= hi)
+            info["loop"] = {k: body.get(k, 0) for k in SASS_OPS} | {"total": sum(body.values())}
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        info["sass_error"] = repr(e)
+    return info
+
+
+def _split(q, k, v, impl, cfg, quant_cfg):
+    """(pre-pass ms, attention-only ms, compiled attention kernel) at these inputs."""
+    from dist_attn.kernels.sage8 import launch
+    from dist_attn.kernels.sage8.quant import quantize
+    B, T, H, _ = q.shape
+    lay = launch.dense_layout(B, T)
+    scale = 1 / math.sqrt(D)
+    kb = launch.key_block(impl, cfg)
+    pre = _bench(lambda: quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg))
+    qz = quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg)
+    out = torch.empty_like(q)
+    if impl == "gluon":
+        from dist_attn.kernels.sage8.attn_gluon import attention
+        run = lambda: attention(qz, q, out, None, scale, cfg)  # noqa: E731
+    else:
+        from dist_attn.kernels.sage8.attn_triton import attention
+        run = lambda: attention(qz, q, out, None, scale, cfg)  # noqa: E731
+    kern = run()
+    return pre, _bench(run), kern
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--variants", default=",".join(GLUON_VARIANTS))
+    ap.add_argument("--check", action="store_true", help="check the variants in this process and exit")
+    ap.add_argument("--check-out", default=None)
+    ap.add_argument("--check-limit-s", type=int, default=90)
+    args = ap.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    if args.check:
+        res = {n: check_variant(n, GLUON_VARIANTS[n]) for n in names}
+        json.dump(res, open(args.check_out or os.path.join(args.out, "sage8_check.json"), "w"), indent=1)
+        return
     os.makedirs(args.out, exist_ok=True)
     import triton
-    from dist_attn.kernels import _sage8_triton as KT
+    from dist_attn.kernels.sage8.attn_triton import TritonConfig
+    from dist_attn.kernels.sage8.quant import QuantConfig
 
+    t_start = time.time()
     rec = {"date": datetime.datetime.now().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-           "default_config": KT.DEFAULT_CONFIG, "variants": {}, "heads": {}, "accuracy": {}}
-    t_start = time.time()
+           "variants": {}, "checks": {}}
 
-    # ceilings: device copy and bf16 matmul on random data
-    x = torch.randn(1024 * 1024 * 1024 // 2, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    ms = _bench(lambda: y.copy_(x), 100)
-    rec["copy_TBps"] = 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
-    del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = _bench(lambda: a @ a, 100)
-    rec["mm_bf16_TFLOPs"] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
-    del a
-    print(f"ceilings: copy {rec['copy_TBps']:.2f} TB/s, bf16 mm {rec['mm_bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    def save():
+        with open(os.path.join(args.out, "sage8_dev.json"), "w") as f:
+            json.dump(rec, f, indent=1, default=str)
 
-    sage106 = _load_sage106()
+    rec["checks"] = _run_checks(names, args.check_limit_s)
+    passed = [n for n in names if rec["checks"][n].get("ok")]
+    save()
+
     H = 14
-    q, k, v = _make(H, 0)
-    k_keep = k.clone()
-    heads, rows = [0, H // 2], torch.cat([torch.arange(0, 1536), torch.arange(N_ROWS - 512, N_ROWS)]).cuda()
-    ref = _ref_subset(q, k, v, heads, rows)
+    q, k, v = _case("normal", (1, N_ROWS, H, D), seed=0)
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    ms_cudnn = _bench(lambda: _sdpa_cudnn(qt, kt, vt))
-    o = _sdpa_cudnn(qt, kt, vt).transpose(1, 2)
-    rel, cos = _err(o[0][rows][:, heads], ref)
-    rows_tab = [("cudnn", H, ms_cudnn, rel, cos)]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+    ms_cudnn = _bench(cudnn)
+    del qt, kt, vt
+    rec["cudnn_14h_ms"] = ms_cudnn
     print(f"cudnn 14h: {ms_cudnn:.2f} ms {_tflops(N_ROWS, H, ms_cudnn):.0f} TFLOP/s", flush=True)
-    del o
+    tab = [("cudnn", H, ms_cudnn)]
 
-    best = None
-    for name in args.variants.split(","):
-        cfg = VARIANTS[name]
-        entry = {"config": cfg}
+    candidates = [("triton", "triton", TritonConfig())] + [(n, "gluon", _gluon_config(GLUON_VARIANTS[n]))
+                                                           for n in passed]
+    for name, impl, cfg in candidates:
         try:
-            t0 = time.time()
-            out = sage8_dense(q, k, v, _config=cfg)
-            torch.cuda.synchronize()
-            entry["first_call_s"] = time.time() - t0
-            out2 = sage8_dense(q, k, v, _config=cfg)
-            entry["bit_identical"] = bool(torch.equal(out, out2))
-            entry["finite"] = bool(out.isfinite().all())
-            entry["k_unchanged"] = bool(torch.equal(k, k_keep))
-            rel, cos = _err(out[0][rows][:, heads], ref)
-            entry.update(rel_l2=rel, cos=cos)
-            del out, out2
-            ms = _bench(lambda: sage8_dense(q, k, v, _config=cfg))
-            entry.update(ms=ms, tflops=_tflops(N_ROWS, H, ms), ratio=ms_cudnn / ms)
-            kern = KT._LAST["attn"]
-            entry["regs"] = getattr(kern, "n_regs", None)
-            entry["spills"] = getattr(kern, "n_spills", None)
-            entry["smem"] = getattr(getattr(kern, "metadata", None), "shared", None)
-            entry["sass"] = _sass_hist(kern, None)
-            rows_tab.append((name, H, ms, rel, cos))
-            print(f"{name}: {ms:.2f} ms {entry['tflops']:.0f} TFLOP/s x{entry['ratio']:.3f} rel {rel:.4f} "
-                  f"regs {entry['regs']} spills {entry['spills']} smem {entry['smem']} sass {entry['sass']}", flush=True)
-            if best is None or ms < rec["variants"][best]["ms"]:
-                best = name
-        except Exception as e:  # noqa: BLE001 - a failing variant must not stop the run
-            entry["error"] = repr(e)[:2000]
-            print(f"{name}: FAILED {entry['error'][:600]}", flush=True)
-        rec["variants"][name] = entry
-    rec["best"] = best
-    print(f"best: {best}  ({time.time() - t_start:.0f} s so far)", flush=True)
-    if best is None:
-        json.dump(rec, open(os.path.join(args.out, "sage8_dev.json"), "w"), indent=1, default=str)
-        return
-    bcfg = VARIANTS[best]
-    _sass_hist(KT._LAST["attn"], None)
-    sage8_dense(q, k, v, _config=bcfg)
-    rec["best_sass"] = _sass_hist(KT._LAST["attn"], os.path.join(args.out, "sass_best.txt"))
+            ms = _bench(lambda: sage8_dense(q, k, v, impl=impl, config=cfg))
+            pre, attn, kern = _split(q, k, v, impl, cfg, QuantConfig())
+            e = dict(impl=impl, config=dataclasses.asdict(cfg), ms=ms, tflops=_tflops(N_ROWS, H, ms),
+                     x_cudnn=ms_cudnn / ms, prepass_ms=pre, attention_ms=attn,
+                     attention_tflops=_tflops(N_ROWS, H, attn), sass=_sass(kern))
+            # SM clocks per 128 x 128 tile-equivalent of the attention launch at 1.98 GHz (boost)
+            tiles = H * (N_ROWS / 128) ** 2 / torch.cuda.get_device_properties(0).multi_processor_count
+            e["clk_per_tile_at_1.98GHz"] = attn * 1e-3 * 1.98e9 / tiles
+        except Exception as exc:  # noqa: BLE001 - a failing variant must not stop the run
+            e = dict(impl=impl, error=repr(exc)[:2000])
+        rec["variants"][name] = e
+        print(f"{name}: {json.dumps(e, default=str)[:1500]}", flush=True)
+        if "ms" in e:
+            tab.append((name, H, e["ms"]))
+        save()
+    timed = {n: e for n, e in rec["variants"].items() if "ms" in e}
+    best_g = min((n for n in timed if timed[n]["impl"] == "gluon"), key=lambda n: timed[n]["ms"], default=None)
+    rec["best_gluon"] = best_g
+    best_cfg = _gluon_config(GLUON_VARIANTS[best_g]) if best_g else None
+    print(f"best gluon: {best_g} ({time.time() - t_start:.0f} s)", flush=True)
 
-    # split: quantization launches vs attention launch, best config; then the prep configs
-    sage8_dense(q, k, v, _config=dict(bcfg, PHASE="prep"))  # leaves the quantized buffers for "attn"
-    ms_attn = _bench(lambda: sage8_dense(q, k, v, _config=dict(bcfg, PHASE="attn")))
-    rec["split_14h"] = {"attn_ms": ms_attn, "prep_ms": {}}
-    best_prep = None
-    for tile, warps in PREP_CONFIGS:
-        pc = dict(bcfg, PREP_TILE=tile, PREP_WARPS=warps)
-        o1 = sage8_dense(q, k, v, _config=pc)
-        same = bool(torch.equal(o1, sage8_dense(q, k, v, _config=bcfg)))
-        ms_prep = _bench(lambda: sage8_dense(q, k, v, _config=dict(pc, PHASE="prep")))
-        rec["split_14h"]["prep_ms"][f"{tile}x{warps}"] = ms_prep
-        print(f"prep tile {tile} warps {warps}: {ms_prep:.3f} ms (same output: {same})", flush=True)
-        if best_prep is None or ms_prep < best_prep[0]:
-            best_prep = (ms_prep, tile, warps)
-    bcfg = dict(bcfg, PREP_TILE=best_prep[1], PREP_WARPS=best_prep[2])
-    rec["final_config"] = bcfg
-    print(f"split 14h: prep {best_prep[0]:.3f} ms, attention only {ms_attn:.2f} ms "
-          f"({_tflops(N_ROWS, H, ms_attn):.0f} TFLOP/s); final config {bcfg}", flush=True)
+    # pre-pass options
+    from dist_attn.kernels.sage8 import launch
+    from dist_attn.kernels.sage8.quant import quantize
+    rec["prepass"] = {}
+    lay = launch.dense_layout(1, N_ROWS)
+    for label, qc in (("default", QuantConfig()), ("balance", QuantConfig(balance=True)),
+                      ("tile32", QuantConfig(tile=32)), ("warps8", QuantConfig(warps=8))):
+        rec["prepass"][label] = _bench(lambda: quantize(q, k, v, lay, 1 / math.sqrt(D), kblock=128, config=qc))
+    print(f"prepass ms: {rec['prepass']}", flush=True)
+    save()
 
-    # dense vs varlen, interleaved (clock drift over the run was ~2%): single segment, and the H3
-    # layout (0, used, total) on strided Ulysses-style views
-    cu1 = torch.tensor([0, N_ROWS], dtype=torch.int32, device="cuda")
-    q3, k3, v3 = q[0], k[0], v[0]
-    buf = torch.stack([q3, k3, v3], dim=1)  # [S, 3, H, D]: the Ulysses receive layout
-    qs_, ks_, vs_ = buf[:, 0], buf[:, 1], buf[:, 2]
-    cu3 = torch.tensor([0, USED, N_ROWS], dtype=torch.int32, device="cuda")
-    fns = {"dense": lambda: sage8_dense(q, k, v, _config=bcfg),
-           "varlen1": lambda: sage8_varlen(q3, k3, v3, cu1, N_ROWS, _config=bcfg),
-           "h3(0,used,T)": lambda: sage8_varlen(qs_, ks_, vs_, cu3, USED, used=USED, _config=bcfg)}
-    times = {n: [] for n in fns}
-    for _ in range(3):
-        for n, fn in fns.items():
-            times[n].append(_bench(fn, 150))
-    med = {n: sorted(t)[1] for n, t in times.items()}
-    o_h3 = fns["h3(0,used,T)"]()
-    rec["varlen_14h"] = dict(med, tail_zero=bool((o_h3[USED:] == 0).all()), all=times)
-    print(f"interleaved medians: {med}; varlen1/dense {med['varlen1'] / med['dense']:.3f}", flush=True)
-    for n in fns:
-        rows_tab.append(("final " + n, H, med[n], float("nan"), float("nan")))
-    del buf, qs_, ks_, vs_, o_h3
-
-    if sage106 is not None:
-        kc = k.clone()
-        o = sage106(q, kc, v, tensor_layout="NHD", is_causal=False)
-        rel, cos = _err(o[0][rows][:, heads], ref)
-        ms = _bench(lambda: sage106(q, kc, v, tensor_layout="NHD", is_causal=False))
-        rows_tab.append(("sage1.0.6", H, ms, rel, cos))
-        del o, kc
-    del q, k, v, qt, kt, vt, k_keep, ref
+    if best_g:
+        g = dict(impl="gluon", config=best_cfg)
+        # LSE cost, balance cost, and dense vs varlen, interleaved (clock drift ~2% over a run)
+        cu1 = torch.tensor([0, N_ROWS], dtype=torch.int32, device="cuda")
+        buf = torch.stack([q[0], k[0], v[0]], dim=1)  # [S, 3, H, D]: the Ulysses receive layout
+        cu3 = torch.tensor([0, USED, N_ROWS], dtype=torch.int32, device="cuda")
+        fns = {"dense": lambda: sage8_dense(q, k, v, **g),
+               "dense+lse": lambda: sage8_dense(q, k, v, return_lse=True, **g),
+               "dense+balance": lambda: sage8_dense(q, k, v, quant_config=QuantConfig(balance=True), **g),
+               "varlen1": lambda: sage8_varlen(q[0], k[0], v[0], cu1, N_ROWS, **g),
+               "h3(0,used,T)": lambda: sage8_varlen(buf[:, 0], buf[:, 1], buf[:, 2], cu3, USED, used=USED, **g)}
+        times = {n: [] for n in fns}
+        for _ in range(3):
+            for n, fn in fns.items():
+                times[n].append(_bench(fn, 120))
+        rec["gluon_modes_14h"] = {n: sorted(t)[1] for n, t in times.items()}
+        print(f"gluon modes (median of 3): {rec['gluon_modes_14h']}", flush=True)
+        del buf
+        rec["best_sass"] = _sass(_split(q, k, v, "gluon", best_cfg, QuantConfig())[2],
+                                 os.path.join(args.out, "sass_gluon_best.txt"))
+        save()
+    del q, k, v
 
     for H2 in (56, 7):
-        q, k, v = _make(H2, 1)
+        q, k, v = _case("normal", (1, N_ROWS, H2, D), seed=1)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        ms_c = _bench(lambda: _sdpa_cudnn(qt, kt, vt), 300)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ms_c = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt), 300)
         del qt, kt, vt
-        ms_s = _bench(lambda: sage8_dense(q, k, v, _config=bcfg), 300)
-        rows_tab.append(("cudnn", H2, ms_c, float("nan"), float("nan")))
-        rows_tab.append(("final", H2, ms_s, float("nan"), float("nan")))
-        if sage106 is not None:
-            kc = k.clone()
-            rows_tab.append(("sage1.0.6", H2, _bench(lambda: sage106(q, kc, v, tensor_layout="NHD"), 300),
-                             float("nan"), float("nan")))
-            del kc
+        tab.append(("cudnn", H2, ms_c))
+        tab.append(("triton", H2, _bench(lambda: sage8_dense(q, k, v, impl="triton"), 300)))
+        if best_g:
+            tab.append((best_g, H2, _bench(lambda: sage8_dense(q, k, v, impl="gluon", config=best_cfg), 300)))
         del q, k, v
         print(f"{H2} heads done ({time.time() - t_start:.0f} s)", flush=True)
 
-    # accuracy table: 8192 rows x 4 heads, the three input families, vs float64
-    acc_rows = []
-    for case in ("a", "b", "c"):
-        g = torch.Generator(device="cuda").manual_seed(7)
-        q, k, v = (torch.randn((1, 8192, 4, D), generator=g, device="cuda") for _ in range(3))
-        if case == "b":
-            k += 0.5
-        if case == "c":
-            for t in (q, k, v):
-                t[..., [3, 77, 100]] *= 20
-        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-        ref = _ref_subset(q, k, v, range(4), torch.arange(8192, device="cuda"))
-        o = sage8_dense(q, k, v, _config=bcfg)
-        acc_rows.append((case, "sage8", *_err(o[0], ref)))
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        acc_rows.append((case, "cudnn", *_err(_sdpa_cudnn(qt, kt, vt).transpose(1, 2)[0], ref)))
-        if sage106 is not None:
-            acc_rows.append((case, "sage1.0.6", *_err(sage106(q, k.clone(), v, tensor_layout="NHD")[0], ref)))
-    rec["accuracy"] = [dict(case=c, kernel=n, rel_l2=r, cos=cs) for c, n, r, cs in acc_rows]
-    rec["table"] = [dict(variant=n, heads=h, ms=ms, tflops=_tflops(N_ROWS, h, ms), rel_l2=r, cos=c)
-                    for n, h, ms, r, c in rows_tab]
-    with open(os.path.join(args.out, "sage8_dev.json"), "w") as f:
-        json.dump(rec, f, indent=1, default=str)
+    # accuracy: 8192 rows x 4 heads, the input families, vs float64; with and without balancing
+    acc = []
+    for case in ACC_CASES:
+        q, k, v = _case(case, (1, 8192, 4, D), seed=7)
+        o64, _ = _f64(q[0], k[0], v[0])
+        runs = {"triton": dict(impl="triton"), "triton+balance": dict(impl="triton", quant_config=QuantConfig(balance=True))}
+        if best_g:
+            runs["gluon"] = dict(impl="gluon", config=best_cfg)
+            runs["gluon+balance"] = dict(impl="gluon", config=best_cfg, quant_config=QuantConfig(balance=True))
+        for label, kw in runs.items():
+            acc.append((case, label, *_err(sage8_dense(q, k, v, **kw)[0], o64)))
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            acc.append((case, "cudnn", *_err(torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+                                               .transpose(1, 2)[0], o64)))
+    rec["accuracy"] = [dict(case=c, kernel=n, rel_l2=r, cos=cs) for c, n, r, cs in acc]
+    rec["table"] = [dict(kernel=n, heads=h, ms=ms, tflops=_tflops(N_ROWS, h, ms)) for n, h, ms in tab]
+    save()
 
-    cud = {h: ms for n, h, ms, _, _ in rows_tab if n == "cudnn"}
-    print("\nvariant               heads     ms   TFLOP/s  x cuDNN   rel-L2    cosine")
-    for n, h, ms, r, c in rows_tab:
-        print(f"{n:<20} {h:>6} {ms:>7.2f} {_tflops(N_ROWS, h, ms):>8.0f} {cud.get(h, float('nan')) / ms:>8.3f}"
-              f"  {r:>8.4f} {c:>9.6f}")
-    print("\ncase kernel       rel-L2    cosine   (8192 rows x 4 heads x 128, bf16, vs float64)")
-    for c, n, r, cs in acc_rows:
-        print(f"{c:<4} {n:<10} {r:>8.4f} {cs:>9.6f}")
+    cud = {h: ms for n, h, ms in tab if n == "cudnn"}
+    print("\nkernel               heads     ms   TFLOP/s  x cuDNN")
+    for n, h, ms in tab:
+        print(f"{n:<20} {h:>6} {ms:>7.2f} {_tflops(N_ROWS, h, ms):>8.0f} {cud.get(h, float('nan')) / ms:>8.3f}")
+    print("\ncase         kernel            rel-L2    cosine   (8192 rows x 4 heads x 128, bf16, vs float64)")
+    for c, n, r, cs in acc:
+        print(f"{c:<12} {n:<16} {r:>8.4f} {cs:>9.6f}")
     print(f"total {time.time() - t_start:.0f} s")
 
 

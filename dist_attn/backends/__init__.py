@@ -37,4 +37,5 @@ __all__ = [
 register_backend(SdpaBackend())
 register_backend(SageBackend())
 register_backend(Sage8Backend())
+register_backend(Sage8Backend.alternate())
 register_backend(Fa3Backend())

@@ -1,7 +1,11 @@
-"""``"sage8"``: dist_attn's own INT8-QK / FP8-PV kernel for Hopper (:mod:`dist_attn.kernels`).
+"""``"sage8"``: dist_attn's own INT8-QK / FP8-PV kernels for Hopper (:mod:`dist_attn.kernels.sage8`).
 
-Importing this module never imports triton: the kernels load on their first call, and
-:meth:`Sage8Backend.unsupported_reason` says when triton (or a Hopper GPU) is missing.
+Two attention loops share one quantization pre-pass: the warp-specialized Gluon kernel and the
+plain Triton kernel. ``"sage8"`` runs the faster one as measured on the H200
+(benchmarks/KERNEL_NOTES.md); the other stays registered under its own name (``"sage8_triton"``
+or ``"sage8_gluon"``). Calls go through ``torch.library`` custom ops, so ``torch.compile`` traces
+through them. Importing this module never imports triton: the kernels load on their first call,
+and :meth:`Sage8Backend.unsupported_reason` says when triton, Gluon or a Hopper GPU is missing.
 """
 
 from __future__ import annotations
@@ -10,26 +14,46 @@ import torch
 
 from dist_attn import kernels
 from dist_attn.backends.base import AttentionBackend
+from dist_attn.kernels.sage8 import ops
 
-__all__ = ["Sage8Backend"]
+__all__ = ["Sage8Backend", "SAGE8_IMPL"]
+
+#: the kernel behind the name "sage8"
+SAGE8_IMPL = "gluon"
 
 
 class Sage8Backend(AttentionBackend):
     """INT8 Q/K with smoothed K, FP8 P and V, fp32 accumulation (SageAttention 2's recipe)."""
 
-    name = "sage8"
     exact = False
     head_dims = tuple(kernels.SUPPORTED_HEAD_DIMS)
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "sage8", impl: str = SAGE8_IMPL) -> None:
+        self.name = name
+        self.impl = impl
         self.varlen = self._varlen
 
+    @classmethod
+    def alternate(cls) -> "Sage8Backend":
+        """The kernel that ``"sage8"`` does not run, under its own name."""
+        other = "triton" if SAGE8_IMPL == "gluon" else "gluon"
+        return cls(f"sage8_{other}", other)
+
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
-        return kernels.unsupported_reason(q)
+        return kernels.unsupported_reason(q, impl=self.impl)
 
     def dense(self, q, k, v, *, softmax_scale, k_is_scratch, out=None):
-        return kernels.sage8_dense(q, k, v, softmax_scale=softmax_scale, out=out)
+        # k_is_scratch is irrelevant: the kernels smooth K into their own INT8 copy
+        if out is None:
+            return ops.dense(q, k, v, softmax_scale, self.impl)
+        ops.dense_out(q, k, v, softmax_scale, self.impl, out)
+        return out
+
+    def dense_lse(self, q, k, v, *, softmax_scale):
+        return ops.dense_lse(q, k, v, softmax_scale, self.impl)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out):
-        return kernels.sage8_varlen(q, k, v, cu_seqlens, max_seqlen, used=used,
-                                    softmax_scale=softmax_scale, out=out)
+        if out is None:
+            return ops.varlen(q, k, v, cu_seqlens, max_seqlen, used, softmax_scale, self.impl)
+        ops.varlen_out(q, k, v, cu_seqlens, max_seqlen, used, softmax_scale, self.impl, out)
+        return out

@@ -1,0 +1,27 @@
+"""Sage8: INT8-QK / FP8-PV attention for Hopper (quantization pre-pass + attention loop).
+
+Modules: :mod:`.api` (entry points and checks; no triton), :mod:`.numerics` (the scheme's
+constants), :mod:`.reference` (the scheme in plain torch), :mod:`.ops` (torch.library custom ops),
+and, importing triton: :mod:`.quant` (pre-pass), :mod:`.attn_triton` and :mod:`.attn_gluon`
+(attention loops), :mod:`.launch` (one forward).
+"""
+
+from dist_attn.kernels.sage8.api import (
+    DEFAULT_IMPL,
+    IMPLS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    sage8_dense,
+    sage8_varlen,
+    unsupported_reason,
+)
+
+__all__ = [
+    "DEFAULT_IMPL",
+    "IMPLS",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "sage8_dense",
+    "sage8_varlen",
+    "unsupported_reason",
+]

@@ -1,0 +1,167 @@
+"""The Sage8 attention kernel in plain Triton (backend ``"sage8_triton"``; imports triton).
+
+One program = BM query rows of one (segment, head): INT8 Q K^T -> int32 on the tensor cores,
+online softmax in exp2 with fp32 statistics, P -> FP8 e4m3, FP8 P V -> fp32, V's channel scales
+applied once to the output. Operands come from :func:`quant.quantize` through TMA descriptors.
+
+Triton 3.6 waits on every QK wgmma right after issuing it, so within one warpgroup the softmax and
+the tensor cores take turns; BM = 64 with 4 warps lets two CTAs share an SM and overlap each
+other (benchmarks/KERNEL_NOTES.md). The Gluon kernel (:mod:`attn_gluon`) overlaps them explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dist_attn.kernels.sage8 import numerics
+from dist_attn.kernels.sage8.quant import Quantized, seg_bounds, seg_strides, to_fp8
+
+__all__ = ["TritonConfig", "attention", "epilogue_lse", "exp2_ftz", "lse_args"]
+
+_PAD = tl.constexpr(numerics.PAD)
+_MAGIC_I = tl.constexpr(numerics.MAGIC_I)
+_MAGIC_F = tl.constexpr(numerics.MAGIC_F)
+_LOG2_PSCALE = tl.constexpr(numerics.LOG2_PSCALE)
+_LN2 = tl.constexpr(math.log(2.0))
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Launch parameters; the defaults are the fastest measured on the H200 (KERNEL_NOTES.md)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    maxnreg: int | None = None
+
+
+@triton.jit
+def exp2_ftz(x, FAST: tl.constexpr):
+    if FAST:
+        # tl.math.exp2 lowers to the non-ftz ex2, which ptxas wraps in a compare and two predicated
+        # multiplies for denormal results; .ftz is a single MUFU.EX2. Underflow to 0 is harmless.
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.math.exp2(x)
+
+
+@triton.jit
+def _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, lim,
+               D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FAST_EXP: tl.constexpr,
+               INTERP: tl.constexpr):
+    """Key block j of the segment starting at padded row pst: s = Q K^T (int32) -> online softmax
+    -> acc += P8 @ V8 (fp32)."""
+    k = k_desc.load([h * R + pst + j * BN, 0])   # Ki8 viewed as [H * R, D]
+    vt = v_desc.load([h * D, pst + j * BN])      # Vt8 viewed as [H * D, R]
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)  # [BM, BN] int32, exact
+    rs = qs * tl.load(ks_ptr + j)  # [BM]: q scale * k scale * softmax_scale * log2(e)
+    # the compiler folds this add into the wgmma accumulator init (MOV 0x4b400000 in SASS)
+    f = (s + _MAGIC_I).to(tl.float32, bitcast=True)  # 12582912 + s, exactly
+    if MASK:
+        # the last, partial key block: padding keys are zeros in Ki8/Vt8 but must get p = 0
+        f = tl.where((tl.arange(0, BN) < lim)[None, :], f, float("-inf"))
+    m_new = tl.maximum(m_i, (tl.max(f, axis=1) - _MAGIC_F) * rs)
+    # one FFMA per score: f * rs - (12582912 * rs + m_new - LOG2_PSCALE)
+    bias = _MAGIC_F * rs + m_new - _LOG2_PSCALE
+    p = exp2_ftz(f * rs[:, None] - bias[:, None], FAST_EXP)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(to_fp8(p, INTERP), tl.trans(vt), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def epilogue_lse(m_i, l_i, Q, Ksum, seg, h, lo, L, rows, offs_d, sqb, sqt, sqh, H, qk_scale,
+                 D: tl.constexpr):
+    """Natural-log LSE of softmax_scale * q.k per row (K smoothing undone: + scale * q.mean)."""
+    valid = rows < L
+    seg64 = seg.to(tl.int64)
+    mean = tl.load(Ksum + (seg64 * H + h) * D + offs_d) / tl.maximum(L, 1).to(tl.float32)
+    qp = Q + seg64 * sqb + h.to(tl.int64) * sqh + (lo + rows).to(tl.int64)[:, None] * sqt + offs_d[None, :]
+    q = tl.load(qp, mask=valid[:, None], other=0.0).to(tl.float32)
+    shift = tl.sum(q * mean[None, :], axis=1) * qk_scale
+    return (m_i + tl.math.log2(l_i) - _LOG2_PSCALE + shift) * _LN2
+
+
+@triton.jit
+def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, used, T, H, R,
+                 sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
+                 WITH_LSE: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
+    mb = tl.program_id(0)
+    seg = tl.program_id(1)
+    h = tl.program_id(2)
+    lo, L, pst = seg_bounds(cu, seg, used, T, DENSE)
+    if mb * BM >= L:
+        return
+    pst = tl.multiple_of(pst, _PAD)
+    offs_d = tl.arange(0, D)
+    offs_m = tl.arange(0, BM)
+    qrow = pst + mb * BM
+    q = q_desc.load([h * R + qrow, 0])
+    qs = tl.load(Qs + h.to(tl.int64) * R + qrow + offs_m)
+    ks_ptr = Ks + h.to(tl.int64) * (R // BN) + pst // BN
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    n_full = L // BN
+    lim = L - n_full * BN
+    # steady state: full key blocks, no per-element mask
+    for j in range(0, n_full):
+        acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, BN,
+                                   D, BN, False, FAST_EXP, INTERP)
+    if lim > 0:
+        acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, n_full, lim,
+                                   D, BN, True, FAST_EXP, INTERP)
+    vsc = tl.load(Vscale + (seg.to(tl.int64) * H + h) * D + offs_d)
+    o = acc * (1.0 / l_i)[:, None] * vsc[None, :]
+    rows = mb * BM + offs_m
+    optr = (Out + seg.to(tl.int64) * sob + h.to(tl.int64) * soh + (lo + rows).to(tl.int64)[:, None] * sot
+            + offs_d[None, :])
+    tl.store(optr, o.to(Out.dtype.element_ty), mask=(rows < L)[:, None])
+    if WITH_LSE:
+        lse = epilogue_lse(m_i, l_i, Q, Ksum, seg, h, lo, L, rows, offs_d, sqb, sqt, sqh, H, qk_scale, D)
+        tl.store(Lse + seg.to(tl.int64) * slb + h.to(tl.int64) * slh + lo + rows, lse, mask=rows < L)
+
+
+def lse_args(lse: torch.Tensor | None, dense: bool, dummy: torch.Tensor):
+    """(pointer, (segment stride, head stride)) of a [B, H, T] LSE (varlen: [1, H, T]); a dummy
+    pointer when no LSE is asked for."""
+    if lse is None:
+        return dummy, (0, 0)
+    return lse, ((lse.stride(0) if dense else 0), lse.stride(1))
+
+
+def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+              softmax_scale: float, cfg: TritonConfig, *, interpret: bool = False):
+    """Launches the attention kernel on ``qz``; writes ``out`` ([B, T, H, D] view) and, when given,
+    ``lse`` ([B, H, T] fp32, natural log). ``q`` is the caller's query (read only for the LSE's
+    smoothing correction). Returns the compiled kernel (its registers, shared memory and SASS are
+    what the benchmarks report)."""
+    lay = qz.layout
+    BM, BN = cfg.block_m, cfg.block_n
+    assert numerics.PAD % BM == 0 and BN == qz.kblock and numerics.PAD % BN == 0
+    H, R, D = qz.qi8.shape
+    q_desc = TensorDescriptor.from_tensor(qz.qi8.view(H * R, D), [BM, D])
+    k_desc = TensorDescriptor.from_tensor(qz.ki8.view(H * R, D), [BN, D])
+    v_desc = TensorDescriptor.from_tensor(qz.vt8.view(H * D, R), [D, BN])
+    so = seg_strides(out, lay.dense)
+    sq = seg_strides(q, lay.dense)
+    lse_arg, sl = lse_args(lse, lay.dense, qz.qscale)
+    cu = qz.qscale if lay.dense else lay.cu
+    extra = {} if cfg.maxnreg is None or interpret else {"maxnreg": cfg.maxnreg}
+    return _attn_kernel[(triton.cdiv(lay.max_seqlen, BM), lay.nseg, H)](
+        q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, out, q, qz.ksum, lse_arg, cu, lay.used,
+        lay.total, H, R, *so, *sq, *sl, softmax_scale * math.log2(math.e),
+        D=D, BM=BM, BN=BN, DENSE=lay.dense, WITH_LSE=lse is not None, FAST_EXP=not interpret,
+        INTERP=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+

@@ -1,0 +1,40 @@
+"""The numbers of the Sage8 quantization scheme, shared by the kernels and the torch reference.
+
+Importing this module costs torch only (no triton).
+"""
+
+from __future__ import annotations
+
+__all__ = ["PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "padded_rows"]
+
+#: Row alignment of every segment in the quantized buffers, a multiple of every block size: every
+#: tile starts aligned (TMA boxes and 16-byte loads need no masks) and never spans two segments.
+PAD = 128
+#: Q and K are quantized to INT8 as round(x / scale) with scale = amax / INT8_MAX.
+INT8_MAX = 127.0
+#: V and P are quantized to FP8 e4m3, whose largest finite value is 448.
+FP8_MAX = 448.0
+#: P is stored as p * 2**LOG2_PSCALE (< FP8_MAX) so that probabilities down to 2**-15 keep e4m3's
+#: normal range (2**-6) instead of flushing to subnormals; the factor cancels in acc / l.
+LOG2_PSCALE = 8.75
+# 0x4B400000 is the float 1.5 * 2**23. For |i| < 2**22 the bit pattern (0x4B400000 + i) read as a
+# float is 12582912 + i exactly, so an int32 score becomes a float with one integer add instead of
+# I2F, which Hopper issues at a quarter of the FFMA rate. Bound: |q.k| <= D * 127**2 = 2,064,512 <
+# 2**22 for D <= 128, hence SUPPORTED_HEAD_DIMS.
+MAGIC_I = 0x4B400000
+MAGIC_F = 12582912.0
+
+
+def padded_rows(total: int, nseg: int, dense: bool) -> int:
+    """Rows of the padded row space of the quantized buffers.
+
+    Dense (``nseg`` batches of ``total`` rows each): batch b starts at ``b * roundup(total)``.
+    Varlen (``nseg`` segments packed in ``total`` rows): segment s starts at
+    ``roundup(lo_s) + PAD * s``; since ``roundup(a) + roundup(b) <= roundup(a + b) + PAD``,
+    consecutive segments never overlap, and no prefix sum (no extra launch, no host sync) is needed.
+    One spare PAD at the end keeps a one-block-ahead TMA prefetch inside the buffer.
+    """
+    up = -(-total // PAD) * PAD
+    if dense:
+        return nseg * up + PAD
+    return up + PAD * nseg + PAD

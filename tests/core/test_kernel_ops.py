@@ -1,0 +1,51 @@
+"""CPU tests of the Sage8 custom ops' fake implementations and of the backends' registration."""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dist_attn import backends
+from dist_attn.kernels.sage8 import IMPLS, ops  # noqa: F401  (registers the ops)
+
+__all__: list[str] = []
+
+
+def test_fake_shapes():
+    with FakeTensorMode():
+        q = torch.empty(2, 100, 3, 64, dtype=torch.bfloat16)
+        out = torch.ops.dist_attn.sage8_dense(q, q, q, 0.125, "gluon")
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out, lse = torch.ops.dist_attn.sage8_dense_lse(q, q, q, 0.125, "triton")
+        assert out.shape == q.shape and lse.shape == (2, 3, 100) and lse.dtype == torch.float32
+        q3 = torch.empty(100, 3, 64, dtype=torch.float16)
+        cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+        assert torch.ops.dist_attn.sage8_varlen(q3, q3, q3, cu, 60, 100, 0.1, "gluon").shape == q3.shape
+
+
+def test_compile_traces_without_graph_break():
+    """A compiled function calling the op makes one graph (the fake impl gives the shapes)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(q):
+        return torch.ops.dist_attn.sage8_dense(q, q, q, 0.125, "triton") * 2
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        pass
+    q = torch.empty(1, 8, 1, 64, dtype=torch.bfloat16, device="meta")
+    f(q)
+    assert counter.frame_count == 1
+
+
+def test_both_kernels_registered():
+    names = backends.available_backends()
+    assert "sage8" in names and ("sage8_triton" in names or "sage8_gluon" in names)
+    impls = {backends.get_backend(n).impl for n in names if n.startswith("sage8")}
+    assert impls == set(IMPLS)
+    be = backends.get_backend("sage8")
+    assert be.supports_lse and not be.exact
+    q = torch.empty(1, 4, 2, 128, dtype=torch.bfloat16)
+    assert be.unsupported_reason(q) is not None  # CPU: needs a Hopper GPU
