@@ -100,6 +100,16 @@ def _worker_2(rank, world):
             results["bad_on_one_rank"] = None
         except ValueError as exc:
             results["bad_on_one_rank"] = str(exc)
+        from diffusers import FirstBlockCacheConfig
+
+        model.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+        try:
+            with torch.no_grad():
+                model(**inputs)
+            results["first_block_cache"] = None
+        except ValueError as exc:
+            results["first_block_cache"] = str(exc)
+        model.disable_cache()
         try:
             model(**inputs)  # grad mode with trainable parameters
             results["grad_mode"] = None
@@ -169,6 +179,7 @@ def test_two_ranks_parity_and_errors(tmp_path):
         assert "(2, 4, 3, 6, 12) on rank 1" in res["other_shape"], res["other_shape"]
         assert res["bad_on_one_rank"] and "shape (2, 4, 6, 10) on rank 1, shape (2, 4, 3, 6, 10) " \
             "on rank 0" in res["bad_on_one_rank"], res["bad_on_one_rank"]
+        assert res["first_block_cache"] and "FirstBlockCacheConfig cache" in res["first_block_cache"]
         assert res["grad_mode"] and "torch.no_grad()" in res["grad_mode"], res["grad_mode"]
         assert res["after_errors"] <= ATOL, res["after_errors"]
         assert res["restored_bitwise"], f"rank {rank}: output after remove() is not diffusers' own"

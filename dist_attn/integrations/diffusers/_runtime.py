@@ -34,6 +34,10 @@ _ROW = 2 + _MAX_DIMS + 2
 # for the test's 1,440), so unseeded ranks are caught up to N ~ 5e9; values equal up to float32
 # rounding (a nondeterministic text encoder) move it by <= ~1e-7 and pass.
 _FINGERPRINT_RTOL = 1e-5
+# diffusers caches that decide from the activations whether to skip the remaining blocks: each
+# rank would decide from its own shard, and a rank that skips leaves the others waiting in the
+# next block's all-to-all. Caches that follow the step schedule decide alike on every rank.
+_PER_RANK_CACHES = ("FirstBlockCacheConfig", "SeaCacheConfig")
 
 
 @dataclass(kw_only=True)
@@ -192,6 +196,14 @@ def _forward_pre_hook(rt: Runtime):
                 "under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)"
             )
         _, rt.world_size, _ = group_size_and_rank(rt.group)
+        cache = type(getattr(model, "_cache_config", None)).__name__
+        if rt.world_size > 1 and cache in _PER_RANK_CACHES:
+            raise ValueError(
+                f"the transformer has a {cache} cache (enable_cache), which decides from each "
+                f"rank's shard of the activations whether to skip blocks; ranks could decide "
+                f"differently and wait forever; disable it (transformer.disable_cache()) or use "
+                f"one that follows the step schedule"
+            )
         # The cross-rank comparison comes before the model's own input checks: inputs that are
         # bad on one rank only would otherwise raise there and leave its peers waiting in the
         # first all-to-all; after it, the inputs are the same everywhere, so every check below
