@@ -4,13 +4,13 @@ Every rank of the group builds the same pipeline, calls it with the same inputs 
 output, as with diffusers' own ``enable_parallelism``; in between, each rank's transformer blocks
 work on 1/W of the tokens, and each self-attention is one pair of all-to-alls::
 
-    import torch.distributed as dist
+    from dist_attn import init_distributed
     from dist_attn.integrations.diffusers import enable_ulysses
 
-    dist.init_process_group("nccl")                       # under torchrun
+    env = init_distributed()                              # under torchrun: this rank's GPU
+    pipe.to(env.device)
     handle = enable_ulysses(pipe.transformer)             # any time before the call
-    with torch.inference_mode():
-        video = pipe(prompt, ...).frames                  # identical on every rank
+    video = pipe(prompt, generator=torch.Generator().manual_seed(0)).frames  # same on every rank
     handle.remove()                                       # back to single-device attention
 
 Unlike diffusers' context parallelism, sequence lengths and head counts need not be multiples of
