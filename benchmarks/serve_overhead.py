@@ -16,8 +16,12 @@ and reports median overhead as a share of one median denoise step (target <= 1%)
 of a full-depth step (overhead / (per-layer step time x the config's full layer count)) when
 ``--layers`` cuts the model.
 
+``--load 1,4,50`` then runs a bounded load (loopback only) at each number of concurrent clients,
+each client on its own persistent connection: throughput, p50/p99 latency and errors (non-200
+answers and connection errors, by kind).
+
     python -m benchmarks.serve_overhead --smoke                      # CPU, tiny, ~20 s
-    python -m benchmarks.serve_overhead                              # CPU, tiny, 4 ranks
+    python -m benchmarks.serve_overhead --load 1,4,50                # CPU, tiny, 4 ranks
     python -m benchmarks.serve_overhead --config configs/h3.toml --layers 1 --backend sage \\
         --nproc 4                                                    # H200 x4, one h3-ref layer
 
@@ -39,10 +43,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+from benchmarks.harness import collect_versions
+from dist_attn.serve.process import is_loopback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,6 +80,13 @@ def _parse() -> argparse.Namespace:
                    help="quick CPU check: tiny config, 2 ranks, 5 requests, 1 warm-up")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument passed to launch/serve.py (repeatable)")
+    p.add_argument("--load", default="",
+                   help="comma-separated client counts for the load run (e.g. 1,4,50; empty: none)")
+    p.add_argument("--load-requests", type=int, default=200,
+                   help="requests per load level (all clients together)")
+    p.add_argument("--load-seconds", type=float, default=30.0,
+                   help="time bound of one load level")
+    p.add_argument("--label", default="", help="tag in the result name (e.g. 'before')")
     args = p.parse_args()
     if args.smoke:
         args.config, args.requests, args.warmup = None, 5, 1
@@ -173,20 +188,60 @@ def _one(client: _Client, payload: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "numpy", "triton", "sageattention", "dist-attn"):
+def _versions() -> dict[str, Any]:
+    out = collect_versions()
+    for pkg in ("starlette", "uvicorn", "prometheus-client"):
         try:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
-            pass
-    try:
-        out["dist_attn_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-            timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
+            out[pkg] = None
     return out
+
+
+def _load_level(base: str, payload: dict[str, Any], clients: int, requests: int,
+                seconds: float) -> dict[str, Any]:
+    """``clients`` threads, one persistent connection each, share ``requests`` requests within
+    ``seconds``; returns throughput, latency percentiles and errors by kind."""
+    lock = threading.Lock()
+    left = [requests]
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    deadline = time.monotonic() + seconds
+    body = json.dumps(payload).encode()
+
+    def client() -> None:
+        conn = _Client(base)
+        while time.monotonic() < deadline:
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            t0 = time.perf_counter()
+            try:
+                status, _ = conn.post("/v1/generate", body)
+                kind = None if status == 200 else f"http_{status}"
+            except (OSError, http.client.HTTPException) as e:
+                kind = type(e).__name__
+                conn = _Client(base)
+            with lock:
+                if kind is None:
+                    latencies.append((time.perf_counter() - t0) * 1e3)
+                else:
+                    errors[kind] = errors.get(kind, 0) + 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 120)
+    wall = time.perf_counter() - t0
+    lat = sorted(latencies)
+    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None  # noqa: E731
+    return {"clients": clients, "ok": len(lat), "errors": errors,
+            "error_count": sum(errors.values()), "wall_s": wall,
+            "throughput_rps": len(lat) / wall if wall else 0.0,
+            "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": lat[-1] if lat else None}
 
 
 def _slug(text: str) -> str:
@@ -209,6 +264,10 @@ def main() -> int:
     proc = None
     if args.url:
         base = args.url.rstrip("/")
+        host = base.removeprefix("http://").rsplit(":", 1)[0].strip("[]")
+        if not is_loopback(host):
+            raise SystemExit(f"--url {args.url}: this benchmark sends load to loopback "
+                             "addresses only")
     else:
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
@@ -222,6 +281,8 @@ def main() -> int:
         for _ in range(args.warmup):
             _one(client, payload)
         runs = [_one(client, {**payload, "seed": i}) for i in range(args.requests)]
+        load = [_load_level(base, payload, int(c), args.load_requests, args.load_seconds)
+                for c in args.load.split(",") if c.strip()]
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -253,7 +314,8 @@ def main() -> int:
     world = runs[0]["world_size"]
     now = datetime.datetime.now(datetime.timezone.utc)
     hw = f"{_slug(device)}x{world}"
-    name = f"serve_overhead_{_slug(cfg.model.name)}-{layers}l_{hw}_{now:%Y%m%d-%H%M%S}"
+    label = f"-{_slug(args.label)}" if args.label else ""
+    name = f"serve_overhead_{_slug(cfg.model.name)}-{layers}l{label}_{hw}_{now:%Y%m%d-%H%M%S}"
     result = {
         "benchmark": "serve_overhead",
         "date": now.isoformat(timespec="seconds"),
@@ -269,7 +331,9 @@ def main() -> int:
         "versions": _versions(),
         "config": cfg.to_dict(),
         "server_info": health,
+        "label": args.label,
         "summary": summary,
+        "load": load,
         "runs": runs,
     }
     os.makedirs(args.out_dir, exist_ok=True)
@@ -314,6 +378,14 @@ def _markdown(res: dict[str, Any]) -> str:
         f"| all-to-all share of a step | {100 * s['all_to_all_share']:.1f}% |",
         "",
     ]
+    if res["load"]:
+        lines += ["## Load (one persistent connection per client, loopback)", "",
+                  "| clients | served | errors | throughput | p50 | p99 | max |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['clients']} | {x['ok']} | {x['error_count']} {x['errors'] or ''} | "
+                  f"{x['throughput_rps']:.1f} req/s | {x['p50_ms'] or 0:.1f} ms | "
+                  f"{x['p99_ms'] or 0:.1f} ms | {x['max_ms'] or 0:.1f} ms |" for x in res["load"]]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -324,7 +396,7 @@ def _plot(res: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     s = res["summary"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     comps = s["median_components_ms"]
     left = 0.0
     for k in COMPONENTS:
@@ -341,6 +413,18 @@ def _plot(res: dict[str, Any], path: str) -> None:
     ax2.set_ylabel("overhead / step (%)")
     ax2.set_title("per request")
     ax2.legend(fontsize=8)
+    if res["load"]:
+        clients = [x["clients"] for x in res["load"]]
+        ax3.plot(clients, [x["p50_ms"] or 0 for x in res["load"]], "o-", label="p50")
+        ax3.plot(clients, [x["p99_ms"] or 0 for x in res["load"]], "s-", label="p99")
+        ax3.set_xscale("log")
+        ax3.set_xlabel("concurrent clients")
+        ax3.set_ylabel("latency (ms)")
+        for x in res["load"]:
+            ax3.annotate(f"{x['throughput_rps']:.0f} req/s, {x['error_count']} err",
+                         (x["clients"], x["p99_ms"] or 0), fontsize=7)
+        ax3.legend(fontsize=8)
+    ax3.set_title("load")
     fig.suptitle(f"{res['config']['model']['name']} x{res['config']['model']['num_layers']} "
                  f"layers, {res['device']} x{res['world_size']}, {res['backend']}, "
                  f"{res['date']}", fontsize=9)

@@ -143,8 +143,9 @@ class Engine:
     def run(self, req: Request, *, abort: Callable[[], Abort] = _keep_going) -> RunResult | None:
         """Denoises one request on every rank; returns the result on rank 0 (None elsewhere).
 
-        ``abort`` is rank 0's vote before each step (other ranks vote NONE); the loop stops on
-        every rank at the first step where a vote is not NONE, and the result says why.
+        ``abort`` is rank 0's vote before each step after the first (other ranks vote NONE; the
+        caller checked just before sending the request); the loop stops on every rank at the
+        first vote that is not NONE, and the result says why.
 
         Initial noise is drawn for ALL packed rows from one generator seeded with the request's
         seed, then sliced: the result does not depend on the world size. Flow-matching Euler from
@@ -169,9 +170,10 @@ class Engine:
         step_ms: list[float] = []
         aborted = Abort.NONE
         for i in range(req.steps):
-            aborted = agree_abort(abort(), env)
-            if aborted is not Abort.NONE:
-                break
+            if i:
+                aborted = agree_abort(abort(), env)
+                if aborted is not Abort.NONE:
+                    break
             t0 = time.perf_counter()
             t, t_next = 1.0 - i / req.steps, 1.0 - (i + 1) / req.steps
             v = self.model(z.to(self.dtype), torch.tensor(t, device=env.device), cu, layout.used,

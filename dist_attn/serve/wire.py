@@ -1,10 +1,11 @@
 """What the ranks say to each other outside attention: control messages and abort votes.
 
-Control messages travel as ONE int64 all-reduce (SUM; rank 0 contributes the message, the others
-zeros): ``[op, frames, height, width, num_tokens, steps, seed]``. An all-reduce, unlike a
-broadcast, completes on rank 0 only after every rank has entered it, so each heartbeat doubles as
-proof that every rank answers (what /health reports). One small tensor costs ~1 ms on loaded CPU
-gloo where broadcast_object_list cost 2.4 ms (two broadcasts plus pickling).
+Control messages travel as ONE int64 broadcast from rank 0: ``[op, frames, height, width,
+num_tokens, steps, seed]`` (one small tensor costs ~1 ms on loaded CPU gloo where
+broadcast_object_list cost 2.4 ms: two broadcasts plus pickling). A broadcast can return on rank
+0 before a stopped rank has received it (the bytes sit in a socket buffer), so a heartbeat is
+followed by a one-integer all-reduce that completes only once every rank has entered it: that is
+the proof of life /health reports. RUN needs no such answer: the denoise steps' all-to-alls are.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _device(env: DistEnv) -> torch.device:
 
 
 def exchange(msg: Control | None, env: DistEnv) -> Control:
-    """Rank 0 passes ``msg`` and gets it back once every rank has received it; the other ranks
-    pass None and block (up to the process-group timeout) until rank 0 sends."""
+    """Rank 0 passes ``msg``; the other ranks pass None and block (up to the process-group
+    timeout) until rank 0 sends. A HEARTBEAT returns on rank 0 only once every rank answered."""
     if not env.distributed:
         assert msg is not None, "a single rank is rank 0"
         return msg
@@ -55,12 +56,15 @@ def exchange(msg: Control | None, env: DistEnv) -> Control:
         if msg.request:
             wire[1:] = torch.tensor(msg.request, dtype=torch.int64)
     wire = wire.to(_device(env))
-    dist.all_reduce(wire, op=dist.ReduceOp.SUM)
-    if msg is not None:
-        return msg
-    values = wire.tolist()
-    op = Op(values[0])
-    return Control(op, tuple(values[1:]) if op is Op.RUN else ())
+    dist.broadcast(wire, src=0)
+    got = msg
+    if got is None:
+        values = wire.tolist()
+        op = Op(values[0])
+        got = Control(op, tuple(values[1:]) if op is Op.RUN else ())
+    if got.op is Op.HEARTBEAT:
+        dist.all_reduce(torch.ones(1, dtype=torch.int64, device=_device(env)))
+    return got
 
 
 def agree_abort(local: Abort, env: DistEnv) -> Abort:

@@ -237,3 +237,18 @@ def test_health_reports_silent_ranks_and_shutdown(app):
     status = _parse(_exchange(app.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
     assert status[0] == 503 and json.loads(status[2])["status"] == "shutting_down"
     _json_error(_exchange(app.port, _post(b'{"steps": 1}')), 503)
+
+
+def test_answers_are_not_held_by_nagle(app):
+    """Headers and body leave in two writes; without TCP_NODELAY on accepted connections the
+    body waited for the client's delayed ACK: 45 ms median per keep-alive request, 0.9 ms with."""
+    with socket.create_connection(("127.0.0.1", app.port), timeout=10) as s:
+        times = []
+        for _ in range(21):
+            t0 = time.perf_counter()
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while not (b"\r\n\r\n" in data and _complete(data)):
+                data += s.recv(65536)
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[10] < 0.025, sorted(times)
