@@ -164,6 +164,9 @@ def enable_ulysses(transformer: nn.Module, group=None, *, backend: str = "auto")
         handle.processors.append((attn, attn.processor))
         attn.set_processor(spec.make_processor(runtime))
     setattr(transformer, _HANDLE_ATTR, handle)
+    logger.info("enable_ulysses: %s, %d self-attention modules through dist_attn (backend=%r, "
+                "group of %d rank(s))", type(transformer).__name__, len(attns), backend,
+                group_size_and_rank(group)[1])
     return handle
 
 

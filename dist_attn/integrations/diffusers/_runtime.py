@@ -219,6 +219,8 @@ def _forward_pre_hook(rt: Runtime):
                 f"heads, fewer than the W={rt.world_size} ranks of the group; each rank needs one"
             )
         rt.shard = plan_shard(inputs.seq_len, rt.group)
+        logger.debug("S=%d tokens over W=%d ranks: %d rows each, %d padding rows", rt.shard.valid_len,
+                     rt.world_size, rt.shard.local_len, rt.shard.total_len - rt.shard.valid_len)
         for point in spec.shards:
             if point.module or point.where != "input":
                 continue
