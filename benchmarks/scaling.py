@@ -15,12 +15,19 @@ Two modes, never mixed in one table or plot:
   are computed as bytes sent to other ranks / ``--bandwidth-gbs``. The N = 1 attention layer and
   full block are also measured for real, as a check of the model (own table section).
 
+* ``--modeled --multi-host`` (no device at all): one layer on several hosts, computed from rates
+  given as parameters (:mod:`benchmarks.multihost_model`): one host's Ulysses U=g against pure
+  Ulysses over all hosts (uneven heads, all-to-all across hosts) and Ulysses x Ring (U=g inside each
+  host, ring across hosts), with and without overlap. NVLink and inter-node bandwidths are planning
+  figures; the report says so.
+
 Speedup = T(1) / T(N) and efficiency = T(1) / (N * T(N)), against N = 1 of the same backend and
 mode in the same report; ``overlap_chunks`` C in ``--overlap`` (C = 1 is the plain path).
 
 Examples::
 
     python -m benchmarks.scaling --modeled --bandwidth-gbs 360           # one GPU, N = 1,2,4,8
+    python -m benchmarks.scaling --modeled --multi-host --internode-gbs 50   # 2 x 8 GPUs, computed
     torchrun --standalone --nproc-per-node 4 -m benchmarks.scaling        # measured, N = 1,2,4
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.scaling --smoke
 """
@@ -28,6 +35,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -52,8 +60,9 @@ from dist_attn import backends as da_backends
 from dist_attn.varlen import attend_varlen, segment_layout
 from dist_attn.buffers import StagingBuffers
 from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv
-from dist_attn.serve.config import load_config, request_layout
-from dist_attn.plan import head_offsets, heads_per_rank
+from dist_attn.serve.config import load_config
+from dist_attn.serve.tokens import PackedLayout, request_layout
+from dist_attn.plan import heads_per_rank, make_plan
 from dist_attn.profiling import PHASES, PhaseTimer
 
 THEME = "scaling"
@@ -384,19 +393,19 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
 
 def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms, timed, block, nonattn):
     H, D = cfg.model.num_heads, cfg.model.head_dim
-    h0 = counts[0]  # rank 0 holds the most heads (first H % N ranks take one extra)
-    chunks = min(C, min(counts)) if n > 1 else 1
-    widths = list(heads_per_rank(h0, chunks))
-    offs = head_offsets(counts)
-    # per-chunk global head ranges of every rank, as ulysses._chunk_ranges lays them out
-    splits = [head_offsets(heads_per_rank(c, chunks)) for c in counts]
-    ranges = [[(offs[j] + splits[j][c], offs[j] + splits[j][c + 1]) for j in range(n)] for c in range(chunks)]
+    # rank 0 holds the most heads (the first H % N ranks take one extra); the core's own plan
+    # gives its chunks, their head ranges and the staging sizes
+    plan = make_plan(world=n, rank=0, s_local=s_local, folded_heads=H, head_dim=D,
+                     overlap_chunks=C if n > 1 else 1)
+    chunks, h0 = len(plan.chunks), plan.counts[0]
+    widths = [c.local_heads(0) for c in plan.chunks]
+    ranges = [c.head_ranges for c in plan.chunks]
     q, k, v = _qkv(s_local, H, D, dev, seed=5)
     send = torch.empty(s_local * 3 * H * D, device=dev, dtype=torch.bfloat16)
     recv_out = torch.randn(s_local * H * D, device=dev).to(torch.bfloat16)
     out = torch.empty(s_local, H, D, device=dev, dtype=torch.bfloat16)
-    sizes_in = [s_local * 3 * sum(b - a for a, b in rng) * D for rng in ranges]
-    sizes_out = [s_local * sum(b - a for a, b in rng) * D for rng in ranges]
+    sizes_in = [c.in_send[1] - c.in_send[0] for c in plan.chunks]
+    sizes_out = [c.out_recv[1] - c.out_recv[0] for c in plan.chunks]
 
     def pack_all():
         o = 0
@@ -516,6 +525,118 @@ def _plot(writer: ResultWriter, main_mode: str, overlaps: list[int]):
     return draw
 
 
+# ---------------------------------------------------------------------------------------------
+# multi-host model (arithmetic only)
+# ---------------------------------------------------------------------------------------------
+_MH_COLS = [("name", "layout", ""), ("gpus", "GPUs", "d"), ("overlap", "overlap", ""),
+            ("effective_chunks", "C", "d"), ("heads", "H/rank", "d"), ("s_local", "S_local", "d"),
+            ("total_ms", "attention ms", ".3f"), ("pack", "pack", ".3f"), ("a2a_in", "a2a_in", ".3f"),
+            ("kernel", "kernel", ".3f"), ("ring_xfer", "ring K/V", ".3f"), ("merge", "merge", ".3f"),
+            ("a2a_out", "a2a_out", ".3f"), ("unpack", "unpack", ".3f"), ("hidden_ms", "hidden", ".3f"),
+            ("block_ms", "block ms", ".2f"), ("speedup", "speedup", ".2f"),
+            ("efficiency", "efficiency", ".3f")]
+
+
+def run_multihost(args):
+    """One host's Ulysses, pure Ulysses over all hosts and Ulysses x Ring, modeled per rank."""
+    from benchmarks.multihost_model import LayoutSpec, Params, model_layer
+
+    cfg = load_config(args.config or os.path.join(_REPO, "configs", "h3.toml"))
+    r = cfg.request
+    lay = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width, num_tokens=r.num_tokens)
+    H, D = cfg.model.num_heads, cfg.model.head_dim
+    params = Params(nvlink_gbs=args.bandwidth_gbs, internode_gbs=args.internode_gbs,
+                    kernel_tflops=args.kernel_tflops, copy_gbs=args.copy_gbs, merge_gbs=args.merge_gbs,
+                    nonattn_full_ms=args.nonattn_full_ms)
+    g, n_hosts = args.gpus_per_host, args.hosts
+    specs = [LayoutSpec("1 GPU", 1, 1, g), LayoutSpec(f"1 host: U{g}", g, 1, g),
+             LayoutSpec(f"{n_hosts} hosts: U{g * n_hosts}", g * n_hosts, 1, g),
+             LayoutSpec(f"{n_hosts} hosts: U{g} x R{n_hosts}", g, n_hosts, g)]
+    if args.hardware is None:
+        args.hardware = f"{n_hosts}x{g}h200-planning"
+    if args.theme is None:
+        args.theme = f"{THEME}-multihost-modeled"
+    config = {"mode": "modeled-multihost", "model": cfg.model.name, "used": lay.used, "total": lay.total,
+              "num_heads": H, "head_dim": D, "dtype": "bfloat16", "hosts": n_hosts, "gpus_per_host": g,
+              "overlap": args.overlap, "params": dataclasses.asdict(params),
+              "layouts": [dataclasses.asdict(sp) for sp in specs]}
+    writer = ResultWriter(theme=THEME, args=args, config=config, device=torch.device("cpu"),
+                          title=f"H3 attention on {n_hosts} x {g} GPUs at h3-ref (MODELED, planning figures)")
+    writer.note("MODELED, not measured: every time is bytes / bandwidth or FLOPs / kernel rate. "
+                f"NVLink {params.nvlink_gbs:g} GB/s and inter-node {params.internode_gbs:g} GB/s per GPU are "
+                "PLANNING figures; the kernel rate (sage8, 7 heads), pack/unpack and copy rates and the "
+                "non-attention block time were measured on one H200 and are assumed to hold at every "
+                "shape here. No multi-GPU machine ran this.")
+    base = None
+    for spec in specs:
+        settings = [(C, True) for C in (args.overlap if spec.ulysses > 1 else [1])]
+        if spec.ring > 1:
+            settings.insert(0, (1, False))
+        for C, ring_overlap in settings:
+            row = model_layer(spec, seq=lay.total, used=lay.used, heads=H, head_dim=D, chunks=C,
+                              ring_overlap=ring_overlap, params=params)
+            row["overlap"] = ("none" if C == 1 and not (spec.ring > 1 and ring_overlap) else
+                              ("ring K/V" if spec.ring > 1 else "") +
+                              (" + " if spec.ring > 1 and row["effective_chunks"] > 1 else "") +
+                              (f"a2a chunks C={row['effective_chunks']}" if row["effective_chunks"] > 1 else ""))
+            if spec.world == 1:
+                base = row
+            row["speedup"] = base["block_ms"] / row["block_ms"]
+            row["efficiency"] = row["speedup"] / spec.world
+            writer.rows.append(row)
+    expl = ("Per rank, slowest rank, one attention layer at h3-ref (ms). 'hidden' = serial sum of the "
+            "phases minus the overlapped total. block ms = attention + the rank's share of the "
+            "non-attention block; speedup and efficiency are of the block against 1 GPU. "
+            "overlap 'none' = every phase serial; 'ring K/V' = the next K/V transfer runs under the "
+            "current ring step's kernel (what dist_attn.ring does); 'a2a chunks C' = overlap_chunks=C "
+            f"(each chunk runs its own ring).\n\nModel: {_multihost_formula()}")
+    section = [("MODELED multi-host (planning figures; not a measurement)",
+                expl + "\n\n" + markdown_table(writer.rows, _MH_COLS))]
+    paths = writer.finish(_plot_multihost(writer), section)
+    for row in writer.rows:
+        print(f"  {row['name']:<20} {row['overlap']:<28} attention {row['total_ms']:7.3f} ms  block "
+              f"{row['block_ms']:7.2f} ms  eff {row['efficiency']:.3f}", flush=True)
+    print(f"[scaling] wrote {paths['json']} (+ .md, .png)", flush=True)
+    return paths
+
+
+def _multihost_formula() -> str:
+    from benchmarks import multihost_model
+
+    return " ".join(multihost_model.__doc__.split("\n\n", 2)[2].split())
+
+
+def _plot_multihost(writer: ResultWriter):
+    def draw(plt):
+        rows = [r for r in writer.rows if r["gpus"] > 1]
+        labels = [f"{r['name']}\n{r['overlap']}" for r in rows]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        phases = ["pack", "a2a_in", "kernel", "ring_xfer", "merge", "a2a_out", "unpack"]
+        bottom = [0.0] * len(rows)
+        for ph in phases:
+            vals = [r[ph] for r in rows]
+            axes[0].bar(range(len(rows)), vals, bottom=bottom, label=ph)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        axes[0].plot(range(len(rows)), [r["total_ms"] for r in rows], "k_", markersize=22, mew=2,
+                     label="total (overlap applied)")
+        axes[0].set_ylabel("ms per attention layer, slowest rank")
+        axes[0].set_title("phases (stacked, serial) vs total")
+        axes[1].bar(range(len(rows)), [r["efficiency"] for r in rows], color="tab:green")
+        axes[1].set_ylabel("block efficiency vs 1 GPU")
+        axes[1].set_ylim(0, 1.05)
+        for ax in axes:
+            ax.set_xticks(range(len(rows)))
+            ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0].legend(fontsize=7)
+        p = writer.payload["config"]["params"]
+        fig.suptitle(f"H3 at h3-ref, MODELED: NVLink {p['nvlink_gbs']:g} GB/s, inter-node "
+                     f"{p['internode_gbs']:g} GB/s per GPU (planning figures), kernel "
+                     f"{p['kernel_tflops']:g} TFLOP/s", fontsize=9)
+        fig.tight_layout()
+    return draw
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="model config TOML (default configs/h3.toml; "
@@ -531,8 +652,29 @@ def main(argv: list[str] | None = None):
     p.add_argument("--seq", type=int, default=None, help="override total packed rows")
     p.add_argument("--used", type=int, default=None, help="override used rows")
     p.add_argument("--no-block", action="store_true", help="attention layer only (no DiT block)")
+    mh = p.add_argument_group("--modeled --multi-host: several hosts, computed (no device runs)")
+    mh.add_argument("--multi-host", action="store_true",
+                    help="with --modeled: one host's U vs pure Ulysses over all hosts (uneven heads) "
+                         "vs Ulysses x Ring, all arithmetic from the rates below")
+    mh.add_argument("--hosts", type=int, default=2)
+    mh.add_argument("--gpus-per-host", type=int, default=8)
+    mh.add_argument("--internode-gbs", type=float, default=50.0,
+                    help="per-GPU bandwidth between hosts, GB/s (planning figure); NVLink is "
+                         "--bandwidth-gbs")
+    mh.add_argument("--kernel-tflops", type=float, default=767.0,
+                    help="attention kernel rate (default: sage8 at 7 heads, one H200, measured)")
+    mh.add_argument("--copy-gbs", type=float, default=750.0,
+                    help="pack/unpack payload rate (measured on one H200: 204 MB in 0.273 ms)")
+    mh.add_argument("--merge-gbs", type=float, default=4200.0,
+                    help="read+write rate of the ring's fp32 merge (an H200 copy, measured)")
+    mh.add_argument("--nonattn-full-ms", type=float, default=52.08,
+                    help="non-attention part of one block at all rows on one GPU (H200, measured)")
     add_common_args(p, iters=10, warmup=2, budget_s=0)
     args = p.parse_args(argv)
+    if args.multi_host:
+        if not args.modeled:
+            p.error("--multi-host is a model: pass --modeled too")
+        return run_multihost(args)
     smoke = args.smoke
     if args.config is None:
         args.config = os.path.join(_REPO, "configs", "tiny.toml" if smoke else "h3.toml")
@@ -549,10 +691,8 @@ def main(argv: list[str] | None = None):
 
     cfg = load_config(args.config)
     r = cfg.request
-    lay = request_layout(cfg, frames=r.frames, height=r.height, width=r.width, num_tokens=r.num_tokens)
+    lay = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width, num_tokens=r.num_tokens)
     if args.seq or args.used:
-        from dist_attn.serve.config import PackedLayout
-
         total = args.seq or lay.total
         lay = PackedLayout(used=min(args.used or lay.used, total), total=total)
 
