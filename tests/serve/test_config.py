@@ -95,15 +95,24 @@ def test_quality_values_listed_and_lossless_rejects_sage():
     assert RuntimeConfig(quality="high", backend="sage").backend == "sage"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"num_heads": 0}, r"ModelConfig.num_heads=0 must be a positive integer"),
-    ({"rope_dims": 63}, r"ModelConfig.rope_dims=63 must be even and at most head_dim=64"),
-    ({"rope_dims": 66}, r"ModelConfig.rope_dims=66 must be even and at most head_dim=64"),
-    ({"hidden_size": 2.5}, r"ModelConfig.hidden_size=2.5 must be a positive integer"),
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (ModelConfig, {"num_heads": 0}, r"ModelConfig.num_heads=0 must be a positive integer"),
+    (ModelConfig, {"rope_dims": 63}, r"ModelConfig.rope_dims=63 must be even and at most "
+                                     r"head_dim=64"),
+    (ModelConfig, {"rope_dims": 66}, r"ModelConfig.rope_dims=66 must be even and at most "
+                                     r"head_dim=64"),
+    (ModelConfig, {"hidden_size": 2.5}, r"ModelConfig.hidden_size=2.5 must be a positive integer"),
+    (ServeConfig, {"drain_timeout_s": 40.0}, r"ServeConfig.drain_timeout_s=40.0 must be > 0 and "
+                                             r"at most 25.0 s \(torchrun kills ranks 30.0 s after "
+                                             r"its SIGTERM"),
+    (ServeConfig, {"idle_timeout_s": 0}, r"ServeConfig.idle_timeout_s=0 must be > 0"),
+    (ServeConfig, {"max_json_depth": 0}, r"ServeConfig.max_json_depth=0 must be a positive "
+                                         r"integer"),
+    (ServeConfig, {"backlog": -1}, r"ServeConfig.backlog=-1 must be a positive integer"),
 ])
-def test_model_field_rules(kwargs, match):
+def test_field_rules(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ModelConfig(**kwargs)
+        cls(**kwargs)
 
 
 def test_heartbeat_must_be_well_below_timeout():
@@ -164,17 +173,6 @@ def test_command_line_flags_override_config_fields():
     with pytest.raises(ValueError, match=r"override 'model.nope': no such config field"):
         launcher.config_from_args(args)
 
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"drain_timeout_s": 40.0}, r"ServeConfig.drain_timeout_s=40.0 must be > 0 and at most 25.0 s "
-                                r"\(torchrun kills ranks 30.0 s after its SIGTERM"),
-    ({"idle_timeout_s": 0}, r"ServeConfig.idle_timeout_s=0 must be > 0"),
-    ({"max_json_depth": 0}, r"ServeConfig.max_json_depth=0 must be a positive integer"),
-    ({"backlog": -1}, r"ServeConfig.backlog=-1 must be a positive integer"),
-])
-def test_serve_limits_are_checked(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        ServeConfig(**kwargs)
 
 
 def test_health_timeout_must_exceed_heartbeat():
