@@ -66,9 +66,9 @@ def supported_models() -> tuple[str, ...]:
 class UlyssesHandle:
     """What :func:`enable_ulysses` changed on one transformer; :meth:`remove` undoes all of it."""
 
-    transformer: nn.Module
-    runtime: Runtime
-    processors: list = field(default_factory=list)
+    transformer: nn.Module = field(repr=False)
+    runtime: Runtime = field(repr=False)
+    processors: list = field(default_factory=list, repr=False)
     """``(attention module, its original processor)`` pairs."""
     removed: bool = False
 
