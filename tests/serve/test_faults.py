@@ -154,3 +154,13 @@ def test_killed_agent_leaves_no_rank_alive(tmp_path):
         assert len(pids) == 2
         srv.proc.kill()  # kill -9 of the torchrun agent
         srv.wait_gone(pids, timeout=15)
+
+
+def test_a_hung_peer_ends_the_job_within_the_process_group_timeout(tmp_path):
+    with server(tmp_path, 2, *FLAGS[:-3], "--set", "runtime.pg_timeout_s=5.0",
+                "--log-all-ranks") as srv:
+        pids = srv.rank_pids()
+        os.kill(pids[1], signal.SIGSTOP)  # rank 1 hangs; rank 0 waits in a heartbeat
+        t0 = time.monotonic()
+        srv.wait_gone([pids[0]], timeout=30)
+        assert time.monotonic() - t0 < 5.0 + 20  # the timeout plus teardown, not forever

@@ -164,6 +164,27 @@ def test_queue_full_answers_429_with_retry_after(app):
     assert [_parse(a)[0] for a in answers] == [200, 200]
 
 
+class _NotJson:
+    """A result whose answer cannot be encoded (a NaN checksum, say)."""
+
+    def to_json(self) -> dict:
+        return {"sum": float("nan")}
+
+
+def test_a_result_that_cannot_be_encoded_fails_alone(app):
+    answers: list[bytes] = []
+    waiting = _submit(app.port, b'{"steps": 1}', answers)
+    app.jobs.get(timeout=10).finish(_NotJson())
+    waiting.join(10)
+    body = json.loads(_parse(answers[0])[2])
+    _json_error(answers[0], 500)
+    assert "could not be encoded" in body["error"]["message"] and "nan" not in body["error"]["message"]
+    waiting = _submit(app.port, b'{"steps": 1}', answers)  # the next request is served
+    app.jobs.get(timeout=10).finish(_Done())
+    waiting.join(10)
+    assert _parse(answers[1])[0] == 200
+
+
 def test_client_that_disconnects_is_dropped_from_the_queue(app):
     with socket.create_connection(("127.0.0.1", app.port), timeout=5) as s:
         s.sendall(_post(b'{"steps": 1}'))
