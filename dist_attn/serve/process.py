@@ -70,7 +70,7 @@ class Shutdown:
         if self.requested.is_set():
             log.info("%s while already shutting down; ignored", why)
             return
-        log.info("%s; shutting down (drain bound %.1f s)", why, self.hard_exit_after_s)
+        log.info("%s; shutting down (hard exit after %.1f s)", why, self.hard_exit_after_s)
         self.since = time.perf_counter()
         self.requested.set()
         if self.on_request is not None:

@@ -247,6 +247,14 @@ def test_idle_and_slow_connections_are_closed(app):
         assert closed and time.monotonic() - t0 < IDLE_S + 4
 
 
+def test_a_body_that_stalls_gets_408(app):
+    t0 = time.monotonic()
+    stalled = _post(b'{"steps": 1}')[:-8]  # the head and part of the body, then nothing
+    headers = _json_error(_exchange(app.port, stalled, timeout=IDLE_S + 5), 408)
+    assert headers["connection"] == "close" and time.monotonic() - t0 < IDLE_S + 4
+    assert len(app.jobs) == 0
+
+
 def test_health_reports_silent_ranks_and_shutdown(app):
     status = _parse(_exchange(app.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
     assert status[0] == 200 and json.loads(status[2])["status"] == "ok"
