@@ -102,7 +102,11 @@ class StagingBuffers:
             if numel > self.capacity(role, dtype, device):
                 # Free the old buffer first so growth never holds old + new at once.
                 self._buffers.pop(key, None)
-                self._buffers[key] = torch.empty(numel, dtype=dtype, device=key[2])
+                # A buffer made under inference_mode would be an inference tensor, which a later
+                # call under plain no_grad may not write ("Inplace update to inference tensor
+                # outside InferenceMode"); a normal tensor serves both modes.
+                with torch.inference_mode(False):
+                    self._buffers[key] = torch.empty(numel, dtype=dtype, device=key[2])
 
     def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """A contiguous 1-D view ``[numel]`` of the ``role`` buffer, growing it if needed."""

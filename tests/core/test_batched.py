@@ -171,3 +171,20 @@ def test_compiled_block_matches_eager(tmp_path):
     # 1e-6: the same fp32 kernels run in both, only the traced elementwise order may differ.
     for err in run_ranks(_compile_worker, 2, tmp_path, timeout=240):
         assert err <= 1e-6, err
+
+
+def _modes_worker(rank, world):
+    from dist_attn import StagingBuffers, ulysses_attention
+
+    pool = StagingBuffers()  # fresh: its buffers are first made under inference_mode
+    q = torch.randn(12 // world, 2, D)
+    with torch.inference_mode():
+        a = ulysses_attention(q, q, q, valid_len=11, backend="sdpa", buffers=pool)
+    with torch.no_grad():
+        b = ulysses_attention(q, q, q, valid_len=11, backend="sdpa", buffers=pool)
+    return torch.equal(a, b)
+
+
+def test_inference_mode_then_no_grad(tmp_path):
+    # a warm-up under inference_mode must not break a later no_grad call (diffusers pipelines)
+    assert run_ranks(_modes_worker, 2, tmp_path, timeout=60) == [True, True]
