@@ -13,10 +13,9 @@ pytest.importorskip("diffusers", reason="the diffusers extra is not installed (p
 
 from tests.conftest import ROOT, free_port, subprocess_env  # noqa: E402
 
-# The script is the python block that opens with this line; README.md is what users read, and
-# the section's source file is where it lives until it is pasted there.
+# The script is the python block of README.md (what users read) that opens with this line.
 MARKER = "# wan_ulysses.py"
-SOURCES = ("README.md", os.path.join("dist_attn", "integrations", "README_SECTION.md"))
+SOURCES = ("README.md",)
 
 
 def _example() -> tuple[str, str]:
