@@ -11,9 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_attn import resolve_backend
+from dist_attn import BackendUnavailableError, resolve_backend
 from dist_attn.distributed import DistEnv
 from dist_attn.plan import heads_per_rank
+from dist_attn.ring import check_ring_backend
 from dist_attn.serve.config import Config
 from dist_attn.serve.quality import (Topology, gather_device_facts, local_device_facts,
                                      quality_failures, tier_backend_name)
@@ -58,9 +59,14 @@ def run_launch_checks(cfg: Config, env: DistEnv, dtype: torch.dtype,
         cfg.check_backend(backend)
     except ValueError as e:
         failures.append(str(e))
-    if p.ring_degree != 1 or p.tensor_parallel != 1:
-        failures.append(f"ring_degree={p.ring_degree} / tensor_parallel={p.tensor_parallel}: "
-                        "only Ulysses is implemented (both must be 1)")
+    if p.tensor_parallel != 1:
+        failures.append(f"tensor_parallel={p.tensor_parallel}: only Ulysses and ring are "
+                        "implemented (tensor_parallel must be 1)")
+    if obj is not None:
+        try:
+            check_ring_backend(obj, requested=backend, ring_size=p.ring_degree)
+        except BackendUnavailableError as e:
+            failures.append(f"parallel.ring_degree={p.ring_degree}: {e}")
     if env.distributed:
         everyone: list[Any] = [None] * env.world_size
         dist.all_gather_object(everyone, failures)

@@ -34,6 +34,7 @@ _FLAG_FIELDS = {
     "dtype": "runtime.dtype",
     "layers": "model.num_layers",
     "ulysses_degree": "parallel.ulysses_degree",
+    "ring_degree": "parallel.ring_degree",
     "pg_timeout": "runtime.pg_timeout_s",
     "heartbeat": "runtime.heartbeat_s",
     "compile": "runtime.compile",
@@ -59,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", help="attention backend: auto, sage, sdpa, ...")
     p.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
     p.add_argument("--layers", type=int, help="number of DiT layers (model.num_layers)")
-    p.add_argument("--ulysses-degree", type=int, help="Ulysses degree (0 = world size)")
+    p.add_argument("--ulysses-degree", type=int, help="Ulysses degree (0 = world size / ring degree)")
+    p.add_argument("--ring-degree", type=int, help="ring degree R (the ring crosses hosts; "
+                                                   "Ulysses runs inside each)")
     p.add_argument("--weights", help="safetensors file or torch state dict (default: seeded "
                                      "random weights)")
     p.add_argument("--compile", action="store_const", const=True, default=None,
@@ -221,8 +224,16 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, weights: str | None,
             _rank0_error(rank, str(e))
             return None, None
     timer = PhaseTimer(env.device)
+    mesh = None
+    if cfg.parallel.ring_degree > 1:
+        from dist_attn.mesh import init_usp_mesh
+
+        # global rank r*U + u sits at mesh coordinate (r, u) and holds shard r*U + u: the engine's
+        # rank * S_local row offset is the mesh's placement rule
+        mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
+                             device_type=env.device.type)
     model = build_model(cfg.model, device=env.device, dtype=dtype, backend=backend, timer=timer,
-                        state_dict=state)
+                        state_dict=state, mesh=mesh)
     if cfg.runtime.compile:
         compile_blocks(model)
     log.info("built %s: %d layers, %.2fB parameters, %s on %s, attention backend %s%s",

@@ -106,13 +106,15 @@ class ModelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    """Parallel degrees. Only Ulysses is implemented; ring and tensor parallel exist so that a
-    deployment can state them and the quality tier can check them."""
+    """Parallel degrees. Ulysses and ring are implemented; tensor parallel exists so that a
+    deployment can state it and the quality tier can check it."""
 
     ulysses_degree: int = 0
-    """Ulysses (head-scatter) degree; 0 means "the world size"."""
+    """Ulysses (head-scatter) degree; 0 means "world size / (ring_degree * tensor_parallel)"."""
     ring_degree: int = 1
-    """Ring-attention degree. dist_attn implements 1 only."""
+    """Ring-attention degree R: the ranks form a ("ring", "ulysses") mesh, Ulysses over
+    consecutive ranks (one host), the ring across them (hosts). R > 1 needs a backend that
+    returns a log-sum-exp."""
     tensor_parallel: int = 1
     """Tensor-parallel degree. dist_attn implements 1 only."""
 
@@ -121,8 +123,8 @@ class ParallelConfig:
         require_positive(self, "ring_degree", "tensor_parallel")
 
     def resolved_ulysses(self, world_size: int) -> int:
-        """The Ulysses degree for ``world_size`` ranks (0 -> world_size)."""
-        return self.ulysses_degree or world_size
+        """The Ulysses degree for ``world_size`` ranks (0 -> world_size / (ring * tensor_parallel))."""
+        return self.ulysses_degree or max(1, world_size // (self.ring_degree * self.tensor_parallel))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -306,7 +308,7 @@ class Config:
         Rules: ulysses * ring * tensor_parallel == world size; the core's head split accepts
         num_heads on the Ulysses degree (at least one head per rank; uneven splits are fine);
         alignment divisible by the world size (so every packed length, a multiple of alignment,
-        splits into equal contiguous shards).
+        splits into equal contiguous shards, and ring chunks of ulysses shards each).
         """
         p = self.parallel
         ulysses = p.resolved_ulysses(world_size)

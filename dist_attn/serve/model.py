@@ -121,7 +121,7 @@ class DiTBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, group: Any = None, backend: str = "auto",
                  timer: Any = None, device: Any = None, dtype: torch.dtype | None = None,
-                 overlap_chunks: int = 1) -> None:
+                 overlap_chunks: int = 1, mesh: Any = None) -> None:
         super().__init__()
         fk = {"device": device, "dtype": dtype}
         self.cfg = cfg
@@ -131,8 +131,8 @@ class DiTBlock(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * inner, **fk)
         self.q_norm = nn.Parameter(torch.empty(cfg.head_dim, **fk))
         self.k_norm = nn.Parameter(torch.empty(cfg.head_dim, **fk))
-        self.attn = _attention_cls()(cfg.num_heads, cfg.head_dim, group=group, backend=backend,
-                                     timer=timer, overlap_chunks=overlap_chunks)
+        self.attn = _attention_cls()(cfg.num_heads, cfg.head_dim, group=group, mesh=mesh,
+                                     backend=backend, timer=timer, overlap_chunks=overlap_chunks)
         self.out = nn.Linear(inner, hidden, **fk)
         self.norm2 = nn.LayerNorm(hidden, eps=cfg.norm_eps, elementwise_affine=False)
         self.fc1 = nn.Linear(hidden, cfg.ffn_size, **fk)
@@ -172,6 +172,7 @@ class DiT(nn.Module):
     Args:
         cfg: model shape.
         group: process group of the Ulysses degree (None: default group, or local if none).
+        mesh: ("ring", "ulysses") DeviceMesh for Ulysses x Ring instead of ``group``.
         backend: attention backend name passed to UlyssesSageAttention.
         timer: optional PhaseTimer shared by every layer's attention.
         overlap_chunks: head chunks whose all-to-alls overlap the attention kernel (1 = plain).
@@ -181,7 +182,7 @@ class DiT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, group: Any = None, backend: str = "auto",
                  timer: Any = None, device: Any = None, dtype: torch.dtype | None = None,
-                 overlap_chunks: int = 1) -> None:
+                 overlap_chunks: int = 1, mesh: Any = None) -> None:
         super().__init__()
         fk = {"device": device, "dtype": dtype}
         self.cfg = cfg
@@ -191,7 +192,8 @@ class DiT(nn.Module):
         self.time_hidden = nn.Linear(hidden, hidden, **fk)
         self.time_mod = nn.Linear(hidden, 6 * hidden, **fk)
         self.blocks = nn.ModuleList(
-            DiTBlock(cfg, group=group, backend=backend, timer=timer, overlap_chunks=overlap_chunks, **fk)
+            DiTBlock(cfg, group=group, backend=backend, timer=timer, overlap_chunks=overlap_chunks,
+                     mesh=mesh, **fk)
             for _ in range(cfg.num_layers))
         self.final_modulation = nn.Parameter(torch.empty(2, hidden, **fk))
         self.final_norm = nn.LayerNorm(hidden, eps=cfg.norm_eps, elementwise_affine=False)
@@ -262,14 +264,14 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
 def build_model(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype, group: Any = None,
                 backend: str = "auto", timer: Any = None, overlap_chunks: int = 1,
-                state_dict: dict[str, torch.Tensor] | None = None) -> DiT:
+                state_dict: dict[str, torch.Tensor] | None = None, mesh: Any = None) -> DiT:
     """Creates the DiT directly on ``device`` (through "meta", so the 15B-parameter H3 model is
     never materialised on the host) and fills it from ``state_dict`` or :func:`init_weights`.
 
     ``state_dict`` must already be validated (see :func:`dist_attn.weights.check_state_dict`).
     """
     model = DiT(cfg, group=group, backend=backend, timer=timer, device="meta", dtype=dtype,
-                overlap_chunks=overlap_chunks)
+                overlap_chunks=overlap_chunks, mesh=mesh)
     model.to_empty(device=device)
     if state_dict is None:
         init_weights(model, cfg.weight_seed)
