@@ -122,5 +122,7 @@ def gather_sequence(x_local: torch.Tensor, shard: SequenceShard, group=None, *,
     # all_gather_into_tensor concatenates along dim 0: move the sequence axis there and back.
     moved = x_local.movedim(dim, 0).contiguous()  # [S_local, ...]
     full = moved.new_empty((shard.total_len, *moved.shape[1:]))  # [S, ...]
-    dist.all_gather_into_tensor(full, moved, group=group)
+    # torch >= 2.13 renamed the op (the old name warns); torch 2.11 has only the old name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(full, moved, group=group)
     return full[:shard.valid_len].movedim(0, dim)
