@@ -33,7 +33,8 @@ from dist_attn.backends import AttentionBackend, BackendUnavailableError
 from dist_attn.mesh import ParallelGroups
 from dist_attn.varlen import SegmentLayout
 
-__all__ = ["RingPiece", "ring_pieces", "check_ring_backend", "merge_partial", "ring_attention"]
+__all__ = ["RingPiece", "ring_pieces", "check_ring_backend", "check_ring_transport", "merge_partial",
+           "ring_attention"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,27 @@ def check_ring_backend(backend: AttentionBackend, *, requested: str, ring_size: 
         f"which ring attention needs to merge its {ring_size} partial results{fix}. Fix: pass "
         "backend='sdpa' (or another backend with dense_lse), or use a mesh whose 'ring' dim has "
         "size 1")
+
+
+def check_ring_transport(*, ring_size: int, comm_backend: str | None, device: torch.device) -> None:
+    """Raises ValueError when the ring's point-to-point ops cannot move tensors on ``device``:
+    gloo sends and receives CPU tensors only (torch.distributed's backend table), so gloo ranks
+    sharing a GPU can run Ulysses (gloo's all-to-all takes CUDA tensors) but not the ring.
+
+    Args:
+        ring_size: R; nothing is sent when it is 1.
+        comm_backend: the ring group's process-group backend name (``dist.get_backend``).
+        device: where q, k, v live.
+
+    Reads names only, so every rank decides alike (and a launcher can ask before any mesh exists).
+    """
+    if ring_size == 1 or device.type == "cpu":
+        return
+    if comm_backend == "gloo":
+        raise ValueError(
+            f"the mesh's 'ring' dim uses the gloo backend, which cannot send {device.type} tensors "
+            "point-to-point (ring attention needs that); give every rank its own GPU and use NCCL "
+            "(dist_attn.init_distributed(backend='nccl')), or use a mesh whose 'ring' dim has size 1")
 
 
 def merge_partial(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -19,6 +19,7 @@ import math
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dist_attn.backends import default_softmax_scale, resolve_backend
@@ -27,7 +28,7 @@ from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
-from dist_attn.ring import check_ring_backend, ring_attention
+from dist_attn.ring import check_ring_backend, check_ring_transport, ring_attention
 from dist_attn.validation import check_bounds, check_no_grad, check_qkv, host_bounds
 from dist_attn.varlen import attend_varlen, segment_layout
 
@@ -127,6 +128,9 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     layout = segment_layout(bounds, total=seq, valid_len=valid_len, max_seqlen=max_seqlen)
     be = resolve_backend(backend, q)
     check_ring_backend(be, requested=backend, ring_size=n_ring)
+    if n_ring > 1:
+        check_ring_transport(ring_size=n_ring, comm_backend=dist.get_backend(groups.ring_group),
+                             device=q.device)
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dist_attn import BackendUnavailableError, resolve_backend
 from dist_attn.distributed import DistEnv
 from dist_attn.plan import heads_per_rank
-from dist_attn.ring import check_ring_backend
+from dist_attn.ring import check_ring_backend, check_ring_transport
 from dist_attn.serve.config import Config
 from dist_attn.serve.quality import (Topology, gather_device_facts, local_device_facts,
                                      quality_failures, tier_backend_name)
@@ -67,6 +67,10 @@ def run_launch_checks(cfg: Config, env: DistEnv, dtype: torch.dtype,
             check_ring_backend(obj, requested=backend, ring_size=p.ring_degree)
         except BackendUnavailableError as e:
             failures.append(f"parallel.ring_degree={p.ring_degree}: {e}")
+    try:
+        check_ring_transport(ring_size=p.ring_degree, comm_backend=env.backend, device=env.device)
+    except ValueError as e:
+        failures.append(f"parallel.ring_degree={p.ring_degree}: {e}")
     if env.distributed:
         everyone: list[Any] = [None] * env.world_size
         dist.all_gather_object(everyone, failures)

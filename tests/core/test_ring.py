@@ -322,6 +322,14 @@ def _validation_worker(rank):
     attempt("dims_swapped", lambda: ulysses_attention(q, q, q, mesh=swapped, backend="sdpa"))
     descending = _mesh([[3, 2, 1, 0], [7, 6, 5, 4]])
     attempt("ulysses_descending", lambda: ulysses_attention(q, q, q, mesh=descending, backend="sdpa"))
+    from dist_attn.mesh import parallel_groups
+    from dist_attn.ring import check_ring_transport
+
+    # gloo moves CPU tensors only: a CUDA tensor on this (gloo) ring must be refused up front;
+    # only the device type is read, so a CPU machine can ask
+    ring_group = parallel_groups(mesh=mesh).ring_group
+    attempt("gloo_ring_cuda", lambda: check_ring_transport(
+        ring_size=2, comm_backend=dist.get_backend(ring_group), device=torch.device("cuda")))
     # the ranks are still in step after the refused calls
     attempt("ok_after", lambda: ulysses_attention(q, q, q, mesh=mesh, backend="sdpa"))
     return errors
@@ -349,6 +357,7 @@ VALIDATION = {
     "one_dim_mesh": ["ValueError", "expected 2 dims named ('ring', 'ulysses')"],
     "dims_swapped": ["ValueError", "('ulysses', 'ring')"],
     "ulysses_descending": ["ValueError", "must ascend along the 'ulysses' dim"],
+    "gloo_ring_cuda": ["ValueError", "gloo backend, which cannot send cuda tensors", "NCCL"],
 }
 
 
