@@ -199,6 +199,28 @@ def _compiled_op(mesh, u_size, r_size, heads):
     return torch.equal(eager, op)
 
 
+def _no_bound_reads(mesh, u_size, r_size, heads):
+    """With host bounds the call never reads the bounds tensor (``tolist`` / ``item`` of a CUDA
+    tensor is a device-to-host sync); the Python-level readers are replaced by ones that raise."""
+    from dist_attn import ulysses_attention
+
+    q = torch.randn(SEQ // (u_size * r_size), heads, D)
+    cu = torch.tensor([0, 10, 30, SEQ], dtype=torch.int32)
+    saved = torch.Tensor.tolist, torch.Tensor.item
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host")
+
+    torch.Tensor.tolist = torch.Tensor.item = refuse
+    try:
+        ulysses_attention(q, q, q, cu, 20, [0, 10, 30, SEQ], valid_len=41, mesh=mesh, backend="sdpa")
+        return None
+    except AssertionError as exc:
+        return str(exc)
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = saved
+
+
 def _ring_worker(rank, world):
     out = {}
     for name, (u_size, r_size, heads, _, ranks) in MESHES.items():
@@ -210,6 +232,7 @@ def _ring_worker(rank, world):
                "counts": {c: _counts(mesh, u_size, r_size, heads, c) for c in (1, 2)}}
         if name == "U2xR2":
             res["compiled_op"] = _compiled_op(mesh, u_size, r_size, heads)
+            res["bound_reads"] = _no_bound_reads(mesh, u_size, r_size, heads)
         out[name] = res
     out["validation"] = _validation_worker(rank)
     return out
@@ -273,6 +296,11 @@ def test_collectives_per_forward(ring_run, mesh_name):
             assert total == a2a and all("alltoall" in op for op in by_op), (chunks, total, by_op)
             assert len(batches) == eff * (r_size - 1), f"chunks={chunks}: {len(batches)} ring steps"
             assert all(b == ["irecv", "isend"] for b in batches), "K and V: one send + one recv a step"
+
+
+def test_host_bounds_mean_no_host_reads(ring_run):
+    for g in _mesh_ranks("U2xR2"):
+        assert ring_run[g]["U2xR2"]["bound_reads"] is None, ring_run[g]["U2xR2"]["bound_reads"]
 
 
 def test_compiled_op_carries_the_mesh(ring_run):
