@@ -86,6 +86,10 @@ def _dist_version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    # A copy run elsewhere (e.g. a `git archive` snapshot on a GPU host) may sit inside another
+    # checkout whose HEAD is not what ran: the caller then names the commit.
+    if os.environ.get("DIST_ATTN_COMMIT"):
+        return os.environ["DIST_ATTN_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", _REPO, "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5)
