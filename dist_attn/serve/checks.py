@@ -17,7 +17,7 @@ from dist_attn.plan import heads_per_rank
 from dist_attn.ring import check_ring_backend, check_ring_transport
 from dist_attn.serve.config import Config
 from dist_attn.serve.quality import (Topology, gather_device_facts, local_device_facts,
-                                     quality_failures, tier_backend_name)
+                                     quality_failures, tier_exact_only)
 
 __all__ = ["resolve_backend_name", "run_launch_checks"]
 
@@ -27,12 +27,15 @@ def resolve_backend_name(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple
 
     The core's registry is asked with a probe tensor of this rank's largest per-rank head
     count; an unavailable backend (e.g. Sage on CPU) raises here, before the model is built.
+    "auto" chooses among exact kernels under quality="lossless", and among kernels that return a
+    log-sum-exp when the ring degree is above 1 (the ring merges partial results with it).
     """
-    name = tier_backend_name(cfg.runtime.quality, cfg.runtime.backend)
+    name = cfg.runtime.backend
     heads = max(heads_per_rank(cfg.model.num_heads, cfg.parallel.resolved_ulysses(env.world_size)))
     probe = torch.zeros(cfg.tokens.alignment, heads, cfg.model.head_dim, dtype=dtype,
                         device=env.device)
-    obj = resolve_backend(name, probe)
+    obj = resolve_backend(name, probe, exact_only=tier_exact_only(cfg.runtime.quality),
+                          require_lse=cfg.parallel.ring_degree > 1 and name == "auto")
     return str(getattr(obj, "name", name)), obj
 
 

@@ -36,7 +36,7 @@ __all__ = [
     "check_tier_name",
     "tier_name_rule",
     "tier_backend_rule",
-    "tier_backend_name",
+    "tier_exact_only",
 ]
 
 #: Valid ``--quality`` values. ``None`` (flag absent) means no tier constraint.
@@ -151,10 +151,10 @@ def tier_backend_rule(tier: str | None, name: str, backend: Any = None) -> str |
     return None
 
 
-def tier_backend_name(tier: str | None, name: str) -> str:
-    """The backend name to resolve under ``tier``: "auto" means "sdpa" under "lossless", since
-    auto may pick an 8-bit kernel."""
-    return "sdpa" if tier == "lossless" and name == "auto" else name
+def tier_exact_only(tier: str | None) -> bool:
+    """Whether ``tier`` admits exact kernels only: then "auto" chooses among those (FA3 when
+    importable on Hopper, else torch SDPA)."""
+    return tier == "lossless"
 
 
 def _fmt(values: Sequence[Any]) -> str:

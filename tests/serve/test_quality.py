@@ -143,3 +143,34 @@ def test_local_facts_on_cpu_and_gather_without_process_group():
     assert gather_device_facts(facts) == [facts]
     # the gathered form round-trips through asdict (what all_gather_object sends)
     assert DeviceFacts(**dataclasses.asdict(_gpu(0))) == _gpu(0)
+
+
+def test_auto_under_lossless_chooses_an_exact_kernel(monkeypatch):
+    """With an 8-bit kernel first in "auto"'s order and runnable, "lossless" still gets an exact
+    one (FA3 on Hopper when importable, else SDPA) and no tier leaves the 8-bit one."""
+    import dataclasses
+
+    import torch
+
+    from dist_attn import AttentionBackend, get_backend, register_backend
+    from dist_attn.distributed import DistEnv
+    from dist_attn.serve.checks import resolve_backend_name
+    from dist_attn.serve.config import load_config
+
+    class Runnable8bit(AttentionBackend):
+        name, exact = "sage8", False
+
+        def unsupported_reason(self, q):
+            return None
+
+    real = get_backend("sage8")
+    register_backend(Runnable8bit(), replace=True)
+    try:
+        env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+        cfg = load_config(None)
+        assert resolve_backend_name(cfg, env, torch.float32)[0] == "sage8"
+        lossless = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quality="lossless"))
+        name, obj = resolve_backend_name(lossless, env, torch.float32)
+        assert name == "sdpa" and obj.exact
+    finally:
+        register_backend(real, replace=True)
