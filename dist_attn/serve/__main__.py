@@ -4,4 +4,6 @@ import sys
 
 from dist_attn.serve.cli import main
 
+__all__: list[str] = []
+
 sys.exit(main())

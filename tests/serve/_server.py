@@ -62,6 +62,7 @@ class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log_path: str) -> None:
         self.proc, self.port, self.log_path = proc, port, log_path
         self.base = f"http://127.0.0.1:{port}"
+        self._seen: set[int] = set()  # rank pids ever found: killed at the end even if orphaned
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
@@ -97,6 +98,7 @@ class Server:
                 continue
             if b"RANK" in env:
                 pids[int(env[b"RANK"])] = int(entry)
+        self._seen.update(pids.values())
         return pids
 
     def wait_gone(self, pids: list[int], timeout: float) -> float:
@@ -110,7 +112,8 @@ class Server:
 
     def kill(self) -> None:
         """Ends every process of the job (the agent's session)."""
-        for pid in [*self.rank_pids().values(), self.proc.pid]:
+        self.rank_pids()
+        for pid in [*self._seen, self.proc.pid]:
             try:
                 os.kill(pid, signal.SIGCONT)  # a stopped rank cannot die of SIGTERM
                 os.kill(pid, signal.SIGKILL)
