@@ -44,10 +44,9 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
-import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from benchmarks.harness import (
     H3_REF,

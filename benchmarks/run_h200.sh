@@ -2,7 +2,8 @@
 # All dist_attn benchmarks on ONE H200, in one go (<= 7 minutes; every step has a `timeout` and a
 # --budget-s a little below it, so a slow step leaves partial results and the next step still runs).
 #
-#   bash benchmarks/run_h200.sh            # from the repo root; .whl/ must hold sageattention-1.0.6
+#   bash benchmarks/run_h200.sh            # from the repo root; .whl/ holds sageattention-1.0.6 and
+#                                          # fa3-fwd (FA3 bf16/FP8 rows of kernels.py)
 #
 # Steps (wall-time caps): install sageattention (30 s) | kernels.py (130 s) | alltoall.py, 4 gloo
 # ranks sharing the GPU (70 s) | scaling.py --modeled N=1,2,4,8 (70 s) | scaling.py measured,
@@ -29,7 +30,7 @@ mkdir -p "$RES"
 log() { echo "[run_h200 $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 START=$(date +%s)
 
-# sageattention 1.0.6 travels as a wheel (the H200 machine reaches no package index)
+# sageattention 1.0.6 and fa3-fwd travel as wheels (the H200 machine reaches no package index)
 if ls .whl/*.whl >/dev/null 2>&1; then
     timeout 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG" || log "WARNING: wheel install failed (sage rows will say why)"

@@ -41,7 +41,7 @@ def _data(case, T=1024, H=2, D=128, seed=0):
 
 
 def test_importing_costs_no_triton():
-    assert "triton" not in sys.modules or True  # other tests may have imported it; check in a child
+    # other tests of this process may have imported triton: check in a fresh interpreter
     import subprocess
     code = ("import sys, dist_attn.kernels, dist_attn.kernels.sage8.reference, dist_attn.backends; "
             "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)")

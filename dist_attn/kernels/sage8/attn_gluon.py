@@ -8,14 +8,16 @@ FA3's structure on the operands of :func:`quant.quantize`:
   signalled by mbarriers (``ready``: the TMA bytes landed; ``empty``: both consumers are done);
 * inside a consumer the QK wgmma of block j and the PV wgmma of block j-1 are issued
   asynchronously before the softmax of block j runs, so the tensor cores work under the
-  softmax; the second warpgroup fills the tensor cores while this one exponentiates. With
-  ``pingpong`` the two warpgroups also take turns issuing their wgmmas (an mbarrier pair), so
-  that one's GEMMs line up with the other's softmax as in FA3;
+  softmax; the second warpgroup fills the tensor cores while this one exponentiates. ``pingpong``
+  makes the two warpgroups take turns issuing their wgmmas (an mbarrier pair) as FA3 does; it
+  measured 6% slower here and is off by default;
 * scores: INT8 x INT8 -> int32 with the accumulator initialised to 0x4B400000, so the result read
-  as fp32 is 12582912 + s exactly (numerics.MAGIC_I), then one FFMA and one exp2 per score;
-  ``exp16`` evaluates the exponentials two at a time with ``ex2.approx.f16x2`` (P is rounded to
-  e4m3's 3 mantissa bits right after, so fp16's 10 bits lose nothing that matters);
-* P -> FP8 e4m3 in registers, fed as the A operand of the PV wgmma (B = V^T tile, K-major);
+  as fp32 is 12582912 + s exactly (numerics.MAGIC_I), then one FFMA and one exp2 per score
+  (``exp16``, two exponentials per ``ex2.approx.f16x2``, measured slower: ptxas splits it);
+* P -> FP8 e4m3, stored to a double-buffered shared tile per warpgroup and read from there by the
+  PV wgmma (B = V^T tile, K-major). ``p_smem=False`` feeds P from registers instead, but Gluon's
+  layout conversion to the A-operand fragment costs ~230 byte-permute/shuffle instructions per
+  block (14.7 vs 12.6 ms at h3-ref, benchmarks/KERNEL_NOTES.md);
 * every segment of a varlen layout in one launch (grid axis 1), padding keys masked in the last
   block only; an optional natural-log LSE per row.
 """
@@ -57,7 +59,7 @@ _LN2 = gl.constexpr(math.log(2.0))
 
 @dataclass(frozen=True)
 class GluonConfig:
-    """Launch parameters of the warp-specialized kernel.
+    """Launch parameters of the warp-specialized kernel (defaults: the fastest measured).
 
     ``maxnreg`` x 384 threads (2 consumer warpgroups + the producer's warpgroup) is the CTA's
     register file share; the producer gives back to ``producer_regs`` and the consumers take
@@ -67,6 +69,7 @@ class GluonConfig:
     stages: int = 3
     exp16: bool = False
     pingpong: bool = False
+    p_smem: bool = True
     consumer_regs: int = 240
     producer_regs: int = 24
     maxnreg: int = 168
@@ -100,8 +103,10 @@ def _exp2(x, EXP16: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, rs, lim, p_layout: gl.constexpr, BN: gl.constexpr, EXP16: gl.constexpr):
-    """int32 scores (+0x4B400000) of one key block -> (P as e4m3 A operand, m, l, alpha)."""
+def _softmax_block(s, m_i, l_i, rs, lim, p_layout: gl.constexpr, BN: gl.constexpr, EXP16: gl.constexpr,
+                   P_SMEM: gl.constexpr):
+    """int32 scores (+0x4B400000) of one key block -> (P in e4m3, m, l, alpha); P in the A-operand
+    register layout of the PV wgmma, or (P_SMEM) in the scores' layout, to be stored to smem."""
     f = s.to(gl.float32, bitcast=True)  # 12582912 + s, exactly
     if lim < BN:
         # the last, partial key block: padding keys are zeros in Ki8/Vt8 but must get p = 0
@@ -114,15 +119,31 @@ def _softmax_block(s, m_i, l_i, rs, lim, p_layout: gl.constexpr, BN: gl.constexp
     # fp16 row sums stay exact enough: at most 128 * 2**8.75 = 55,100 < 65,504
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1).to(gl.float32)
-    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    if P_SMEM:
+        p8 = p.to(gl.float8e4nv)
+    else:
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     return p8, m_new, l_i, alpha
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum, Lse,
+def _pv_operand(p8, p_smem, WG: gl.constexpr, j, P_SMEM: gl.constexpr):
+    """The A operand of the PV wgmma of block j: registers, or P stored in this warpgroup's shared
+    slot j % 2 (slots 2 WG and 2 WG + 1)."""
+    if P_SMEM:
+        slot = p_smem.index(2 * WG + j % 2)
+        slot.store(p8)
+        fence_async_shared()
+        return slot
+    else:
+        return p8
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum, Lse,
               h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
               WG: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr):
+              WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr):
     BM: gl.constexpr = q_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 32])
@@ -152,28 +173,31 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale,
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(0, deps=[s_tok])
-    p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * gl.load(ks_ptr), L, p_layout, BN, EXP16)
+    ks_next = gl.load(ks_ptr + 1)  # one block ahead: its latency hides under this block's work
+    p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * gl.load(ks_ptr), L, p_layout, BN, EXP16, P_SMEM)
+    pa = _pv_operand(p8, p_smem, WG, 0, P_SMEM)
     for j in range(1, n_blocks):
         stage = j % STAGES
         prev = (j - 1) % STAGES
+        ks_j = ks_next
+        ks_next = gl.load(ks_ptr + j + 1)  # the scale array has a spare entry past every segment
         if PINGPONG:
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
         s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), magic, is_async=True)
-        o_tok = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
+        o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG))
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        p8_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * gl.load(ks_ptr + j), L - j * BN,
-                                                  p_layout, BN, EXP16)
-        # (p8, read from registers by the PV wgmma, cannot be a dependency here: triton 3.6 rejects
+        p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * ks_j, L - j * BN, p_layout, BN, EXP16, P_SMEM)
+        # (P, read from registers by the PV wgmma, cannot be a dependency here: triton 3.6 rejects
         # 8-bit values in the wait; ptxas tracks the registers of in-flight wgmmas itself)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(empty.index(prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow), 1)
-        p8 = p8_next
+        pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
     last = (n_blocks - 1) % STAGES
-    o_tok = warpgroup_mma(p8, v_smem.index(last).permute((1, 0)), acc, is_async=True)
+    o_tok = warpgroup_mma(pa, v_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[o_tok])
     mbarrier.arrive(empty.index(last))
 
@@ -226,7 +250,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 def _attn_ws_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, used, T, H, R,
                     sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
                     D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DENSE: gl.constexpr,
-                    WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr,
+                    WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     mb = gl.program_id(0)
@@ -238,6 +262,13 @@ def _attn_ws_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, c
         q_smem = gl.allocate_shared_memory(gl.int8, [2, BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_desc.layout)
+        # P of each warpgroup, double-buffered (a 1 KB placeholder without P_SMEM)
+        if P_SMEM:
+            p_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, BM, BN],
+                                               gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv))
+        else:
+            p_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 8, 32],
+                                               gl.NVMMASharedLayout.get_default_for([8, 32], gl.float8e4nv))
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -253,12 +284,12 @@ def _attn_ws_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, c
         # a warpgroup whose rows all lie past L still runs the loop (its stores are masked off):
         # the producer waits for both warpgroups on every slot
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum, Lse,
+            (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum, Lse,
                          h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb, slh,
-                         qk_scale, 0, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum, Lse,
+                         qk_scale, 0, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG, P_SMEM)),
+            (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum, Lse,
                          h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb, slh,
-                         qk_scale, 1, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG)),
+                         qk_scale, 1, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG, P_SMEM)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
                          h, R, pst, mrow0, n_blocks, D, BN, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -289,7 +320,7 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
         lay.total, H, R, *seg_strides(out, lay.dense), *seg_strides(q, lay.dense), *sl,
         softmax_scale * math.log2(math.e),
         D=D, BN=BLOCK_N, STAGES=cfg.stages, DENSE=lay.dense, WITH_LSE=lse is not None, EXP16=cfg.exp16,
-        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        PINGPONG=cfg.pingpong, P_SMEM=cfg.p_smem, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg)
 
 
@@ -325,7 +356,7 @@ def compile_sm90(cfg: GluonConfig, *, head_dim: int = 128, dense: bool = True, w
     ptr = {"Out": f"*{out_dtype}", "Q": f"*{out_dtype}", "cu": "*i32"}
     values = dict(zip(("q_desc", "k_desc", "v_desc"), descs))
     constexprs = dict(D=D, BN=BLOCK_N, STAGES=cfg.stages, DENSE=dense, WITH_LSE=with_lse, EXP16=cfg.exp16,
-                      PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      PINGPONG=cfg.pingpong, P_SMEM=cfg.p_smem, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"

@@ -1,16 +1,17 @@
 """Quantization pre-pass of Sage8 (Triton; importing this module imports triton).
 
-Two launches read the caller's Q, K, V (any strides with a contiguous last dim) and write the
+Two passes read the caller's Q, K, V (any strides with a contiguous last dim) and write the
 8-bit operands of the attention kernels into a padded row space (:func:`numerics.padded_rows`):
 
 1. ``_stats_kernel`` reads K and V (and Q when balancing) once, in chunks of rows, and writes
    per-chunk channel statistics: sum, max and min of K, max |V| (max |Q|). Torch reduces them over
-   the chunks afterwards (a few KB; deterministic, no float atomics) into the K mean, V's channel
-   scales and the balancing factors.
-2. ``_quant_kernel`` reads Q, K, V once more, one block of keys at a time: Q -> INT8 with one scale
-   per row (``softmax_scale * log2(e)`` folded in); K minus its per-(segment, head) channel mean ->
-   INT8 with one scale per block; V -> FP8 e4m3 with one scale per channel, stored transposed
-   (``[H, D, R]``) because Hopper's 8-bit wgmma needs its B operand K-major.
+   the chunks (a few KB; deterministic, no float atomics) into the K mean, V's channel scales and
+   the balancing factors.
+2. ``_quant_kernel`` reads Q, K, V once more, one block of rows per program (Q blocks and K/V
+   blocks in separate programs): Q -> INT8 with one scale per row (``softmax_scale * log2(e)``
+   folded in); K minus its per-(segment, head) channel mean -> INT8 with one scale per block;
+   V -> FP8 e4m3 with one scale per channel, stored transposed (``[H, D, R]``) because Hopper's
+   8-bit wgmma needs its B operand K-major.
 
 Padding rows of a segment's last block are written as zeros in every buffer.
 """
@@ -60,7 +61,8 @@ class QuantConfig:
     """Options of the pre-pass.
 
     ``balance``: per-channel Q/K balancing before INT8 (see :func:`reference.quantize`); costs one
-    more read of Q. ``tile`` rows per step of the statistics pass and ``warps`` per program.
+    more read of Q. ``tile`` rows per step of the statistics pass and of Q's quantization,
+    ``warps`` per program.
     """
 
     balance: bool = False
@@ -167,47 +169,55 @@ def _stats_kernel(Q, K, V, Pstat, cu, used, T, H, NCHUNK, ROWS_PER,
 
 
 @triton.jit
-def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, qk_scale,
+def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, NKB, qk_scale,
                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-                  D: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr, BALANCE: tl.constexpr,
-                  INTERP: tl.constexpr):
-    """One block of BN rows of one (segment, head): Q, K and V to their 8-bit forms."""
-    j = tl.program_id(0)
+                  D: tl.constexpr, BN: tl.constexpr, QTILE: tl.constexpr, DENSE: tl.constexpr,
+                  BALANCE: tl.constexpr, INTERP: tl.constexpr):
+    """Program j < NKB: Q rows of block j to INT8; program NKB + j: K and V of block j."""
+    pid = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
+    j = pid % NKB
     lo, L, pst = seg_bounds(cu, seg, used, T, DENSE)
     if j * BN >= L:
         return
     offs_d = tl.arange(0, D)
-    rows = j * BN + tl.arange(0, BN)
-    valid = (rows < L)[:, None]
     seg64 = seg.to(tl.int64)
     h64 = h.to(tl.int64)
-    src = (lo + rows).to(tl.int64)[:, None]
-    dst = pst + rows
     sidx = (seg64 * 4 * H + h) * D + offs_d  # Stat: [nseg, 4, H, D] = mean K, K balance, V scale, Q balance
-    # smoothing: q.(k - m) = q.k - q.m, a constant per query row, so softmax is unchanged while the
-    # INT8 range is spent on what varies between keys. Balancing: (q * s).(k / s) = q.k, per channel.
-    q = _load_rows(Q + seg64 * sqb + h64 * sqh, src, sqt, offs_d, valid)
-    if BALANCE:
-        q = q * tl.load(Stat + sidx + 3 * H * D)[None, :]
-    amax = tl.max(tl.abs(q), axis=1)
-    # an all-zero row would give scale 0 and 0/0 = NaN: use 1 (the row quantizes to zeros)
-    sc = tl.where(amax > 0, amax / _I8MAX, 1.0)
-    tl.store(Qi8 + h64 * R * D + dst[:, None] * D + offs_d[None, :], _round_i8(q / sc[:, None]))
-    tl.store(Qs + h64 * R + dst, sc * qk_scale)
-    k = _load_rows(K + seg64 * skb + h64 * skh, src, skt, offs_d, valid)
-    kc = tl.where(valid, k - tl.load(Stat + sidx)[None, :], 0.0)  # padding rows stay exactly zero
-    if BALANCE:
-        kc = kc * tl.load(Stat + sidx + H * D)[None, :]
-    kamax = tl.max(tl.max(tl.abs(kc), axis=1), axis=0)
-    ksc = tl.where(kamax > 0, kamax / _I8MAX, 1.0)
-    tl.store(Ki8 + h64 * R * D + dst[:, None] * D + offs_d[None, :], _round_i8(kc / ksc))
-    tl.store(Ks + h64 * (R // BN) + pst // BN + j, ksc)
-    vsc = tl.load(Stat + sidx + 2 * H * D)
-    v = _load_rows(V + seg64 * svb + h64 * svh, src, svt, offs_d, valid)
-    # transposed store: [BN, D] tile -> Vt8[h, d, row]
-    tl.store(Vt8 + h64 * D * R + offs_d[None, :] * R + dst[:, None], to_fp8(v / vsc[None, :], INTERP))
+    if pid < NKB:
+        # Q: one scale per row, so QTILE rows at a time (fewer registers than a whole block)
+        for r in range(j * BN, j * BN + BN, QTILE):
+            rows = r + tl.arange(0, QTILE)
+            valid = (rows < L)[:, None]
+            q = _load_rows(Q + seg64 * sqb + h64 * sqh, (lo + rows).to(tl.int64)[:, None], sqt, offs_d, valid)
+            if BALANCE:  # (q * s).(k / s) = q.k, per channel
+                q = q * tl.load(Stat + sidx + 3 * H * D)[None, :]
+            amax = tl.max(tl.abs(q), axis=1)
+            # an all-zero row would give scale 0 and 0/0 = NaN: use 1 (the row quantizes to zeros)
+            sc = tl.where(amax > 0, amax / _I8MAX, 1.0)
+            dst = pst + rows
+            tl.store(Qi8 + h64 * R * D + dst[:, None] * D + offs_d[None, :], _round_i8(q / sc[:, None]))
+            tl.store(Qs + h64 * R + dst, sc * qk_scale)
+    else:
+        rows = j * BN + tl.arange(0, BN)
+        valid = (rows < L)[:, None]
+        src = (lo + rows).to(tl.int64)[:, None]
+        dst = pst + rows
+        # smoothing: q.(k - m) = q.k - q.m, a constant per query row, so softmax is unchanged while
+        # the INT8 range is spent on what varies between keys. Padding rows stay exactly zero.
+        k = _load_rows(K + seg64 * skb + h64 * skh, src, skt, offs_d, valid)
+        kc = tl.where(valid, k - tl.load(Stat + sidx)[None, :], 0.0)
+        if BALANCE:
+            kc = kc * tl.load(Stat + sidx + H * D)[None, :]
+        kamax = tl.max(tl.max(tl.abs(kc), axis=1), axis=0)
+        ksc = tl.where(kamax > 0, kamax / _I8MAX, 1.0)
+        tl.store(Ki8 + h64 * R * D + dst[:, None] * D + offs_d[None, :], _round_i8(kc / ksc))
+        tl.store(Ks + h64 * (R // BN) + pst // BN + j, ksc)
+        vsc = tl.load(Stat + sidx + 2 * H * D)
+        v = _load_rows(V + seg64 * svb + h64 * svh, src, svt, offs_d, valid)
+        # transposed store: [BN, D] tile -> Vt8[h, d, row]
+        tl.store(Vt8 + h64 * D * R + offs_d[None, :] * R + dst[:, None], to_fp8(v / vsc[None, :], INTERP))
 
 
 def _stats_grid(max_seqlen: int, nseg: int, heads: int) -> tuple[int, int]:
@@ -265,12 +275,13 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLa
         bounds = layout.cu.clamp(max=layout.used).to(torch.int64)
         lengths = bounds[1:] - bounds[:-1]
     stat, ksum = _finish_stats(pstat, lengths, balance)
-    _quant_kernel[(triton.cdiv(layout.max_seqlen, kblock), nseg, H)](
-        q, k, v, qi8, qsc, ki8, ksc, vt8, stat, cu, layout.used, T, H, R, softmax_scale * math.log2(math.e),
-        *sq, *sk, *sv, D=D, BN=kblock, DENSE=layout.dense, BALANCE=balance, INTERP=interpret,
+    nkb = triton.cdiv(layout.max_seqlen, kblock)
+    _quant_kernel[(2 * nkb, nseg, H)](
+        q, k, v, qi8, qsc, ki8, ksc, vt8, stat, cu, layout.used, T, H, R, nkb, softmax_scale * math.log2(math.e),
+        *sq, *sk, *sv, D=D, BN=kblock, QTILE=tile, DENSE=layout.dense, BALANCE=balance, INTERP=interpret,
         num_warps=warps)
-    return Quantized(layout=layout, qi8=qi8, qscale=qsc, ki8=ki8, kscale=ksc, vt8=vt8, vscale=stat[:, 2].contiguous(),
-                     ksum=ksum, kblock=kblock)
+    return Quantized(layout=layout, qi8=qi8, qscale=qsc, ki8=ki8, kscale=ksc, vt8=vt8,
+                     vscale=stat[:, 2].contiguous(), ksum=ksum, kblock=kblock)
 
 
 def seg_strides(t: torch.Tensor, dense: bool) -> tuple[int, int, int]:
