@@ -75,8 +75,8 @@ def check_ring_backend(backend: AttentionBackend, *, requested: str, ring_size: 
     if ring_size == 1 or backend.supports_lse:
         return
     chose = "" if requested == backend.name else f" (backend={requested!r} chose {backend.name!r})"
-    fix = ("; sage8 gains it when its kernel returns the log-sum-exp (AttentionBackend.dense_lse)"
-           if backend.name == "sage8" else "")
+    fix = ("; sage8's kernels return it only for queries and keys of equal length, and ring steps "
+           "pair chunks of different lengths" if backend.name.startswith("sage8") else "")
     raise BackendUnavailableError(
         f"backend {backend.name!r}{chose} does not return a log-sum-exp (supports_lse is False), "
         f"which ring attention needs to merge its {ring_size} partial results{fix}. Fix: pass "

@@ -75,7 +75,8 @@ class AttentionBackend:
 
     @property
     def supports_lse(self) -> bool:
-        """Whether :meth:`dense_lse` is implemented (ring attention needs it)."""
+        """Whether :meth:`dense_lse` is implemented for any key length (ring attention needs it:
+        its steps pair a query chunk with a key chunk of another length)."""
         return type(self).dense_lse is not AttentionBackend.dense_lse
 
     # A backend that handles packed varlen natively sets this to a callable

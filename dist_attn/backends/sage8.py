@@ -52,6 +52,14 @@ class Sage8Backend(AttentionBackend):
     def dense_lse(self, q, k, v, *, softmax_scale):
         return ops.dense_lse(q, k, v, softmax_scale, self.impl)
 
+    @property
+    def supports_lse(self) -> bool:
+        # The kernels return a log-sum-exp only when q and k have the same length; ring steps
+        # pair chunks of different lengths (19,008 query rows against 18,972 key rows at h3-ref
+        # with ring 2), which would fail on some ranks only. "auto" under a ring therefore
+        # skips sage8, and an explicit sage8 is refused before any collective.
+        return False
+
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out):
         if out is None:
             return ops.varlen(q, k, v, cu_seqlens, max_seqlen, used, softmax_scale, self.impl)

@@ -399,6 +399,16 @@ def test_validation_errors_on_every_rank(ring_run, name):
     assert all(res["validation"]["ok_after"] is None for res in ring_run)
 
 
+def test_registered_sage8_is_refused_under_a_ring():
+    """sage8's log-sum-exp needs equal query and key lengths, which ring steps do not have."""
+    from dist_attn.backends import BackendUnavailableError, get_backend
+    from dist_attn.ring import check_ring_backend
+
+    for name in ("sage8", "sage8_triton"):
+        with pytest.raises(BackendUnavailableError, match="equal length"):
+            check_ring_backend(get_backend(name), requested=name, ring_size=2)
+
+
 def test_lse_rule_names_the_fix():
     """The rule itself, in-process: only a ring needs the log-sum-exp, and an 8-bit kernel that
     lacks it is told where it comes from."""
@@ -408,7 +418,7 @@ def test_lse_rule_names_the_fix():
     class Sage8WithoutLse(AttentionBackend):
         name = "sage8"
 
-    with pytest.raises(BackendUnavailableError, match="sage8 gains it when its kernel returns"):
+    with pytest.raises(BackendUnavailableError, match="sage8's kernels return it only for queries and keys of equal"):
         check_ring_backend(Sage8WithoutLse(), requested="auto", ring_size=2)
     with pytest.raises(BackendUnavailableError, match="backend='auto' chose 'sage8'"):
         check_ring_backend(Sage8WithoutLse(), requested="auto", ring_size=2)
