@@ -1,6 +1,6 @@
 """Single-GPU attention kernels at the h3-ref per-rank shapes: speed, error vs float64, bridge overhead.
 
-Shapes (shared/h3.md, "h3-ref"): per Ulysses rank with degree W, all 38,016 packed rows and 56/W
+Shapes ("h3-ref", one H3 denoise step): per Ulysses rank with degree W, all 38,016 packed rows and 56/W
 heads of 128, bf16, non-causal; the packed layout is one document padded at the end,
 cu_seqlens = (0, 37,980, 38,016).
 
@@ -128,7 +128,7 @@ def _sage_dense(q, k, v, lay):
         raise Unavailable(f"sageattention 1.0.6 needs CUDA tensors (q is on {q.device})")
     core = _sage_core()
     # sageattention 1.0.6 does `k -= k.mean(...)` IN PLACE (max |dK| 0.55 on N(0,1)+0.5 data,
-    # shared/h3.md): it gets a scratch clone, made here outside the timed region. Re-smoothing
+    # measured on an H200): it gets a scratch clone, made here outside the timed region. Re-smoothing
     # an already-smoothed clone changes it only by rounding, so every timed call is alike.
     k_scratch = k.clone()
 

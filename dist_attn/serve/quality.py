@@ -43,7 +43,7 @@ __all__ = [
 QualityTier = Literal["lossless", "high"]
 QUALITY_TIERS: tuple[str, ...] = get_args(QualityTier)
 
-#: quality="high" is the 4 x H200 H3 deployment (shared/h3.md).
+#: quality="high" is the 4 x H200 H3 deployment: Ulysses 4 over one host's NVLink.
 HIGH_WORLD_SIZE = 4
 _HIGH_GPU = "H200"
 _HIGH_CAPABILITY = (9, 0)

@@ -14,7 +14,7 @@ Two families:
 
 Tolerances: FP8 e4m3 keeps 3 mantissa bits, so rounding P and V alone gives rel-L2 ~2.7e-2 and
 ~2.6e-2 on N(0,1) data (torch emulation, see benchmarks/KERNEL_NOTES.md); with INT8 QK the total is
-~4e-2, the level of SageAttention-2 (3.9e-2 measured at h3-ref, shared/h3.md). On tiny problems the
+~4e-2, the level of SageAttention-2 (3.9e-2 measured at h3-ref on an H200). On tiny problems the
 error is a statistic of few numbers, hence a looser bound there.
 """
 
@@ -37,12 +37,12 @@ __all__: list[str] = []
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-#: accuracy target of the tracker issue, at a realistic size (8192 rows)
+#: the accuracy target (SageAttention 2's level), at a realistic size (8192 rows)
 REL_L2_MAX = 4e-2
 COS_MIN = 0.999
 #: a few channels x20 in q, k and v: INT8 QK loses the small channels next to the outliers. Measured
 #: on the H200 (8192 x 4 x 128): sage8 7.1e-2 / 0.9976, sageattention 1.0.6 9.0e-2 / 0.9960, cuDNN
-#: 1.1e-3. The issue's 4e-2 is NOT met for this family; this bound only guards against regressions.
+#: 1.1e-3. The 4e-2 target is NOT met for this family; this bound only guards against regressions.
 REL_L2_MAX_OUTLIER = 8e-2
 COS_MIN_OUTLIER = 0.997
 #: tiny shapes: the error is an average over few rows/keys, so it fluctuates more

@@ -24,7 +24,7 @@ def test_h3_config_matches_the_reference_workload():
     assert cfg.tokens.alignment == 64
     r = cfg.request
     layout = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width)
-    # shared/h3.md: latent 37 x 42 x 24 = 37,296 video rows; h3-ref used 37,980, total 38,016.
+    # H3's reference request: latent 37 x 42 x 24 = 37,296 video rows; h3-ref used 37,980, total 38,016.
     assert layout.latent_shape == (37, 42, 24)
     assert (layout.used, layout.total) == (37_980, 38_016)
     assert layout.cu_seqlens() == [0, 37_980, 38_016]
