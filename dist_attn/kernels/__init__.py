@@ -1,19 +1,9 @@
-"""Attention kernels. Importing this package never imports triton (kernels load on first call)."""
+"""Attention kernels. Importing this package never imports triton (kernels load on first call).
+
+One family today, :mod:`dist_attn.kernels.sage8`; its entry points are re-exported here.
+"""
 
 from dist_attn.kernels import sage8
-from dist_attn.kernels.sage8 import (
-    SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS,
-    sage8_dense,
-    sage8_varlen,
-    unsupported_reason,
-)
+from dist_attn.kernels.sage8 import *  # noqa: F403 - exactly sage8.__all__
 
-__all__ = [
-    "SUPPORTED_DTYPES",
-    "SUPPORTED_HEAD_DIMS",
-    "sage8",
-    "sage8_dense",
-    "sage8_varlen",
-    "unsupported_reason",
-]
+__all__ = ["sage8", *sage8.__all__]

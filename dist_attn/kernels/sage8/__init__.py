@@ -6,22 +6,7 @@ and, importing triton: :mod:`.quant` (pre-pass), :mod:`.attn_triton` and :mod:`.
 (attention loops), :mod:`.launch` (one forward).
 """
 
-from dist_attn.kernels.sage8.api import (
-    DEFAULT_IMPL,
-    IMPLS,
-    SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS,
-    sage8_dense,
-    sage8_varlen,
-    unsupported_reason,
-)
+from dist_attn.kernels.sage8 import api
+from dist_attn.kernels.sage8.api import *  # noqa: F403 - exactly api.__all__
 
-__all__ = [
-    "DEFAULT_IMPL",
-    "IMPLS",
-    "SUPPORTED_DTYPES",
-    "SUPPORTED_HEAD_DIMS",
-    "sage8_dense",
-    "sage8_varlen",
-    "unsupported_reason",
-]
+__all__ = list(api.__all__)
