@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=None, help="model TOML (default configs/h3.toml; tiny with --smoke)")
     p.add_argument("--backends", default="sage8,fa3,sdpa,none")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode (default: inductor's; e.g. max-autotune-no-cudagraphs)")
     add_common_args(p, iters=10, warmup=3, budget_s=240)
     args = p.parse_args(argv)
     from dist_attn.serve.model import DiTBlock, init_weights, rope_tables
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                           config={"model": cfg.name, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
                                   "head_dim": cfg.head_dim, "ffn": cfg.ffn_size, "used": used,
                                   "total": total, "dtype": str(dtype), "world": 1,
-                                  "compile": "torch.compile(block, fullgraph=True), inductor defaults"})
+                                  "compile": f"torch.compile(block, fullgraph=True, mode={args.compile_mode!r})"})
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(total, cfg.hidden_size, generator=g, device=dev).to(dtype)
     tmod = (0.02 * torch.randn(6, cfg.hidden_size, generator=g, device=dev)).to(dtype)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         block = DiTBlock(cfg, backend=name, device=dev, dtype=dtype)
         init_weights(block, cfg.weight_seed)
         block = block.eval().requires_grad_(False)
-        compiled = torch.compile(block, fullgraph=True)
+        compiled = torch.compile(block, fullgraph=True, mode=args.compile_mode)
         row = {"backend": name, "status": "ok"}
         with torch.inference_mode():
             for mode, fn in (("eager", block), ("compiled", compiled)):
