@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "init_distributed", "group_size_and_rank"]
+__all__ = ["DistEnv", "init_distributed", "group_size_and_rank", "register_for_compile", "compile_key",
+           "resolve_compile_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,3 +108,59 @@ def group_size_and_rank(group=None):
         return None, 1, 0
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+# ---- process groups and meshes across torch.compile's custom-op boundary ----
+# The op takes strings, not groups, so it receives a key into this table. Keys are entered
+# EAGERLY: Dynamo replays writes to module state only after the compiled graph has run, so a key
+# written while tracing would be missing when the op first runs. Entries hold strong references,
+# so an id() is never reused by another object while it is in the table.
+_BY_KEY: dict[str, object] = {}
+_KEY_BY_ID: dict[int, str] = {}
+
+
+def register_for_compile(group=None, mesh=None) -> str:
+    """Enters ``group`` or ``mesh`` in the table the compiled attention op reads; returns its key
+    ("" for the default group). Call it outside compiled code: :class:`UlyssesSageAttention`
+    and :func:`dist_attn.mesh.init_usp_mesh` do so themselves."""
+    obj = mesh if mesh is not None else group
+    if obj is None:
+        return ""
+    key = _KEY_BY_ID.get(id(obj))
+    if key is None:
+        key = f"{'mesh' if mesh is not None else 'pg'}:{id(obj)}"
+        _BY_KEY[key] = obj
+        _KEY_BY_ID[id(obj)] = key
+    return key
+
+
+def compile_key(group=None, mesh=None) -> str:
+    """The key of ``group`` / ``mesh`` without writing anything (safe inside traced code).
+
+    A group that was never registered is named by its ``group_name`` (torch resolves that name
+    at run time); a mesh must have been registered, else ValueError says how.
+    """
+    obj = mesh if mesh is not None else group
+    if obj is None:
+        return ""
+    key = _KEY_BY_ID.get(id(obj))
+    if key is not None:
+        return key
+    if mesh is None:
+        return "pgname:" + group.group_name
+    raise ValueError("mesh= under torch.compile: the mesh must be registered outside the compiled "
+                     "region; build UlyssesSageAttention(mesh=...) there, create the mesh with "
+                     "dist_attn.mesh.init_usp_mesh, or call "
+                     "dist_attn.distributed.register_for_compile(mesh=mesh) first")
+
+
+def resolve_compile_key(key: str) -> tuple[object, object]:
+    """``(group, mesh)`` for a key from :func:`register_for_compile` / :func:`compile_key`."""
+    if not key:
+        return None, None
+    if key.startswith("pgname:"):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(key[len("pgname:"):]), None
+    obj = _BY_KEY[key]
+    return (None, obj) if key.startswith("mesh:") else (obj, None)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from dist_attn.distributed import register_for_compile
+
 __all__ = ["MESH_DIM_NAMES", "ParallelGroups", "check_mesh_or_group", "init_usp_mesh", "parallel_groups",
            "shard_index"]
 
@@ -126,12 +128,13 @@ def shard_index(mesh) -> int:
     return parallel_groups(mesh=mesh).shard
 
 
-def init_usp_mesh(ring_degree: int, ulysses_degree: int, *, device_type: str = "cuda"):
+def init_usp_mesh(ring_degree: int, ulysses_degree: int, *, device_type: str | None = None):
     """``init_device_mesh(device_type, (ring_degree, ulysses_degree), mesh_dim_names=("ring",
     "ulysses"))``: consecutive global ranks share a Ulysses group, so with torchrun's numbering
     (one host's ranks consecutive) the all-to-all stays inside a host and the ring crosses hosts.
     The default process group must already exist (e.g. from :func:`dist_attn.init_distributed`)
-    and have ``ring_degree * ulysses_degree`` ranks.
+    and have ``ring_degree * ulysses_degree`` ranks. ``device_type`` None means "cuda" when CUDA
+    is available, else "cpu" (gloo).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -145,5 +148,11 @@ def init_usp_mesh(ring_degree: int, ulysses_degree: int, *, device_type: str = "
     if ring_degree * ulysses_degree != world:
         raise ValueError(f"ring_degree={ring_degree} x ulysses_degree={ulysses_degree} = "
                          f"{ring_degree * ulysses_degree} must equal the world size {world}")
-    return init_device_mesh(device_type, (ring_degree, ulysses_degree), mesh_dim_names=MESH_DIM_NAMES)
+    if device_type is None:  # the device the ranks compute on: CUDA when there is one
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device_type, (ring_degree, ulysses_degree), mesh_dim_names=MESH_DIM_NAMES)
+    register_for_compile(mesh=mesh)  # so compiled attention can name it
+    return mesh
 

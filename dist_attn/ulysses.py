@@ -25,6 +25,7 @@ from torch import nn
 from dist_attn.backends import default_softmax_scale, resolve_backend
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
+from dist_attn.distributed import compile_key, register_for_compile, resolve_compile_key
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
@@ -93,7 +94,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
-            max_seqlen, valid_len, _group_key(group, mesh), backend, softmax_scale, num_heads, head_dim,
+            max_seqlen, valid_len, compile_key(group, mesh), backend, softmax_scale, num_heads, head_dim,
             overlap_chunks)
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
@@ -202,29 +203,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
 
 
 # ---- torch.compile: the whole call as one custom op with a fake (shape-only) implementation ----
-# Process groups and meshes cannot cross the op boundary, so the op receives a key into this
-# table ("mesh:" keys name a DeviceMesh).
-_GROUPS: dict[str, object] = {}
-
-
-def _group_key(group, mesh=None) -> str:
-    check_mesh_or_group(mesh, group)
-    if mesh is not None:
-        key = f"mesh:{id(mesh)}"
-        _GROUPS[key] = mesh
-        return key
-    if group is None:
-        return ""
-    key = str(getattr(group, "group_name", id(group)))
-    _GROUPS[key] = group
-    return key
-
-
-def _from_key(key: str) -> dict:
-    if not key:
-        return {"group": None, "mesh": None}
-    obj = _GROUPS[key]
-    return {"group": None, "mesh": obj} if key.startswith("mesh:") else {"group": obj, "mesh": None}
+# Groups and meshes cannot cross the op boundary: the op gets a key (dist_attn.distributed).
 
 
 @torch.library.custom_op("dist_attn::ulysses_attention", mutates_args=())
@@ -233,8 +212,9 @@ def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: O
                 valid_len: Optional[int], group_key: str, backend: str,
                 softmax_scale: Optional[float], num_heads: Optional[int], head_dim: Optional[int],
                 overlap_chunks: int) -> torch.Tensor:
+    group, mesh = resolve_compile_key(group_key)
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
-                    **_from_key(group_key), backend=backend,
+                    group=group, mesh=mesh, backend=backend,
                     softmax_scale=softmax_scale, num_heads=num_heads, head_dim=head_dim,
                     buffers=None, timer=None, overlap_chunks=overlap_chunks)
 
@@ -255,7 +235,8 @@ class UlyssesSageAttention(nn.Module):
         mesh: 2-D ``DeviceMesh`` with dims ``("ring", "ulysses")`` for Ulysses x Ring (see
             :mod:`dist_attn.mesh` for which rows each rank holds); not together with ``group``.
         group: process group of the Ulysses ranks (None = default group).
-        backend: ``"auto"``, ``"sage"``, ``"sage8"``, ``"sdpa"`` or another registered name.
+        backend: ``"auto"``, ``"sage8"``, ``"sage8_triton"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
+            another registered name.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         buffers: staging pool shared by layers (None = the process-wide pool).
         timer: optional :class:`~dist_attn.profiling.PhaseTimer`.
@@ -278,6 +259,7 @@ class UlyssesSageAttention(nn.Module):
         _check_scale(softmax_scale)
         _check_chunks(overlap_chunks)
         check_mesh_or_group(mesh, group)
+        register_for_compile(group, mesh)  # eagerly, so a compiled forward finds its key
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.mesh = mesh

@@ -160,14 +160,16 @@ def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=No
                 softmax_scale: float | None = None) -> torch.Tensor:
     """Packed varlen attention on one device (the bridge), block-diagonal over segments.
 
-    Keyword names match SGLang's ``forward_varlen(query, key, value, *, cu_seqlens, max_seqlen,
-    cu_seqlens_host)`` so this drops in there, and so does SGLang's padding inference: when
-    ``valid_len`` is None and the bounds are exactly ``(0, used, T)`` with ``used == max_seqlen``
-    and ``0 < used < T``, rows ``[used, T)`` are taken as padding (zero output), as SGLang packs
-    one request padded at the end. Every other layout, and every call that passes ``valid_len``,
+    Drops into SGLang's varlen attention: q, k, v positionally, then the keywords ``cu_seqlens``,
+    ``max_seqlen`` and ``cu_seqlens_host`` of its ``forward_varlen``. For that drop-in use it keeps
+    SGLang's padding inference: when ``valid_len`` is None and the bounds are exactly
+    ``(0, used, T)`` with ``used == max_seqlen`` and ``0 < used < T``, rows ``[used, T)`` are taken
+    as padding (zero output), as SGLang packs one request padded at the end. That inference also
+    catches two real documents whose first is the longest (``(0, 9, 12)`` with ``max_seqlen=9``, or
+    a CFG pair ``(0, S, 2S)`` with ``max_seqlen=S``): their second document comes back zero. Pass
+    ``valid_len`` to say what is padding (``valid_len=T``: none); every call with ``valid_len``
     follows the explicit rule: bounds are documents and only rows ``>= valid_len`` are padding.
-    Two equal-length documents ``(0, S, 2S)`` with ``max_seqlen=S`` fall under the inference:
-    pass ``valid_len=2*S`` to have them read as documents.
+    :func:`dist_attn.ulysses_attention` never infers.
 
     Args:
         q, k, v: ``[T, H, D]`` or ``[B, T, H, D]`` fp16/bf16/fp32, one device, last dim
@@ -176,9 +178,11 @@ def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=No
             CPU) or a list of ints; None means one segment of T rows.
         max_seqlen: the longest segment (an int, or None to take it from the bounds).
         cu_seqlens_host: optional list/tuple of the same bounds as Python ints; when given, no
-            device-to-host synchronisation happens.
+            device-to-host synchronisation happens (it is trusted: not compared with the device
+            tensor, which would need that synchronisation).
         valid_len: rows ``>= valid_len`` are padding (see above).
-        backend: ``"auto"``, ``"sage"``, ``"sage8"``, ``"sdpa"`` or another registered name.
+        backend: ``"auto"``, ``"sage8"``, ``"sage8_triton"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
+            another registered name.
         softmax_scale: defaults to ``1 / sqrt(D)``.
 
     Returns:

@@ -188,3 +188,37 @@ def _modes_worker(rank, world):
 def test_inference_mode_then_no_grad(tmp_path):
     # a warm-up under inference_mode must not break a later no_grad call (diffusers pipelines)
     assert run_ranks(_modes_worker, 2, tmp_path, timeout=60) == [True, True]
+
+
+def _compile_group_worker(rank, world):
+    """Explicit groups and meshes reach the compiled op: a registered group (the module), an
+    unregistered one (named by torch's group name), and a mesh."""
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from dist_attn import UlyssesSageAttention, ulysses_attention
+    from dist_attn.mesh import init_usp_mesh
+
+    group = dist.new_group(list(range(world)))
+    unregistered = dist.new_group(list(range(world)))
+    mesh = init_usp_mesh(1, world)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, SEQ, 3, D, generator=g)[:, rank * (SEQ // world):(rank + 1) * (SEQ // world)]
+    out = {}
+    for name, fn in (
+        ("module_group", UlyssesSageAttention(3, D, group=group, backend="sdpa")),
+        ("module_mesh", UlyssesSageAttention(3, D, mesh=mesh, backend="sdpa")),
+        ("function_group", lambda q, k, v, valid_len: ulysses_attention(
+            q, k, v, valid_len=valid_len, group=unregistered, backend="sdpa")),
+    ):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager = fn(q, q, q, valid_len=21)
+            got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, q, q, valid_len=21)
+        out[name] = torch.equal(eager, got)
+    return out
+
+
+def test_compile_with_explicit_group_and_mesh(tmp_path):
+    for res in run_ranks(_compile_group_worker, 2, tmp_path, timeout=240):
+        assert all(res.values()), res

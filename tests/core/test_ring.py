@@ -188,14 +188,14 @@ def _compiled_op(mesh, u_size, r_size, heads):
     """The torch.compile custom op (called directly) carries the mesh and matches eager."""
     from dist_attn import ulysses_attention
     from dist_attn.mesh import shard_index
-    from dist_attn.ulysses import _group_key
+    from dist_attn.distributed import register_for_compile
 
     s_local = SEQ // (u_size * r_size)
     rows = slice(shard_index(mesh) * s_local, (shard_index(mesh) + 1) * s_local)
     q, k, v = (t[0, rows] for t in _inputs(heads, 1, "fp32", 1.0, seed=99))
     eager = ulysses_attention(q, k, v, [0, 10, 30, SEQ], valid_len=41, mesh=mesh, backend="sdpa")
     op = torch.ops.dist_attn.ulysses_attention(q, k, v, None, [0, 10, 30, SEQ], None, 41,
-                                               _group_key(None, mesh), "sdpa", None, heads, D, 1)
+                                               register_for_compile(mesh=mesh), "sdpa", None, heads, D, 1)
     return torch.equal(eager, op)
 
 
