@@ -29,11 +29,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dist_attn.backends import AttentionBackend, BackendUnavailableError
+from dist_attn.backends import AttentionBackend, BackendUnavailableError, resolve_backend
 from dist_attn.mesh import ParallelGroups
 from dist_attn.varlen import SegmentLayout
 
-__all__ = ["RingPiece", "ring_pieces", "check_ring_backend", "check_ring_transport", "merge_partial",
+__all__ = ["RingPiece", "ring_pieces", "check_ring_backend", "resolve_ring_backend", "check_ring_transport", "merge_partial",
            "ring_attention"]
 
 
@@ -82,6 +82,16 @@ def check_ring_backend(backend: AttentionBackend, *, requested: str, ring_size: 
         f"which ring attention needs to merge its {ring_size} partial results{fix}. Fix: pass "
         "backend='sdpa' (or another backend with dense_lse), or use a mesh whose 'ring' dim has "
         "size 1")
+
+
+def resolve_ring_backend(name: str, q: torch.Tensor, *, ring_size: int,
+                         exact_only: bool = False) -> AttentionBackend:
+    """The backend for ``backend=name`` on a ring of ``ring_size``: "auto" chooses among kernels
+    that return a log-sum-exp (it may choose; it logs what it chose), an explicit name that lacks
+    one raises :class:`BackendUnavailableError` saying so (:func:`check_ring_backend`)."""
+    backend = resolve_backend(name, q, exact_only=exact_only, require_lse=ring_size > 1 and name == "auto")
+    check_ring_backend(backend, requested=name, ring_size=ring_size)
+    return backend
 
 
 def check_ring_transport(*, ring_size: int, comm_backend: str | None, device: torch.device) -> None:

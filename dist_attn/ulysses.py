@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_attn.backends import default_softmax_scale, resolve_backend
+from dist_attn.backends import default_softmax_scale
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
 from dist_attn.distributed import compile_key, register_for_compile, resolve_compile_key
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
-from dist_attn.ring import check_ring_backend, check_ring_transport, ring_attention
+from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
 from dist_attn.validation import check_bounds, check_no_grad, check_qkv, host_bounds
 from dist_attn.varlen import attend_varlen, segment_layout
 
@@ -128,8 +128,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
                       "sequence to a multiple of U*R and pass valid_len)")
     bounds = host_bounds(cu_seqlens, cu_seqlens_host, total=seq, total_desc=total_desc)
     layout = segment_layout(bounds, total=seq, valid_len=valid_len, max_seqlen=max_seqlen)
-    be = resolve_backend(backend, q)
-    check_ring_backend(be, requested=backend, ring_size=n_ring)
+    be = resolve_ring_backend(backend, q, ring_size=n_ring)
     if n_ring > 1:
         check_ring_transport(ring_size=n_ring, comm_backend=dist.get_backend(groups.ring_group),
                              device=q.device)

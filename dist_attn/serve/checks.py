@@ -11,10 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_attn import BackendUnavailableError, resolve_backend
 from dist_attn.distributed import DistEnv
 from dist_attn.plan import heads_per_rank
-from dist_attn.ring import check_ring_backend, check_ring_transport
+from dist_attn.ring import check_ring_transport, resolve_ring_backend
 from dist_attn.serve.config import Config
 from dist_attn.serve.quality import (Topology, gather_device_facts, local_device_facts,
                                      quality_failures, tier_exact_only)
@@ -34,8 +33,8 @@ def resolve_backend_name(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple
     heads = max(heads_per_rank(cfg.model.num_heads, cfg.parallel.resolved_ulysses(env.world_size)))
     probe = torch.zeros(cfg.tokens.alignment, heads, cfg.model.head_dim, dtype=dtype,
                         device=env.device)
-    obj = resolve_backend(name, probe, exact_only=tier_exact_only(cfg.runtime.quality),
-                          require_lse=cfg.parallel.ring_degree > 1 and name == "auto")
+    obj = resolve_ring_backend(name, probe, ring_size=cfg.parallel.ring_degree,
+                               exact_only=tier_exact_only(cfg.runtime.quality))
     return str(getattr(obj, "name", name)), obj
 
 
@@ -65,11 +64,6 @@ def run_launch_checks(cfg: Config, env: DistEnv, dtype: torch.dtype,
     if p.tensor_parallel != 1:
         failures.append(f"tensor_parallel={p.tensor_parallel}: only Ulysses and ring are "
                         "implemented (tensor_parallel must be 1)")
-    if obj is not None:
-        try:
-            check_ring_backend(obj, requested=backend, ring_size=p.ring_degree)
-        except BackendUnavailableError as e:
-            failures.append(f"parallel.ring_degree={p.ring_degree}: {e}")
     try:
         check_ring_transport(ring_size=p.ring_degree, comm_backend=env.backend, device=env.device)
     except ValueError as e:

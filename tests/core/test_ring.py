@@ -423,3 +423,29 @@ def test_lse_rule_names_the_fix():
     with pytest.raises(BackendUnavailableError, match="backend='auto' chose 'sage8'"):
         check_ring_backend(Sage8WithoutLse(), requested="auto", ring_size=2)
     check_ring_backend(Sage8WithoutLse(), requested="sage8", ring_size=1)  # no ring, no LSE needed
+
+
+def _auto_under_ring_worker(rank, world):
+    """An LSE-less kernel first in "auto"'s order: on a ring, auto passes it over."""
+    from dist_attn import AttentionBackend, get_backend, register_backend, ulysses_attention
+    from dist_attn.mesh import init_usp_mesh
+
+    class RunnableNoLse(AttentionBackend):
+        name, exact = "sage8", False
+
+        def unsupported_reason(self, q):
+            return None
+
+    real = get_backend("sage8")
+    register_backend(RunnableNoLse(), replace=True)
+    try:
+        mesh = init_usp_mesh(world, 1)
+        q = torch.randn(1, 8, 2, D)
+        out = ulysses_attention(q, q, q, valid_len=15, mesh=mesh, backend="auto")
+        return tuple(out.shape)
+    finally:
+        register_backend(real, replace=True)
+
+
+def test_auto_under_a_ring_chooses_a_kernel_with_lse(tmp_path):
+    assert run_ranks(_auto_under_ring_worker, 2, tmp_path, timeout=120) == [(1, 8, 2, D)] * 2
