@@ -65,8 +65,7 @@ class LTXUlyssesProcessor:
             q, k = _rotate(q, *image_rotary_emb), _rotate(k, *image_rotary_emb)
         # [B, S_local, H*D] -> [B, S_local, H, D]
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        padded = shard.total_len > shard.valid_len
-        out = ulysses_attention(q, k, v, valid_len=shard.valid_len if padded else None,
+        out = ulysses_attention(q, k, v, valid_len=shard.valid_len,
                                 group=self._rt.group, backend=self._rt.backend)
         out = out.flatten(2, 3).to(q.dtype)  # [B, S_local, H, D] -> [B, S_local, H*D]
         return attn.to_out[1](attn.to_out[0](out))

@@ -74,8 +74,7 @@ class WanUlyssesProcessor:
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
-        padded = shard.total_len > shard.valid_len
-        out = ulysses_attention(q, k, v, valid_len=shard.valid_len if padded else None,
+        out = ulysses_attention(q, k, v, valid_len=shard.valid_len,
                                 group=self._rt.group, backend=self._rt.backend)
         out = out.flatten(2, 3).type_as(q)  # [B, S_local, H, D] -> [B, S_local, H*D]
         return attn.to_out[1](attn.to_out[0](out))
