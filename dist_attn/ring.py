@@ -33,8 +33,8 @@ from dist_attn.backends import AttentionBackend, BackendUnavailableError, resolv
 from dist_attn.mesh import ParallelGroups
 from dist_attn.varlen import SegmentLayout
 
-__all__ = ["RingPiece", "ring_pieces", "check_ring_backend", "resolve_ring_backend", "check_ring_transport", "merge_partial",
-           "ring_attention"]
+__all__ = ["RingPiece", "ring_pieces", "check_ring_backend", "resolve_ring_backend",
+           "check_ring_transport", "merge_partial", "ring_attention"]
 
 
 @dataclass(frozen=True)
