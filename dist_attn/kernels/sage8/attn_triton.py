@@ -1,8 +1,11 @@
 """The Sage8 attention kernel in plain Triton (backend ``"sage8_triton"``; imports triton).
 
 One program = BM query rows of one (segment, head): INT8 Q K^T -> int32 on the tensor cores,
-online softmax in exp2 with fp32 statistics, P -> FP8 e4m3, FP8 P V -> fp32, V's channel scales
-applied once to the output. Operands come from :func:`quant.quantize` through TMA descriptors.
+online softmax in exp2 with fp32 statistics, P -> FP8 e4m3, FP8 P V of each key block into a fresh
+MMA accumulator, added into the fp32 output with one FFMA per element (``pv_accum="block"``: the
+FP8 MMA keeps only ~13 bits of its sum, so a sum run inside it over the whole sequence drifts,
+benchmarks/KERNEL_NOTES.md v3), V's channel scales (and mean) applied once to the output.
+Operands come from :func:`quant.quantize` through TMA descriptors.
 
 Triton 3.6 waits on every QK wgmma right after issuing it, so within one warpgroup the softmax and
 the tensor cores take turns; BM = 64 with 4 warps lets two CTAs share an SM and overlap each
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -22,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dist_attn.kernels.sage8 import numerics
 from dist_attn.kernels.sage8.quant import Quantized, seg_bounds, seg_strides, to_fp8
 
-__all__ = ["TritonConfig", "attention", "epilogue_lse", "exp2_ftz", "lse_args"]
+__all__ = ["TritonConfig", "attention", "epilogue_lse", "exp2_ftz", "lse_args", "pv_block"]
 
 _PAD = tl.constexpr(numerics.PAD)
 _MAGIC_I = tl.constexpr(numerics.MAGIC_I)
@@ -33,13 +37,19 @@ _LN2 = tl.constexpr(math.log(2.0))
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """Launch parameters; the defaults are the fastest measured on the H200 (KERNEL_NOTES.md)."""
+    """Launch parameters; the defaults are the fastest measured on the H200 (KERNEL_NOTES.md).
+
+    ``pv_accum``: "block" adds each key block's P V into fp32 registers; "running" accumulates the
+    whole row inside the MMA (v1/v2's kernel, kept to measure against: 0.37 rel-L2 at 38k rows
+    when V has channel means).
+    """
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
     maxnreg: int | None = None
+    pv_accum: Literal["block", "running"] = "block"
 
 
 @triton.jit
@@ -56,9 +66,9 @@ def exp2_ftz(x, FAST: tl.constexpr):
 @triton.jit
 def _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, lim,
                D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FAST_EXP: tl.constexpr,
-               INTERP: tl.constexpr):
+               PV_BLOCK: tl.constexpr, INTERP: tl.constexpr):
     """Key block j of the segment starting at padded row pst: s = Q K^T (int32) -> online softmax
-    -> acc += P8 @ V8 (fp32)."""
+    -> acc = acc * alpha + P8 @ V8 (fp32)."""
     k = k_desc.load([h * R + pst + j * BN, 0])   # Ki8 viewed as [H * R, D]
     vt = v_desc.load([h * D, pst + j * BN])      # Vt8 viewed as [H * D, R]
     s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)  # [BM, BN] int32, exact
@@ -74,8 +84,11 @@ def _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, lim,
     p = exp2_ftz(f * rs[:, None] - bias[:, None], FAST_EXP)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(to_fp8(p, INTERP), tl.trans(vt), acc)
+    if PV_BLOCK:
+        # a fresh MMA accumulator per block (use_acc=False: no zero fill), promoted with one FFMA
+        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, INTERP), tl.trans(vt))
+    else:
+        acc = tl.dot(to_fp8(p, INTERP), tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -93,10 +106,11 @@ def epilogue_lse(m_i, l_i, Q, Ksum, seg, h, lo, L, rows, offs_d, sqb, sqt, sqh, 
 
 
 @triton.jit
-def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, used, T, H, R,
+def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Vmean, Out, Q, Ksum, Lse, cu, used, T, H, R,
                  sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
-                 WITH_LSE: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
+                 WITH_LSE: tl.constexpr, FAST_EXP: tl.constexpr, PV_BLOCK: tl.constexpr,
+                 SMOOTH_V: tl.constexpr, INTERP: tl.constexpr):
     mb = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -118,12 +132,15 @@ def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, 
     # steady state: full key blocks, no per-element mask
     for j in range(0, n_full):
         acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, BN,
-                                   D, BN, False, FAST_EXP, INTERP)
+                                   D, BN, False, FAST_EXP, PV_BLOCK, INTERP)
     if lim > 0:
         acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, n_full, lim,
-                                   D, BN, True, FAST_EXP, INTERP)
-    vsc = tl.load(Vscale + (seg.to(tl.int64) * H + h) * D + offs_d)
+                                   D, BN, True, FAST_EXP, PV_BLOCK, INTERP)
+    sidx = (seg.to(tl.int64) * H + h) * D + offs_d
+    vsc = tl.load(Vscale + sidx)
     o = acc * (1.0 / l_i)[:, None] * vsc[None, :]
+    if SMOOTH_V:  # the weights of a row sum to one: softmax(s) (V - mean) + mean = softmax(s) V
+        o += tl.load(Vmean + sidx)[None, :]
     rows = mb * BM + offs_m
     optr = (Out + seg.to(tl.int64) * sob + h.to(tl.int64) * soh + (lo + rows).to(tl.int64)[:, None] * sot
             + offs_d[None, :])
@@ -160,8 +177,16 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
     cu = qz.qscale if lay.dense else lay.cu
     extra = {} if cfg.maxnreg is None or interpret else {"maxnreg": cfg.maxnreg}
     return _attn_kernel[(triton.cdiv(lay.max_seqlen, BM), lay.nseg, H)](
-        q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, out, q, qz.ksum, lse_arg, cu, lay.used,
-        lay.total, H, R, *so, *sq, *sl, softmax_scale * math.log2(math.e),
+        q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, qz.vmean, out, q, qz.ksum, lse_arg, cu,
+        lay.used, lay.total, H, R, *so, *sq, *sl, softmax_scale * math.log2(math.e),
         D=D, BM=BM, BN=BN, DENSE=lay.dense, WITH_LSE=lse is not None, FAST_EXP=not interpret,
-        INTERP=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+        PV_BLOCK=pv_block(cfg.pv_accum), SMOOTH_V=qz.smooth_v, INTERP=interpret, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **extra)
+
+
+def pv_block(pv_accum: str) -> bool:
+    """Whether ``pv_accum`` (a launch config's field) is the two-level "block" accumulation."""
+    if pv_accum not in ("block", "running"):
+        raise ValueError(f"pv_accum={pv_accum!r} is not one of 'block', 'running'")
+    return pv_accum == "block"
 

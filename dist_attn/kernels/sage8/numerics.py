@@ -5,7 +5,8 @@ Importing this module costs torch only (no triton).
 
 from __future__ import annotations
 
-__all__ = ["PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "padded_rows"]
+__all__ = ["PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "MMA_ACC_BITS", "MMA_K_STEP",
+           "SMOOTH_V", "padded_rows"]
 
 #: Row alignment of every segment in the quantized buffers, a multiple of every block size: every
 #: tile starts aligned (TMA boxes and 16-byte loads need no masks) and never spans two segments.
@@ -23,6 +24,18 @@ LOG2_PSCALE = 8.75
 # 2**22 for D <= 128, hence SUPPORTED_HEAD_DIMS.
 MAGIC_I = 0x4B400000
 MAGIC_F = 12582912.0
+#: Hopper's FP8 wgmma (e4m3 x e4m3 -> "f32") does not keep a full fp32 accumulator: the sum of each
+#: k-step's products with the accumulator keeps about this many mantissa bits, the rest truncated
+#: (DeepSeek-V3 reports ~14 bits on H800; our torch model with 13 bits reproduces the shape of the
+#: error measured on an H200, benchmarks/KERNEL_NOTES.md v3). The reference uses it to model what
+#: the tensor cores do; the kernels therefore never let one MMA accumulator run over more than one
+#: key block (``MMA_K_STEP``-key steps, 4 per 128-key block) before adding it into fp32 registers.
+MMA_ACC_BITS = 13
+#: keys reduced by one 8-bit wgmma instruction (K of m64nNk32).
+MMA_K_STEP = 32
+#: Whether the scheme subtracts V's per-(segment, head) channel mean before FP8 by default (the
+#: pre-pass's ``QuantConfig.smooth_v`` and the reference's ``smooth_v``); see KERNEL_NOTES.md v3.
+SMOOTH_V = True
 
 
 def padded_rows(total: int, nseg: int, dense: bool) -> int:

@@ -3,18 +3,28 @@
 Runs anywhere torch does (CPU CI included): the GPU tests compare the kernels' quantized operands
 and outputs with it, and the accuracy notes measure variants of the scheme with it before any
 kernel exists (e.g. ``balance=True`` below).
+
+The P.V product is modelled as the tensor cores compute it (``pv_accum``): Hopper's FP8 wgmma keeps
+only ~``MMA_ACC_BITS`` mantissa bits of its running sum, so an output accumulated inside the MMA over
+a whole sequence ("running", what the kernels did before v3) loses low bits at every k-step, biased
+toward zero; "block" (the kernels since v3) starts every key block in a fresh MMA accumulator and
+adds it into fp32 registers; "exact" sums in float64 (what Triton's CPU interpreter does).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from dist_attn.kernels.sage8.numerics import FP8_MAX, INT8_MAX, LOG2_PSCALE
+from dist_attn.kernels.sage8.numerics import FP8_MAX, INT8_MAX, LOG2_PSCALE, MMA_ACC_BITS, MMA_K_STEP, SMOOTH_V
 
-__all__ = ["RefQuantized", "quantize", "attention", "sage8_reference"]
+__all__ = ["PvAccum", "RefQuantized", "quantize", "attention", "mma_truncate", "sage8_reference"]
+
+#: how P.V is accumulated (see the module docstring)
+PvAccum = Literal["block", "running", "exact"]
 
 
 @dataclass(frozen=True)
@@ -25,9 +35,10 @@ class RefQuantized:
     qscale: torch.Tensor  # [T, H] fp32, includes softmax_scale * log2(e)
     ki8: torch.Tensor     # [T, H, D] int8 of K minus its channel mean
     kscale: torch.Tensor  # [ceil(T / kblock), H] fp32
-    v8: torch.Tensor      # [T, H, D] float8_e4m3fn of V / vscale
+    v8: torch.Tensor      # [T, H, D] float8_e4m3fn of (V - vmean) / vscale
     vscale: torch.Tensor  # [H, D] fp32
     kmean: torch.Tensor   # [H, D] fp32
+    vmean: torch.Tensor   # [H, D] fp32: V's channel mean when smoothing V, else zeros
     kblock: int
 
 
@@ -41,9 +52,21 @@ def _scale_of(amax: torch.Tensor, top: float) -> torch.Tensor:
     return torch.where(amax > 0, amax / top, torch.ones_like(amax))
 
 
+def mma_truncate(x: torch.Tensor, bits: int = MMA_ACC_BITS) -> torch.Tensor:
+    """``x`` (float64) with ``bits`` explicit mantissa bits kept, truncated toward zero: the model
+    of the FP8 wgmma accumulator after one k-step."""
+    m, e = torch.frexp(x)  # x = m * 2**e, 0.5 <= |m| < 1
+    s = float(2 ** (bits + 1))
+    return torch.ldexp(torch.trunc(m * s) / s, e)
+
+
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, *,
-             kblock: int = 128, balance: bool = False) -> RefQuantized:
+             kblock: int = 128, balance: bool = False, smooth_v: bool = SMOOTH_V) -> RefQuantized:
     """Quantizes one segment. q/k/v: ``[T, H, D]`` float tensors (any float dtype).
+
+    ``smooth_v``: subtract V's per-head channel mean before FP8 and add it back to the output. Exact
+    up to rounding, since the softmax weights of a row sum to one; it keeps the FP8 range and the
+    MMA's running sums on what varies between keys.
 
     ``balance``: before INT8, multiply Q's channel c by s_c and divide centred K's by s_c with
     s_c = sqrt(amax|K_c| / amax|Q_c|) per head: Q.K is unchanged exactly, and an outlier channel of
@@ -66,28 +89,47 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     kpad = torch.cat([kc, kc.new_zeros(pad, H, D)]).view(nblk, kblock, H, D)
     ksc = _scale_of(kpad.abs().amax(dim=(1, 3)), INT8_MAX)  # [nblk, H]
     ki8 = _round_i8(kpad / ksc[:, None, :, None]).view(nblk * kblock, H, D)[:T]
-    vsc = _scale_of(vf.abs().amax(dim=0), FP8_MAX)  # [H, D]
-    v8 = (vf / vsc).to(torch.float8_e4m3fn)
+    vmean = vf.mean(dim=0) if smooth_v else vf.new_zeros(H, D)  # [H, D]
+    vc = vf - vmean
+    vsc = _scale_of(vc.abs().amax(dim=0), FP8_MAX)  # [H, D]
+    v8 = (vc / vsc).to(torch.float8_e4m3fn)
     return RefQuantized(qi8=qi8, qscale=qsc * (softmax_scale * math.log2(math.e)), ki8=ki8, kscale=ksc,
-                        v8=v8, vscale=vsc, kmean=kmean, kblock=kblock)
+                        v8=v8, vscale=vsc, kmean=kmean, vmean=vmean, kblock=kblock)
 
 
-def attention(rq: RefQuantized, q: torch.Tensor | None = None,
-              softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mma_sum(p8: torch.Tensor, v8: torch.Tensor, acc: torch.Tensor, bits: int) -> torch.Tensor:
+    """``acc + p8 @ v8`` as one MMA accumulator computes it: each ``MMA_K_STEP``-key step's
+    products summed exactly, then added to the accumulator and truncated to ``bits`` bits."""
+    for s in range(0, p8.shape[-1], MMA_K_STEP):
+        acc = mma_truncate(acc + p8[..., s:s + MMA_K_STEP] @ v8[:, s:s + MMA_K_STEP], bits)
+    return acc
+
+
+def attention(rq: RefQuantized, q: torch.Tensor | None = None, softmax_scale: float | None = None, *,
+              pv_accum: PvAccum = "block", acc_bits: int = MMA_ACC_BITS,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention loop on ``rq`` in float64, block by block as the kernels do it: running max
-    per key block, P rounded to e4m3 after scaling by 2**LOG2_PSCALE, V's scales applied at the end.
+    per key block, P rounded to e4m3 after scaling by 2**LOG2_PSCALE, P.V accumulated as
+    ``pv_accum`` says (with ``acc_bits`` bits in the MMA accumulator), V's scales (and V's mean when
+    smoothing) applied at the end.
 
-    Returns ``(out [T, H, D] float64, lse [H, T] float64 or None)``; the LSE (natural log of the
-    scaled scores' sum) needs the caller's ``q`` and ``softmax_scale`` to undo the K smoothing.
+    ``rows``: indices of the query rows to compute (default all): the long-sequence accuracy tests
+    check a sample of rows against every key.
+
+    Returns ``(out [R, H, D] float64, lse [H, R] float64 or None)`` for the R computed rows; the LSE
+    (natural log of the scaled scores' sum) needs the caller's ``q`` and ``softmax_scale`` to undo
+    the K smoothing.
     """
     T, H, D = rq.qi8.shape
-    qi = rq.qi8.double().transpose(0, 1)  # [H, T, D]
-    ki = rq.ki8.double().transpose(0, 1)
+    sel = slice(None) if rows is None else rows
+    qi = rq.qi8[sel].double().transpose(0, 1)  # [H, R, D]
+    ki = rq.ki8.double().transpose(0, 1)  # [H, T, D]
     v8 = rq.v8.double().transpose(0, 1)
-    qs = rq.qscale.double().T  # [H, T]
-    m = torch.full((H, T), float("-inf"), dtype=torch.float64)
-    l_sum = torch.zeros((H, T), dtype=torch.float64)
-    acc = torch.zeros((H, T, D), dtype=torch.float64)
+    qs = rq.qscale[sel].double().T  # [H, R]
+    R = qi.shape[1]
+    m = torch.full((H, R), float("-inf"), dtype=torch.float64)
+    l_sum = torch.zeros((H, R), dtype=torch.float64)
+    acc = torch.zeros((H, R, D), dtype=torch.float64)
     for j, a in enumerate(range(0, T, rq.kblock)):
         b = min(a + rq.kblock, T)
         x = (qi @ ki[:, a:b].transpose(1, 2)) * (qs * rq.kscale[j].double()[:, None])[..., None]
@@ -96,19 +138,33 @@ def attention(rq: RefQuantized, q: torch.Tensor | None = None,
         alpha = torch.exp2(m - m_new)
         l_sum = l_sum * alpha + p.double().sum(-1)
         p8 = p.to(torch.float8_e4m3fn).double()
-        acc = acc * alpha[..., None] + p8 @ v8[:, a:b]
+        if pv_accum == "exact":
+            acc = acc * alpha[..., None] + p8 @ v8[:, a:b]
+        elif pv_accum == "running":
+            # the rescale is an fp32 multiply in registers; the sum stays inside the MMA
+            acc = _mma_sum(p8, v8[:, a:b], (acc * alpha[..., None]).float().double(), acc_bits)
+        elif pv_accum == "block":
+            # a fresh accumulator per key block, added into fp32 registers with one FFMA
+            part = _mma_sum(p8, v8[:, a:b], torch.zeros_like(acc), acc_bits)
+            acc = (acc * alpha[..., None] + part).float().double()
+        else:
+            raise ValueError(f"pv_accum={pv_accum!r} is not one of 'block', 'running', 'exact'")
         m = m_new
-    out = (acc / l_sum[..., None] * rq.vscale.double()[:, None, :]).transpose(0, 1)
+    out = acc / l_sum[..., None] * rq.vscale.double()[:, None, :] + rq.vmean.double()[:, None, :]
+    out = out.transpose(0, 1)
     lse = None
     if q is not None:
-        shift = torch.einsum("thd,hd->ht", q.double(), rq.kmean.double()) * softmax_scale
+        shift = torch.einsum("thd,hd->ht", q[sel].double(), rq.kmean.double()) * softmax_scale
         lse = (m + torch.log2(l_sum) - LOG2_PSCALE) * math.log(2.0) + shift
     return out, lse
 
 
 def sage8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                    *, kblock: int = 128, balance: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sage8 on one segment ``[T, H, D]``: ``(out [T, H, D] float64, lse [H, T] float64)``."""
+                    *, kblock: int = 128, balance: bool = False, smooth_v: bool = SMOOTH_V,
+                    pv_accum: PvAccum = "block", acc_bits: int = MMA_ACC_BITS,
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sage8 on one segment ``[T, H, D]``: ``(out [R, H, D] float64, lse [H, R] float64)`` for the
+    query ``rows`` (default all T). The defaults model the shipped kernels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    rq = quantize(q, k, v, scale, kblock=kblock, balance=balance)
-    return attention(rq, q, scale)
+    rq = quantize(q, k, v, scale, kblock=kblock, balance=balance, smooth_v=smooth_v)
+    return attention(rq, q, scale, pv_accum=pv_accum, acc_bits=acc_bits, rows=rows)
