@@ -13,9 +13,14 @@ sdpa_cudnn             torch SDPA under sdpa_kernel(CUDNN_ATTENTION), all rows  
 sdpa_flash             torch SDPA under sdpa_kernel(FLASH_ATTENTION), all rows   total
 sage_dense             sageattention.core.sageattn, NHD, K = a scratch clone     total
 sage_varlen            sageattention.core.sageattn_varlen at (0, used, total)    used (37,980)
+sage2_direct           SageAttention 2's sm90 kernel (built from source),        total
+                       sageattn_qk_int8_pv_fp8_cuda_sm90, per_warp, fp32+fp32
 fa3_fp8                FA3 FP8 (fa3-fwd wheel), per-head e4m3 quantization in    total
                        plain torch counted in the time
 fa3_fp8_prequant       FA3 FP8 on operands quantized outside the timed region    total
+variant:<b>:<v>        sage8 / sage8_triton dense with a non-default config:     total
+                       v = v2-running (the v2 kernel: P V summed inside the FP8
+                       MMA, no V smoothing), no-smooth-v (block sums only)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
@@ -153,6 +158,27 @@ def _sage_varlen(q, k, v, lay):
     return run
 
 
+def _sage2_direct(q, k, v, lay):
+    """SageAttention 2's own Hopper kernel as its users call it (quantization included): the peer
+    that sage8 is measured against. Not on PyPI; build it from ../shared/third_party."""
+    if q.device.type != "cuda":
+        raise Unavailable(f"SageAttention 2's sm90 kernel needs a Hopper GPU (q is on {q.device})")
+    try:
+        import sageattention
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(f"sageattention does not import ({describe_exception(exc)})") from None
+    fn = getattr(sageattention, "sageattn_qk_int8_pv_fp8_cuda_sm90", None)
+    if fn is None:
+        raise Unavailable("this sageattention has no sageattn_qk_int8_pv_fp8_cuda_sm90 (PyPI has only 1.0.6; "
+                          "build 2.x from source: benchmarks/README.md)")
+
+    def run():
+        return fn(q[None], k[None], v[None], tensor_layout="NHD", is_causal=False, qk_quant_gran="per_warp",
+                  pv_accum_dtype="fp32+fp32", sm_scale=lay.scale)[0]
+    run()
+    return run
+
+
 def _fa3_fp8(prequant: bool):
     """FA3's FP8 forward with one scale per (batch, head) for each of q, k, v (what SGLang's FP8
     path does); ``prequant`` leaves the quantization out of the timed call."""
@@ -229,6 +255,28 @@ def _dense(name: str, rows: str):
     return build
 
 
+_SAGE8_VARIANTS = {"v2-running": ("running", False), "no-smooth-v": ("block", False)}
+
+
+def _sage8_variant(backend: str, variant: str):
+    def build(q, k, v, lay):
+        import dataclasses
+
+        from dist_attn.kernels.sage8 import launch, sage8_dense
+        from dist_attn.kernels.sage8.quant import QuantConfig
+
+        be = _backend_or_raise(backend, q)
+        pv_accum, smooth_v = _SAGE8_VARIANTS[variant]
+        cfg = dataclasses.replace(launch.default_config(be.impl), pv_accum=pv_accum)
+        qc = QuantConfig(smooth_v=smooth_v)
+        qb, kb, vb = q[None], k[None], v[None]
+
+        def run():
+            return sage8_dense(qb, kb, vb, softmax_scale=lay.scale, impl=be.impl, config=cfg, quant_config=qc)[0]
+        return run
+    return build
+
+
 def kernel_specs() -> list[KernelSpec]:
     specs = [
         KernelSpec("sdpa_cudnn", "total", False, _sdpa("CUDNN_ATTENTION"),
@@ -239,11 +287,17 @@ def kernel_specs() -> list[KernelSpec]:
                    "sageattention.core.sageattn NHD on a clone of K, all rows"),
         KernelSpec("sage_varlen", "used", True, _sage_varlen,
                    "sageattention.core.sageattn_varlen at (0, used, total)"),
+        KernelSpec("sage2_direct", "total", False, _sage2_direct,
+                   "SageAttention 2 sm90 (per_warp, fp32+fp32), all rows, quantization counted"),
         KernelSpec("fa3_fp8", "total", False, _fa3_fp8(prequant=False),
                    "FA3 FP8, per-head e4m3 quantization in torch counted"),
         KernelSpec("fa3_fp8_prequant", "total", False, _fa3_fp8(prequant=True),
                    "FA3 FP8 on pre-quantized operands (quantization not counted)"),
     ]
+    for n in ("sage8", "sage8_triton"):
+        for variant in _SAGE8_VARIANTS:
+            specs.append(KernelSpec(f"variant:{n}:{variant}", "total", False, _sage8_variant(n, variant),
+                                    f"{n} dense, {variant}"))
     names = [n for n in da_backends.available_backends() if n != "auto"]
     for n in names:
         specs.append(KernelSpec(f"bridge:{n}", "used", True, _bridge(n),

@@ -3,11 +3,13 @@
 Registered at import: ``"sdpa"`` (torch SDPA, exact), ``"sage"`` (the sageattention package),
 ``"sage8"`` (dist_attn's INT8-QK / FP8-PV kernel for Hopper; needs triton at call time),
 ``"fa3"`` (FlashAttention-3 on Hopper, exact, when importable).
-``"auto"`` picks the first of sage8, sage, fa3, sdpa that can run and logs what it chose.
+``"auto"`` picks the first of sage8, sage8_triton, sage, fa3, sdpa that can run and is accurate
+(exact, or 8-bit with ``accuracy_verified``: :func:`auto_refusal`) and logs what it chose.
 """
 
 from dist_attn.backends.base import AttentionBackend, BackendUnavailableError, default_softmax_scale
 from dist_attn.backends.registry import (
+    auto_refusal,
     available_backends,
     get_backend,
     register_backend,
@@ -26,6 +28,7 @@ __all__ = [
     "SageBackend",
     "Sage8Backend",
     "SdpaBackend",
+    "auto_refusal",
     "available_backends",
     "default_softmax_scale",
     "get_backend",

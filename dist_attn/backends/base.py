@@ -29,11 +29,16 @@ class AttentionBackend:
             the ``"lossless"`` quality tier admits only these.
         head_dims: the head_dim values the kernel accepts (None = any); configs check it
             before any tensor exists.
+        accuracy_verified: for a kernel that is not exact, True only once it met dist_attn's
+            accuracy targets against float64 on real-model activations and long sequences with
+            V channel means, on the GPU (``tests/core/test_kernel_accuracy.py`` asserts them for
+            every backend that sets it). ``"auto"`` chooses only exact or verified kernels.
     """
 
     name: str = ""
     exact: bool = True
     head_dims: tuple[int, ...] | None = None
+    accuracy_verified: bool = False
 
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
         """None if this backend can run on tensors like ``q`` (``[..., D]``), else why not and how to fix it."""

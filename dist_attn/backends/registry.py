@@ -1,7 +1,9 @@
 """The backend registry: names -> kernels, and what ``backend="auto"`` picks.
 
-``"auto"`` takes the first of sage8, sage, sdpa that can run on the given tensors and logs its
-choice; an explicit name that cannot run raises and says why (no silent fallback).
+``"auto"`` takes the first kernel of its order that can run on the given tensors AND is accurate
+(exact, or an 8-bit kernel whose accuracy was verified: :func:`auto_refusal` is the one rule) and
+logs its choice; an explicit name that cannot run raises and says why (no silent fallback). An
+explicit 8-bit name runs whether verified or not: the caller chose it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from dist_attn.backends.base import AttentionBackend, BackendUnavailableError
 
 __all__ = [
+    "auto_refusal",
     "available_backends",
     "get_backend",
     "register_backend",
@@ -74,14 +77,26 @@ def _refusal(backend: AttentionBackend, q: torch.Tensor, *, exact_only: bool,
     return None
 
 
+def auto_refusal(backend: AttentionBackend) -> str | None:
+    """Why ``"auto"`` may not choose ``backend`` whatever the tensors, or None: the one owner of
+    "auto picks only what is accurate". An 8-bit kernel qualifies once its accuracy on real-model
+    activations is verified (:attr:`AttentionBackend.accuracy_verified`); a fast kernel that is
+    wrong must be asked for by name. (sage8 v2 was chosen by "auto" while giving 9% rel-L2 on
+    the real H3 first block.)"""
+    if backend.exact or backend.accuracy_verified:
+        return None
+    return ("it quantizes to 8 bits and its accuracy against float64 on real-model activations is not "
+            "verified (accuracy_verified=False), so 'auto' does not choose it; name it explicitly to use it")
+
+
 def resolve_backend(name: str, q: torch.Tensor, *, exact_only: bool = False,
                     require_lse: bool = False) -> AttentionBackend:
     """The backend that will run for ``backend=name`` on tensors like ``q``.
 
     An explicit name that cannot run raises :class:`BackendUnavailableError` saying why and how
     to fix it (no silent fallback). ``"auto"`` takes the first runnable of sage8, sage8_triton, sage, fa3, sdpa
-    (then any other registered backend) and logs its choice once per (device type, dtype,
-    head_dim, constraints).
+    (then any other registered backend) that :func:`auto_refusal` admits, and logs its choice
+    (and what it skipped, with why) once per (device type, dtype, head_dim, constraints).
 
     Args:
         exact_only: admit only exact (non-quantized) kernels.
@@ -100,7 +115,7 @@ def resolve_backend(name: str, q: torch.Tensor, *, exact_only: bool = False,
         backend = _REGISTRY.get(candidate)
         if backend is None:
             continue
-        reason = _refusal(backend, q, exact_only=exact_only, require_lse=require_lse)
+        reason = auto_refusal(backend) or _refusal(backend, q, exact_only=exact_only, require_lse=require_lse)
         if reason is None:
             key = (q.device.type, q.dtype, q.shape[-1], candidate, exact_only, require_lse)
             if key not in _AUTO_LOGGED:

@@ -60,3 +60,48 @@ def test_sdpa_lse_matches_float64(dtype, atol):
     assert (lse.double() - torch.logsumexp(s, -1)).abs().max() <= atol
     ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.double())
     assert (out.double() - ref).abs().max() <= atol
+
+
+def test_auto_chooses_only_accurate_kernels(caplog):
+    """An 8-bit kernel first in "auto"'s order and runnable is passed over (and the log says why)
+    until its accuracy is verified; named explicitly, it runs."""
+    import logging
+
+    from dist_attn import register_backend, unregister_backend
+    from dist_attn.backends import auto_refusal, registry
+
+    class Fast8bit(type(get_backend("sdpa"))):
+        name, exact, accuracy_verified = "sage8", False, False
+
+    real = get_backend("sage8")
+    register_backend(Fast8bit(), replace=True)
+    registry._AUTO_LOGGED.clear()
+    try:
+        q = torch.zeros(4, 2, 64)
+        assert "not verified" in auto_refusal(get_backend("sage8"))
+        with caplog.at_level(logging.INFO, logger="dist_attn.backends.registry"):
+            chosen = resolve_backend("auto", q)
+        assert chosen.name != "sage8" and (chosen.exact or chosen.accuracy_verified)
+        assert "sage8: it quantizes to 8 bits and its accuracy" in caplog.text
+        assert resolve_backend("sage8", q).name == "sage8"  # an explicit name is the caller's choice
+        Fast8bit.accuracy_verified = True
+        registry._AUTO_LOGGED.clear()
+        assert auto_refusal(get_backend("sage8")) is None
+        assert resolve_backend("auto", q).name == "sage8"
+    finally:
+        register_backend(real, replace=True)
+        registry._AUTO_LOGGED.clear()
+
+
+def test_every_registered_backend_declares_its_accuracy():
+    """Exact kernels pass the rule by nature; an 8-bit one needs the GPU accuracy tests behind it
+    (tests/core/test_kernel_accuracy.py asserts the targets for every backend that claims it)."""
+    from dist_attn import available_backends
+    from dist_attn.backends import auto_refusal
+
+    for name in available_backends():
+        if name == "auto":
+            continue
+        be = get_backend(name)
+        assert isinstance(be.accuracy_verified, bool)
+        assert (auto_refusal(be) is None) == (be.exact or be.accuracy_verified), name
