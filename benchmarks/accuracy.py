@@ -111,11 +111,13 @@ def _family_case(kind: str, rows: int, heads: int, d: int):
     return build
 
 
-def _h3_case(smoke: bool):
+def _h3_case(smoke: bool, small: bool = False):
     def build(device, seed):
         from dist_attn.integrations.diffusers import h3_activations as h3
 
         layout, config = h3.H3_REF_LAYOUT, {}
+        if small:  # the GPU test's layout (tests/core/test_kernel_accuracy.py): 4,176 rows
+            layout = h3.H3Layout(text_rows=256, latent_frames=5, latent_height=64, latent_width=48, audio_latents=40)
         if smoke:  # the same class at a tiny config
             layout = h3.H3Layout(text_rows=32, latent_frames=2, latent_height=16, latent_width=16, audio_latents=16)
             config = dict(num_attention_heads=2, attention_head_dim=64, hidden_size=128, ffn_dim=256, text_dim=32,
@@ -132,6 +134,9 @@ def cases(smoke: bool) -> list[Case]:
     d = 64 if smoke else 128
     out = [Case("h3_real", "h3", 0, 0, _h3_case(smoke),
                 "first-block q/k/v of MiniMaxH3Transformer3DModel (own init), h3-ref layout")]
+    if not smoke:
+        out.append(Case("h3_real_4176", "h3", 0, 0, _h3_case(False, small=True),
+                        "the same on the GPU test's 4,176-row layout (256 text, 5 x 32 x 24 video, 80 audio)"))
     sizes = (256,) if smoke else (4096, 38016)
     for rows in sizes:
         for m in (0.0, 0.5, 2.0):
