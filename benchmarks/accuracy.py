@@ -24,9 +24,9 @@ with attention computed in float64 on the same device from the same bf16 inputs.
 Kernels: ``sdpa`` (dist_attn's torch SDPA backend), ``fa3`` (FA3 bf16), ``sage`` (sageattention:
 1.0.6 from PyPI, or 2.x when built), ``sage2_direct`` (SageAttention 2's sm90 kernel,
 ``sageattn_qk_int8_pv_fp8_cuda_sm90``, per_warp, fp32+fp32, when importable), ``sage8`` and
-``sage8_triton`` (what the backends run), and sage8 variants: ``:no-smooth-v`` (block accumulation
-only), ``:v2-running`` (v2's kernel: the P V sum kept inside the FP8 MMA accumulator, no V
-smoothing). Every dist_attn kernel runs through the varlen bridge (``dist_attn.sage_varlen``).
+``sage8_triton`` (what the backends run: each key block's P V added into fp32 registers), their
+``:v2-running`` variants (v2's kernel: the P V sum kept inside the FP8 MMA accumulator across the
+whole row). Every dist_attn kernel runs through the varlen bridge (``dist_attn.sage_varlen``).
 """
 
 from __future__ import annotations
@@ -163,15 +163,13 @@ def _bridge(backend: str):
     return run
 
 
-def _sage8_variant(impl: str, pv_accum: str, smooth_v: bool):
+def _sage8_variant(impl: str, pv_accum: str):
     def run(q, k, v, bounds):
         from dist_attn.kernels.sage8 import launch, sage8_varlen
-        from dist_attn.kernels.sage8.quant import QuantConfig
 
         cfg = dataclasses.replace(launch.default_config(impl), pv_accum=pv_accum)
         cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
-        return sage8_varlen(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])), impl=impl, config=cfg,
-                            quant_config=QuantConfig(smooth_v=smooth_v))
+        return sage8_varlen(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])), impl=impl, config=cfg)
     return run
 
 
@@ -196,8 +194,7 @@ def kernels(smoke: bool) -> dict[str, Callable]:
     ks.update({"fa3": _bridge("fa3"), "sage": _bridge("sage"), "sage2_direct": _sage2_direct,
                "sage8": _bridge("sage8"), "sage8_triton": _bridge("sage8_triton")})
     for impl, name in (("gluon", "sage8"), ("triton", "sage8_triton")):
-        ks[f"{name}:no-smooth-v"] = _sage8_variant(impl, "block", False)
-        ks[f"{name}:v2-running"] = _sage8_variant(impl, "running", False)
+        ks[f"{name}:v2-running"] = _sage8_variant(impl, "running")
     return ks
 
 
@@ -411,9 +408,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
               "kernels": list(kernels(args.smoke)), "smoke": args.smoke, "dtype": "bfloat16"}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,
                           title="Attention accuracy vs float64 (real H3 activations, V channel means, segments)")
-    writer.note("sage8 = the Gluon kernel, sage8_triton = the Triton kernel, both with V smoothing and the "
-                "per-block fp32 accumulation; ':no-smooth-v' = the accumulation fix alone; ':v2-running' = the "
-                "kernel before it (P V summed inside the FP8 MMA accumulator across the whole row).")
+    writer.note("sage8 = the Gluon kernel, sage8_triton = the Triton kernel, both adding each key block's P V "
+                "into fp32 registers; ':v2-running' = the kernel before (P V summed inside the FP8 MMA "
+                "accumulator across the whole row).")
     budget = Budget(args.budget_s)
     run(args, device, writer, budget)
     if args.drift_layers > 0:

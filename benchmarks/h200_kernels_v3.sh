@@ -23,7 +23,15 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 
 sa2_ready() { ls "$SA2"/sageattention/_qattn_sm90*.so >/dev/null 2>&1; }
 
-if [ "${1:-part1}" = part1 ]; then
+if [ "${1:-part1}" = final ]; then
+  # the shipped v3: every GPU test of the kernels and the core, then the loop orderings timed
+  timeout 330 python3 -m pytest tests/core/test_gpu_core.py tests/core/test_gpu_fa3.py tests/core/test_kernel_sage8.py \
+      tests/core/test_kernel_accuracy.py -rs -q -s -p no:cacheprovider 2>&1 | tee "$OUTD/gpu-tests_h200_v3.log" \
+      | grep -E "\[accuracy\]|FAIL|Error|passed|failed" | tail -40
+  timeout 150 python3 -m benchmarks.kernels --out "$OUTD" --theme kernels-v3 --heads 14,56,7 --no-error --iters 20 \
+      --warmup 3 --budget-s 130 --kernels 'sdpa_cudnn,fa3_fp8_prequant,dense:sage8,dense:sage8_triton,variant:*' \
+      2>&1 | tail -30
+elif [ "${1:-part1}" = part1 ]; then
   if ! sa2_ready && [ ! -d .sa2build ]; then
     mkdir -p .sa2build/meta/sageattention-2.2.0.dist-info
     printf 'Metadata-Version: 2.1\nName: sageattention\nVersion: 2.2.0\n' \

@@ -20,7 +20,8 @@ fa3_fp8                FA3 FP8 (fa3-fwd wheel), per-head e4m3 quantization in   
 fa3_fp8_prequant       FA3 FP8 on operands quantized outside the timed region    total
 variant:<b>:<v>        sage8 / sage8_triton dense with a non-default config:     total
                        v = v2-running (the v2 kernel: P V summed inside the FP8
-                       MMA, no V smoothing), no-smooth-v (block sums only)
+                       MMA across the whole row), pv-first / add-magic (Gluon
+                       loop orderings, attn_gluon.GluonConfig)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
@@ -255,7 +256,9 @@ def _dense(name: str, rows: str):
     return build
 
 
-_SAGE8_VARIANTS = {"v2-running": ("running", False), "no-smooth-v": ("block", False)}
+#: variant name -> launch-config overrides (a variant whose fields the kernel's config lacks is skipped)
+_SAGE8_VARIANTS = {"v2-running": {"pv_accum": "running"}, "pv-first": {"pv_first": True},
+                   "add-magic": {"add_magic": True}}
 
 
 def _sage8_variant(backend: str, variant: str):
@@ -263,16 +266,18 @@ def _sage8_variant(backend: str, variant: str):
         import dataclasses
 
         from dist_attn.kernels.sage8 import launch, sage8_dense
-        from dist_attn.kernels.sage8.quant import QuantConfig
 
         be = _backend_or_raise(backend, q)
-        pv_accum, smooth_v = _SAGE8_VARIANTS[variant]
-        cfg = dataclasses.replace(launch.default_config(be.impl), pv_accum=pv_accum)
-        qc = QuantConfig(smooth_v=smooth_v)
+        base = launch.default_config(be.impl)
+        over = _SAGE8_VARIANTS[variant]
+        missing = [f for f in over if f not in {x.name for x in dataclasses.fields(base)}]
+        if missing:
+            raise Unavailable(f"{type(base).__name__} has no {missing}")
+        cfg = dataclasses.replace(base, **over)
         qb, kb, vb = q[None], k[None], v[None]
 
         def run():
-            return sage8_dense(qb, kb, vb, softmax_scale=lay.scale, impl=be.impl, config=cfg, quant_config=qc)[0]
+            return sage8_dense(qb, kb, vb, softmax_scale=lay.scale, impl=be.impl, config=cfg)[0]
         return run
     return build
 

@@ -27,6 +27,10 @@ class Sage8Backend(AttentionBackend):
 
     exact = False
     head_dims = tuple(kernels.SUPPORTED_HEAD_DIMS)
+    # v3 (each key block's P V added into fp32 registers) met the accuracy targets on an H200
+    # (tests/core/test_kernel_accuracy.py; real H3 first block 0.0052 rel-L2 at h3-ref vs
+    # SageAttention 2's 0.0059; v2 gave 0.0897 and was chosen by "auto" all the same)
+    accuracy_verified = True
 
     def __init__(self, name: str = "sage8", impl: str = SAGE8_IMPL) -> None:
         self.name = name

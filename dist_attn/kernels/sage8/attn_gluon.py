@@ -24,8 +24,7 @@ FA3's structure on the operands of :func:`quant.quantize`:
   whole row inside it (``"running"``, v2) gave 0.37 rel-L2 at 38k keys when V has channel means
   (benchmarks/KERNEL_NOTES.md v3);
 * every segment of a varlen layout in one launch (grid axis 1), padding keys masked in the last
-  block only; V's channel mean added back when the pre-pass smoothed V; an optional natural-log LSE
-  per row.
+  block only; an optional natural-log LSE per row.
 """
 
 from __future__ import annotations
@@ -81,6 +80,8 @@ class GluonConfig:
     producer_regs: int = 24
     maxnreg: int = 168
     pv_accum: Literal["block", "running"] = "block"
+    pv_first: bool = False
+    add_magic: bool = False
 
 
 @gluon.jit
@@ -151,11 +152,11 @@ def _pv_operand(p8, p_smem, WG: gl.constexpr, j, P_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Vmean, Out, Q, Ksum,
+def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum,
               Lse, h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
               WG: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
               WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-              PV_BLOCK: gl.constexpr, SMOOTH_V: gl.constexpr):
+              PV_BLOCK: gl.constexpr, PV_FIRST: gl.constexpr, ADD_MAGIC: gl.constexpr):
     BM: gl.constexpr = q_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 32])
@@ -170,11 +171,11 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks,
     h64 = h.to(gl.int64)
     qs = gl.load(Qs + h64 * R + pst + row0 + gl.arange(0, BM, layout=srow))
     ks_ptr = Ks + h64 * (R // BN) + pst // BN
-    # The score accumulator starts at 0x4B400000 (read as fp32: 12582912 + s), held in 64 registers;
-    # with PV_BLOCK's second fp32 accumulator live those registers spill, so there the wgmma
-    # overwrites the previous block's (dead) scores (use_acc=False) and one integer add per score
-    # replaces the 64 MOVs that re-materialized the constant every block.
-    if PV_BLOCK:
+    # The score accumulator starts at 0x4B400000 (read as fp32: 12582912 + s). ptxas re-materializes
+    # the constant with 64 MOVs per block, issued before the wgmma, off the softmax's critical path;
+    # an integer add after the wgmma instead (ADD_MAGIC) puts 64 dependent adds between the scores
+    # and their row max.
+    if ADD_MAGIC:
         magic = gl.zeros([BM, BN], gl.int32, s_layout)
     else:
         magic = gl.full([BM, BN], _MAGIC_I, gl.int32, s_layout)
@@ -188,13 +189,13 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks,
     if PINGPONG:
         mbarrier.wait(turn.index(WG), 1 ^ WG)
     mbarrier.wait(ready.index(0), 0)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), magic, use_acc=not PV_BLOCK, is_async=True)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), magic, use_acc=not ADD_MAGIC, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(0, deps=[s_tok])
     ks_next = gl.load(ks_ptr + 1)  # one block ahead: its latency hides under this block's work
     p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * gl.load(ks_ptr), L, p_layout, BN, EXP16, P_SMEM,
-                                         PV_BLOCK)
+                                         ADD_MAGIC)
     pa = _pv_operand(p8, p_smem, WG, 0, P_SMEM)
     # PV_BLOCK: acc holds blocks < j-1 relative to the max before block j-1; `alpha` is the rescale
     # that block j-1's max applies to it (block 0's is exp2(-inf) = 0 on acc = 0). Each block's P V
@@ -209,30 +210,47 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks,
         if PINGPONG:
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-        if PV_BLOCK:
-            s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-        else:
-            s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), magic, is_async=True)
-        if PV_BLOCK:
+        if PV_FIRST:
+            # block j-1's P V first, then block j's scores: waiting for the P V (one group left in
+            # flight) frees its registers before the softmax needs its own, at the price of the
+            # softmax no longer overlapping this warpgroup's P V (the other warpgroup's still does)
             o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), pv, use_acc=False, is_async=True)
+            if ADD_MAGIC:
+                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+            else:
+                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), magic, is_async=True)
+            pv = warpgroup_mma_wait(1, deps=[o_tok])
+            mbarrier.arrive(empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow), 1) + pv
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * ks_j, L - j * BN, p_layout, BN, EXP16, P_SMEM,
+                                                 ADD_MAGIC)
+            pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
         else:
-            o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        alpha_prev = alpha
-        p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * ks_j, L - j * BN, p_layout, BN, EXP16, P_SMEM,
-                                             PV_BLOCK)
-        # (P, read from registers by the PV wgmma, cannot be a dependency here: triton 3.6 rejects
-        # 8-bit values in the wait; ptxas tracks the registers of in-flight wgmmas itself)
-        pv = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(empty.index(prev))
-        if PV_BLOCK:
-            # one FFMA: the rescale that block j-1 brought, then block j-1's P V in fp32
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow), 1) + pv
-        else:
-            acc = pv * gl.expand_dims(gl.convert_layout(alpha, orow), 1)
-        pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
+            if ADD_MAGIC:
+                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+            else:
+                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), magic, is_async=True)
+            if PV_BLOCK:
+                o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), pv, use_acc=False, is_async=True)
+            else:
+                o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            alpha_prev = alpha
+            p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * ks_j, L - j * BN, p_layout, BN, EXP16, P_SMEM,
+                                                 ADD_MAGIC)
+            # (P, read from registers by the PV wgmma, cannot be a dependency here: triton 3.6 rejects
+            # 8-bit values in the wait; ptxas tracks the registers of in-flight wgmmas itself)
+            pv = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(empty.index(prev))
+            if PV_BLOCK:
+                # one FFMA: the rescale that block j-1 brought, then block j-1's P V in fp32
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow), 1) + pv
+            else:
+                acc = pv * gl.expand_dims(gl.convert_layout(alpha, orow), 1)
+            pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
     last = (n_blocks - 1) % STAGES
     if PV_BLOCK:
         o_tok = warpgroup_mma(pa, v_smem.index(last).permute((1, 0)), pv, use_acc=False, is_async=True)
@@ -245,11 +263,8 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks,
 
     offs_d = gl.arange(0, D, layout=ocol)
     seg64 = seg.to(gl.int64)
-    sidx = (seg64 * H + h) * D + offs_d
-    vsc = gl.load(Vscale + sidx)
+    vsc = gl.load(Vscale + (seg64 * H + h) * D + offs_d)
     o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, orow), 1) * gl.expand_dims(vsc, 0)
-    if SMOOTH_V:  # the weights of a row sum to one: softmax(s) (V - mean) + mean = softmax(s) V
-        o = o + gl.expand_dims(gl.load(Vmean + sidx), 0)
     rows = row0 + gl.arange(0, BM, layout=orow)
     optr = (Out + seg64 * sob + h64 * soh + gl.expand_dims((lo + rows).to(gl.int64) * sot, 1)
             + gl.expand_dims(offs_d, 0))
@@ -292,11 +307,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 # sizes and strides stay runtime values: one binary serves every shape (a value of 1 would otherwise
 # become a compile-time constant and a new compilation)
 @gluon.jit(do_not_specialize=["used", "T", "H", "R", "sob", "sot", "soh", "sqb", "sqt", "sqh", "slb", "slh"])
-def _attn_ws_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Vmean, Out, Q, Ksum, Lse, cu, used, T, H, R,
+def _attn_ws_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, used, T, H, R,
                     sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
                     D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DENSE: gl.constexpr,
                     WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-                    PV_BLOCK: gl.constexpr, SMOOTH_V: gl.constexpr,
+                    PV_BLOCK: gl.constexpr, PV_FIRST: gl.constexpr, ADD_MAGIC: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     mb = gl.program_id(0)
@@ -330,12 +345,14 @@ def _attn_ws_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Vmean, Out, Q, Ksum,
         # a warpgroup whose rows all lie past L still runs the loop (its stores are masked off):
         # the producer waits for both warpgroups on every slot
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Vmean, Out, Q,
+            (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q,
                          Ksum, Lse, h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb,
-                         slh, qk_scale, 0, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG, P_SMEM, PV_BLOCK, SMOOTH_V)),
-            (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Vmean, Out, Q,
+                         slh, qk_scale, 0, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG, P_SMEM, PV_BLOCK,
+                         PV_FIRST, ADD_MAGIC)),
+            (_consumer, (q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q,
                          Ksum, Lse, h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb,
-                         slh, qk_scale, 1, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG, P_SMEM, PV_BLOCK, SMOOTH_V)),
+                         slh, qk_scale, 1, D, BN, STAGES, WITH_LSE, EXP16, PINGPONG, P_SMEM, PV_BLOCK,
+                         PV_FIRST, ADD_MAGIC)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
                          h, R, pst, mrow0, n_blocks, D, BN, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -362,16 +379,16 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
     lse_arg, sl = lse_args(lse, lay.dense, qz.qscale)
     cu = qz.qscale if lay.dense else lay.cu
     return _attn_ws_kernel[(triton.cdiv(lay.max_seqlen, 2 * BLOCK_M), lay.nseg, H)](
-        q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, qz.vmean, out, q, qz.ksum, lse_arg, cu,
+        q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, out, q, qz.ksum, lse_arg, cu,
         lay.used, lay.total, H, R, *seg_strides(out, lay.dense), *seg_strides(q, lay.dense), *sl,
         softmax_scale * math.log2(math.e),
         D=D, BN=BLOCK_N, STAGES=cfg.stages, DENSE=lay.dense, WITH_LSE=lse is not None, EXP16=cfg.exp16,
-        PINGPONG=cfg.pingpong, P_SMEM=cfg.p_smem, PV_BLOCK=pv_block(cfg.pv_accum), SMOOTH_V=qz.smooth_v,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+        PINGPONG=cfg.pingpong, P_SMEM=cfg.p_smem, PV_BLOCK=pv_block(cfg.pv_accum),
+        PV_FIRST=cfg.pv_first and pv_block(cfg.pv_accum), ADD_MAGIC=cfg.add_magic, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4, maxnreg=cfg.maxnreg)
 
 
 def compile_sm90(cfg: GluonConfig, *, head_dim: int = 128, dense: bool = True, with_lse: bool = False,
-                 out_dtype: str = "bf16", smooth_v: bool = numerics.SMOOTH_V):
+                 out_dtype: str = "bf16"):
     """Compiles the kernel for compute capability 9.0 without a GPU (ptxas ships with triton).
 
     Returns triton's compiled kernel: ``.asm`` holds the ttgir, PTX and cubin, ``.metadata`` the
@@ -402,15 +419,15 @@ def compile_sm90(cfg: GluonConfig, *, head_dim: int = 128, dense: bool = True, w
     ptr = {"Out": f"*{out_dtype}", "Q": f"*{out_dtype}", "cu": "*i32"}
     values = dict(zip(("q_desc", "k_desc", "v_desc"), descs))
     constexprs = dict(D=D, BN=BLOCK_N, STAGES=cfg.stages, DENSE=dense, WITH_LSE=with_lse, EXP16=cfg.exp16,
-                      PINGPONG=cfg.pingpong, P_SMEM=cfg.p_smem, PV_BLOCK=pv_block(cfg.pv_accum), SMOOTH_V=smooth_v,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      PINGPONG=cfg.pingpong, P_SMEM=cfg.p_smem, PV_BLOCK=pv_block(cfg.pv_accum),
+                      PV_FIRST=cfg.pv_first and pv_block(cfg.pv_accum), ADD_MAGIC=cfg.add_magic, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
             consts[(fn.arg_names.index(name),)] = constexprs[name]
         elif name in values:
             sig[name] = mangle_type(values[name])
-        elif name in ("Qs", "Ks", "Vscale", "Vmean", "Ksum", "Lse"):
+        elif name in ("Qs", "Ks", "Vscale", "Ksum", "Lse"):
             sig[name] = "*fp32"
         elif name in ptr:
             sig[name] = ptr[name]

@@ -4,7 +4,7 @@ One program = BM query rows of one (segment, head): INT8 Q K^T -> int32 on the t
 online softmax in exp2 with fp32 statistics, P -> FP8 e4m3, FP8 P V of each key block into a fresh
 MMA accumulator, added into the fp32 output with one FFMA per element (``pv_accum="block"``: the
 FP8 MMA keeps only ~13 bits of its sum, so a sum run inside it over the whole sequence drifts,
-benchmarks/KERNEL_NOTES.md v3), V's channel scales (and mean) applied once to the output.
+benchmarks/KERNEL_NOTES.md v3), V's channel scales applied once to the output.
 Operands come from :func:`quant.quantize` through TMA descriptors.
 
 Triton 3.6 waits on every QK wgmma right after issuing it, so within one warpgroup the softmax and
@@ -106,11 +106,11 @@ def epilogue_lse(m_i, l_i, Q, Ksum, seg, h, lo, L, rows, offs_d, sqb, sqt, sqh, 
 
 
 @triton.jit
-def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Vmean, Out, Q, Ksum, Lse, cu, used, T, H, R,
+def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, used, T, H, R,
                  sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
                  WITH_LSE: tl.constexpr, FAST_EXP: tl.constexpr, PV_BLOCK: tl.constexpr,
-                 SMOOTH_V: tl.constexpr, INTERP: tl.constexpr):
+                 INTERP: tl.constexpr):
     mb = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -136,11 +136,8 @@ def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Vmean, Out, Q, Ksum, Ls
     if lim > 0:
         acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, n_full, lim,
                                    D, BN, True, FAST_EXP, PV_BLOCK, INTERP)
-    sidx = (seg.to(tl.int64) * H + h) * D + offs_d
-    vsc = tl.load(Vscale + sidx)
+    vsc = tl.load(Vscale + (seg.to(tl.int64) * H + h) * D + offs_d)
     o = acc * (1.0 / l_i)[:, None] * vsc[None, :]
-    if SMOOTH_V:  # the weights of a row sum to one: softmax(s) (V - mean) + mean = softmax(s) V
-        o += tl.load(Vmean + sidx)[None, :]
     rows = mb * BM + offs_m
     optr = (Out + seg.to(tl.int64) * sob + h.to(tl.int64) * soh + (lo + rows).to(tl.int64)[:, None] * sot
             + offs_d[None, :])
@@ -177,10 +174,10 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
     cu = qz.qscale if lay.dense else lay.cu
     extra = {} if cfg.maxnreg is None or interpret else {"maxnreg": cfg.maxnreg}
     return _attn_kernel[(triton.cdiv(lay.max_seqlen, BM), lay.nseg, H)](
-        q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, qz.vmean, out, q, qz.ksum, lse_arg, cu,
+        q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, out, q, qz.ksum, lse_arg, cu,
         lay.used, lay.total, H, R, *so, *sq, *sl, softmax_scale * math.log2(math.e),
         D=D, BM=BM, BN=BN, DENSE=lay.dense, WITH_LSE=lse is not None, FAST_EXP=not interpret,
-        PV_BLOCK=pv_block(cfg.pv_accum), SMOOTH_V=qz.smooth_v, INTERP=interpret, num_warps=cfg.num_warps,
+        PV_BLOCK=pv_block(cfg.pv_accum), INTERP=interpret, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **extra)
 
 

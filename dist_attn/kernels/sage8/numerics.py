@@ -6,7 +6,7 @@ Importing this module costs torch only (no triton).
 from __future__ import annotations
 
 __all__ = ["PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "MMA_ACC_BITS", "MMA_K_STEP",
-           "SMOOTH_V", "padded_rows"]
+           "padded_rows"]
 
 #: Row alignment of every segment in the quantized buffers, a multiple of every block size: every
 #: tile starts aligned (TMA boxes and 16-byte loads need no masks) and never spans two segments.
@@ -33,9 +33,6 @@ MAGIC_F = 12582912.0
 MMA_ACC_BITS = 13
 #: keys reduced by one 8-bit wgmma instruction (K of m64nNk32).
 MMA_K_STEP = 32
-#: Whether the scheme subtracts V's per-(segment, head) channel mean before FP8 by default (the
-#: pre-pass's ``QuantConfig.smooth_v`` and the reference's ``smooth_v``); see KERNEL_NOTES.md v3.
-SMOOTH_V = True
 
 
 def padded_rows(total: int, nseg: int, dense: bool) -> int:

@@ -4,15 +4,14 @@ Two passes read the caller's Q, K, V (any strides with a contiguous last dim) an
 8-bit operands of the attention kernels into a padded row space (:func:`numerics.padded_rows`):
 
 1. ``_stats_kernel`` reads K and V (and Q when balancing) once, in chunks of rows, and writes
-   per-chunk channel statistics: sum, max and min of K and of V (max |Q|). Torch reduces them over
-   the chunks (a few KB; deterministic, no float atomics) into the K mean, the V mean (when
-   smoothing V), V's channel scales and the balancing factors.
+   per-chunk channel statistics: sum, max and min of K, max |V| (max |Q|). Torch reduces them over
+   the chunks (a few KB; deterministic, no float atomics) into the K mean, V's channel scales and
+   the balancing factors.
 2. ``_quant_kernel`` reads Q, K, V once more, one block of rows per program (Q blocks and K/V
    blocks in separate programs): Q -> INT8 with one scale per row (``softmax_scale * log2(e)``
    folded in); K minus its per-(segment, head) channel mean -> INT8 with one scale per block;
-   V (minus its per-(segment, head) channel mean when ``smooth_v``) -> FP8 e4m3 with one scale
-   per channel, stored transposed (``[H, D, R]``) because Hopper's 8-bit wgmma needs its B operand
-   K-major.
+   V -> FP8 e4m3 with one scale per channel, stored transposed (``[H, D, R]``) because Hopper's
+   8-bit wgmma needs its B operand K-major.
 
 Padding rows of a segment's last block are written as zeros in every buffer.
 """
@@ -34,9 +33,6 @@ _PAD = tl.constexpr(numerics.PAD)
 _I8MAX = tl.constexpr(numerics.INT8_MAX)
 #: kernel 1 gets about this many programs (enough to fill 132 SMs several times over)
 _STATS_PROGRAMS = 1024
-#: partial statistics per chunk: K sum, K max, K min, V max, |Q| max, V sum, V min
-_NSTATS = 7
-_NSTAT = tl.constexpr(_NSTATS)
 
 
 @dataclass(frozen=True)
@@ -65,14 +61,11 @@ class QuantConfig:
     """Options of the pre-pass.
 
     ``balance``: per-channel Q/K balancing before INT8 (see :func:`reference.quantize`); costs one
-    more read of Q. ``smooth_v``: subtract V's per-(segment, head) channel mean before FP8 and add it
-    back in the attention epilogue (:func:`reference.quantize`); no extra pass (the statistics pass
-    reads V anyway). ``tile`` rows per step of the statistics pass and of Q's quantization,
+    more read of Q. ``tile`` rows per step of the statistics pass and of Q's quantization,
     ``warps`` per program.
     """
 
     balance: bool = False
-    smooth_v: bool = numerics.SMOOTH_V
     tile: int = 64
     warps: int = 4
 
@@ -86,12 +79,10 @@ class Quantized:
     qscale: torch.Tensor  # [H, R] fp32: amax/127 * softmax_scale * log2(e) per row
     ki8: torch.Tensor     # [H, R, D] int8, K minus its segment mean
     kscale: torch.Tensor  # [H, R // kblock] fp32, one per key block
-    vt8: torch.Tensor     # [H, D, R] float8_e4m3fn, (V - vmean) / vscale, transposed
-    vscale: torch.Tensor  # [nseg, H, D] fp32: max |V - vmean| / 448 per channel (1 for all-zero channels)
-    vmean: torch.Tensor   # [nseg, H, D] fp32: V's channel mean when smoothing V, else zeros
+    vt8: torch.Tensor     # [H, D, R] float8_e4m3fn, V / vscale, transposed
+    vscale: torch.Tensor  # [nseg, H, D] fp32: max |V| / 448 per channel (1 for all-zero channels)
     ksum: torch.Tensor    # [nseg, H, D] fp32: sum of K per channel (mean = ksum / length)
     kblock: int
-    smooth_v: bool
 
 
 @triton.jit
@@ -140,7 +131,7 @@ def _load_rows(base, src, stride, offs_d, valid):
 def _stats_kernel(Q, K, V, Pstat, cu, used, T, H, NCHUNK, ROWS_PER,
                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                   D: tl.constexpr, TILE: tl.constexpr, DENSE: tl.constexpr, BALANCE: tl.constexpr):
-    """Per-chunk channel statistics: sum, max, min of K and of V (and max |Q| when balancing)."""
+    """Per-chunk channel statistics: sum K, max K, min K, max |V| (and max |Q| when balancing)."""
     chunk = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -156,9 +147,7 @@ def _stats_kernel(Q, K, V, Pstat, cu, used, T, H, NCHUNK, ROWS_PER,
     ksum = tl.zeros([D], dtype=tl.float32)
     kmax = tl.full([D], float("-inf"), dtype=tl.float32)
     kmin = tl.full([D], float("inf"), dtype=tl.float32)
-    vsum = tl.zeros([D], dtype=tl.float32)
-    vmax = tl.full([D], float("-inf"), dtype=tl.float32)
-    vmin = tl.full([D], float("inf"), dtype=tl.float32)
+    vmax = tl.zeros([D], dtype=tl.float32)
     qmax = tl.zeros([D], dtype=tl.float32)
     for r in range(r0, r1, TILE):
         rows = r + tl.arange(0, TILE)
@@ -168,27 +157,22 @@ def _stats_kernel(Q, K, V, Pstat, cu, used, T, H, NCHUNK, ROWS_PER,
         ksum += tl.sum(k, axis=0)
         kmax = tl.maximum(kmax, tl.max(tl.where(valid, k, float("-inf")), axis=0))
         kmin = tl.minimum(kmin, tl.min(tl.where(valid, k, float("inf")), axis=0))
-        v = _load_rows(vb, src, svt, offs_d, valid)
-        vsum += tl.sum(v, axis=0)
-        vmax = tl.maximum(vmax, tl.max(tl.where(valid, v, float("-inf")), axis=0))
-        vmin = tl.minimum(vmin, tl.min(tl.where(valid, v, float("inf")), axis=0))
+        vmax = tl.maximum(vmax, tl.max(tl.abs(_load_rows(vb, src, svt, offs_d, valid)), axis=0))
         if BALANCE:
             qmax = tl.maximum(qmax, tl.max(tl.abs(_load_rows(qb, src, sqt, offs_d, valid)), axis=0))
-    base = Pstat + (seg64 * NCHUNK + chunk) * _NSTAT * H * D + h * D + offs_d
+    base = Pstat + (seg64 * NCHUNK + chunk) * 5 * H * D + h * D + offs_d
     tl.store(base, ksum)
     tl.store(base + H * D, kmax)
     tl.store(base + 2 * H * D, kmin)
     tl.store(base + 3 * H * D, vmax)
     tl.store(base + 4 * H * D, qmax)
-    tl.store(base + 5 * H * D, vsum)
-    tl.store(base + 6 * H * D, vmin)
 
 
 @triton.jit
 def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, NKB, qk_scale,
                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                   D: tl.constexpr, BN: tl.constexpr, QTILE: tl.constexpr, DENSE: tl.constexpr,
-                  BALANCE: tl.constexpr, SMOOTH_V: tl.constexpr, INTERP: tl.constexpr):
+                  BALANCE: tl.constexpr, INTERP: tl.constexpr):
     """Program j < NKB: Q rows of block j to INT8; program NKB + j: K and V of block j."""
     pid = tl.program_id(0)
     seg = tl.program_id(1)
@@ -200,8 +184,7 @@ def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, NKB, 
     offs_d = tl.arange(0, D)
     seg64 = seg.to(tl.int64)
     h64 = h.to(tl.int64)
-    # Stat: [nseg, 5, H, D] = mean K, K balance, V scale, Q balance, mean V
-    sidx = (seg64 * 5 * H + h) * D + offs_d
+    sidx = (seg64 * 4 * H + h) * D + offs_d  # Stat: [nseg, 4, H, D] = mean K, K balance, V scale, Q balance
     if pid < NKB:
         # Q: one scale per row, so QTILE rows at a time (fewer registers than a whole block)
         for r in range(j * BN, j * BN + BN, QTILE):
@@ -233,8 +216,6 @@ def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, NKB, 
         tl.store(Ks + h64 * (R // BN) + pst // BN + j, ksc)
         vsc = tl.load(Stat + sidx + 2 * H * D)
         v = _load_rows(V + seg64 * svb + h64 * svh, src, svt, offs_d, valid)
-        if SMOOTH_V:  # padding rows stay exactly zero
-            v = tl.where(valid, v - tl.load(Stat + sidx + 4 * H * D)[None, :], 0.0)
         # transposed store: [BN, D] tile -> Vt8[h, d, row]
         tl.store(Vt8 + h64 * D * R + offs_d[None, :] * R + dst[:, None], to_fp8(v / vsc[None, :], INTERP))
 
@@ -249,18 +230,13 @@ def _stats_grid(max_seqlen: int, nseg: int, heads: int) -> tuple[int, int]:
     return nchunk, rows_per
 
 
-def _finish_stats(pstat: torch.Tensor, lengths: torch.Tensor, balance: bool,
-                  smooth_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[nseg, NCHUNK, 7, H, D] partial stats -> (Stat [nseg, 5, H, D], ksum [nseg, H, D]); torch ops
+def _finish_stats(pstat: torch.Tensor, lengths: torch.Tensor, balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nseg, NCHUNK, 5, H, D] partial stats -> (Stat [nseg, 4, H, D], ksum [nseg, H, D]); torch ops
     on a few KB, deterministic."""
     ksum = pstat[:, :, 0].sum(dim=1)
-    count = lengths.clamp_min(1).to(torch.float32)[:, None, None]
-    mean = ksum / count
-    vmax, vmin = pstat[:, :, 3].amax(dim=1), pstat[:, :, 6].amin(dim=1)
-    vmean = pstat[:, :, 5].sum(dim=1) / count if smooth_v else torch.zeros_like(mean)
-    # an empty segment has vmax = -inf, vmin = inf: its scale is 1 (never used)
-    vamax = torch.maximum(vmax - vmean, vmean - vmin)
-    vsc = torch.where(vamax > 0, vamax / numerics.FP8_MAX, torch.ones_like(vamax))
+    mean = ksum / lengths.clamp_min(1).to(torch.float32)[:, None, None]
+    vmax = pstat[:, :, 3].amax(dim=1)
+    vsc = torch.where(vmax > 0, vmax / numerics.FP8_MAX, torch.ones_like(vmax))
     one = torch.ones_like(mean)
     kbal = qbal = one
     if balance:
@@ -270,13 +246,13 @@ def _finish_stats(pstat: torch.Tensor, lengths: torch.Tensor, balance: bool,
         ok = (kamax > 0) & (qamax > 0)
         s = torch.where(ok, (kamax / torch.where(ok, qamax, one)).sqrt(), one)
         qbal, kbal = s, 1.0 / s
-    return torch.stack([mean, kbal, vsc, qbal, vmean], dim=1), ksum
+    return torch.stack([mean, kbal, vsc, qbal], dim=1), ksum
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, softmax_scale: float,
              *, kblock: int, config: QuantConfig = QuantConfig(), interpret: bool = False) -> Quantized:
     """Both launches of the pre-pass. q/k/v: ``[B, T, H, D]`` views (B = 1 for varlen)."""
-    balance, smooth_v, tile, warps = config.balance, config.smooth_v, config.tile, config.warps
+    balance, tile, warps = config.balance, config.tile, config.warps
     B, T, H, D = q.shape
     R = layout.rows
     dev = q.device
@@ -287,7 +263,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLa
     ksc = torch.empty((H, R // kblock), dtype=torch.float32, device=dev)
     vt8 = torch.empty((H, D, R), dtype=torch.float8_e4m3fn, device=dev)
     nchunk, rows_per = _stats_grid(layout.max_seqlen, nseg, H)
-    pstat = torch.empty((nseg, nchunk, _NSTATS, H, D), dtype=torch.float32, device=dev)
+    pstat = torch.empty((nseg, nchunk, 5, H, D), dtype=torch.float32, device=dev)
     cu = pstat if layout.dense else layout.cu  # dense: never read, any pointer will do
     sq, sk, sv = (seg_strides(t, layout.dense) for t in (q, k, v))
     _stats_kernel[(nchunk, nseg, H)](
@@ -298,15 +274,14 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLa
     else:
         bounds = layout.cu.clamp(max=layout.used).to(torch.int64)
         lengths = bounds[1:] - bounds[:-1]
-    stat, ksum = _finish_stats(pstat, lengths, balance, smooth_v)
+    stat, ksum = _finish_stats(pstat, lengths, balance)
     nkb = triton.cdiv(layout.max_seqlen, kblock)
     _quant_kernel[(2 * nkb, nseg, H)](
         q, k, v, qi8, qsc, ki8, ksc, vt8, stat, cu, layout.used, T, H, R, nkb, softmax_scale * math.log2(math.e),
-        *sq, *sk, *sv, D=D, BN=kblock, QTILE=tile, DENSE=layout.dense, BALANCE=balance, SMOOTH_V=smooth_v,
-        INTERP=interpret, num_warps=warps)
+        *sq, *sk, *sv, D=D, BN=kblock, QTILE=tile, DENSE=layout.dense, BALANCE=balance, INTERP=interpret,
+        num_warps=warps)
     return Quantized(layout=layout, qi8=qi8, qscale=qsc, ki8=ki8, kscale=ksc, vt8=vt8,
-                     vscale=stat[:, 2].contiguous(), vmean=stat[:, 4].contiguous(), ksum=ksum, kblock=kblock,
-                     smooth_v=smooth_v)
+                     vscale=stat[:, 2].contiguous(), ksum=ksum, kblock=kblock)
 
 
 def seg_strides(t: torch.Tensor, dense: bool) -> tuple[int, int, int]:

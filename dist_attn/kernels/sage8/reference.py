@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from dist_attn.kernels.sage8.numerics import FP8_MAX, INT8_MAX, LOG2_PSCALE, MMA_ACC_BITS, MMA_K_STEP, SMOOTH_V
+from dist_attn.kernels.sage8.numerics import FP8_MAX, INT8_MAX, LOG2_PSCALE, MMA_ACC_BITS, MMA_K_STEP
 
 __all__ = ["PvAccum", "RefQuantized", "quantize", "attention", "mma_truncate", "sage8_reference"]
 
@@ -61,12 +61,13 @@ def mma_truncate(x: torch.Tensor, bits: int = MMA_ACC_BITS) -> torch.Tensor:
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, *,
-             kblock: int = 128, balance: bool = False, smooth_v: bool = SMOOTH_V) -> RefQuantized:
+             kblock: int = 128, balance: bool = False, smooth_v: bool = False) -> RefQuantized:
     """Quantizes one segment. q/k/v: ``[T, H, D]`` float tensors (any float dtype).
 
-    ``smooth_v``: subtract V's per-head channel mean before FP8 and add it back to the output. Exact
-    up to rounding, since the softmax weights of a row sum to one; it keeps the FP8 range and the
-    MMA's running sums on what varies between keys.
+    ``smooth_v``: subtract V's per-head channel mean before FP8 and add it back to the output
+    (exact up to rounding: the softmax weights of a row sum to one). A studied variant the kernels
+    do not implement: on the H200 it halved the error with V channel means (0.0015 vs 0.0028 at
+    38k rows) but raised it on zero-mean V (0.049 vs 0.040), KERNEL_NOTES.md v3.
 
     ``balance``: before INT8, multiply Q's channel c by s_c and divide centred K's by s_c with
     s_c = sqrt(amax|K_c| / amax|Q_c|) per head: Q.K is unchanged exactly, and an outlier channel of
@@ -160,7 +161,7 @@ def attention(rq: RefQuantized, q: torch.Tensor | None = None, softmax_scale: fl
 
 
 def sage8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                    *, kblock: int = 128, balance: bool = False, smooth_v: bool = SMOOTH_V,
+                    *, kblock: int = 128, balance: bool = False, smooth_v: bool = False,
                     pv_accum: PvAccum = "block", acc_bits: int = MMA_ACC_BITS,
                     rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sage8 on one segment ``[T, H, D]``: ``(out [R, H, D] float64, lse [H, R] float64)`` for the
