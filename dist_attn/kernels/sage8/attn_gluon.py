@@ -70,6 +70,12 @@ class GluonConfig:
     ``maxnreg`` x 384 threads (2 consumer warpgroups + the producer's warpgroup) is the CTA's
     register file share; the producer gives back to ``producer_regs`` and the consumers take
     ``consumer_regs`` (168 x 384 = 240 x 256 + 24 x 128: all 64K registers of an SM).
+
+    ``pv_accum``: "block" (each key block's P V into a fresh MMA accumulator, added into fp32
+    registers: the accurate default) or "running" (v2: the whole row's sum inside the FP8 MMA,
+    0.37 rel-L2 at 38k keys with V channel means; kept to measure against). ``pv_first``: issue
+    block j-1's P V before block j's scores and finish it first (measured slower: 14.63 ms).
+    ``add_magic``: see the score-init comment in ``_consumer``.
     """
 
     stages: int = 3
@@ -81,7 +87,7 @@ class GluonConfig:
     maxnreg: int = 168
     pv_accum: Literal["block", "running"] = "block"
     pv_first: bool = False
-    add_magic: bool = False
+    add_magic: bool = True
 
 
 @gluon.jit
@@ -171,10 +177,11 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks,
     h64 = h.to(gl.int64)
     qs = gl.load(Qs + h64 * R + pst + row0 + gl.arange(0, BM, layout=srow))
     ks_ptr = Ks + h64 * (R // BN) + pst // BN
-    # The score accumulator starts at 0x4B400000 (read as fp32: 12582912 + s). ptxas re-materializes
-    # the constant with 64 MOVs per block, issued before the wgmma, off the softmax's critical path;
-    # an integer add after the wgmma instead (ADD_MAGIC) puts 64 dependent adds between the scores
-    # and their row max.
+    # Scores read as fp32 must be 12582912 + s: either the wgmma accumulator starts at 0x4B400000
+    # (v2: a 64-register constant, re-materialized with 64 MOVs per block) or, ADD_MAGIC, the wgmma
+    # overwrites the previous block's dead scores (use_acc=False) and one integer add per score
+    # follows. Next to PV_BLOCK's second fp32 accumulator the constant costs registers the loop
+    # lacks: 15.78 vs 13.94 ms at h3-ref x 14 heads on the H200 (KERNEL_NOTES.md v3).
     if ADD_MAGIC:
         magic = gl.zeros([BM, BN], gl.int32, s_layout)
     else:
