@@ -45,7 +45,7 @@ elif [ "${1:-part1}" = part1 ]; then
   timeout 270 python3 -m pytest tests/core/test_kernel_sage8.py tests/core/test_kernel_accuracy.py -rs -q -s \
       -p no:cacheprovider 2>&1 | tee "$OUTD/gpu_tests_kernels.log" | grep -E "\[accuracy\]|PASS|FAIL|Error|passed|failed" | tail -60
   timeout 200 python3 -m benchmarks.accuracy --out "$OUTD" --budget-s 180 --kernels \
-      sdpa,fa3,sage,sage8,sage8_triton,sage8:no-smooth-v,sage8:v2-running,sage8_triton:no-smooth-v,sage8_triton:v2-running \
+      sdpa,fa3,sage,sage8,sage8_triton,sage8:v2-running,sage8_triton:v2-running \
       2>&1 | tail -80
 else
   # part2: self-contained (a machine released between the calls loses the build)
@@ -57,12 +57,11 @@ else
     (cd "$SA2" && env TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 EXT_PARALLEL=4 NVCC_APPEND_FLAGS="--threads=4" \
         python3 setup.py build_ext --inplace > ../build.log 2>&1 &)
   fi
-  timeout 60 python3 -m benchmarks.dev.debug_t1 2>&1 | tail -30
   for i in $(seq 1 60); do sa2_ready && break; sleep 5; done
   export PYTHONPATH=$SA2:$PWD/.sa2build/meta:$PYTHONPATH  # 2.x before the 1.0.6 wheel
   sa2_ready && echo "SageAttention 2 built" || { echo "SageAttention 2 NOT built:"; tail -20 .sa2build/build.log; }
   timeout 150 python3 -m benchmarks.accuracy --out "$OUTD" --theme accuracy-sage2 --drift-layers 0 --budget-s 130 \
-      --kernels sdpa,sage2_direct,sage8,sage8_triton,sage8:no-smooth-v,sage8_triton:no-smooth-v 2>&1 | tail -100
+      --kernels sdpa,sage2_direct,sage8,sage8_triton 2>&1 | tail -100
   timeout 200 python3 -m benchmarks.kernels --out "$OUTD" --heads 14,56,7 --no-error --iters 20 --warmup 3 \
       --budget-s 180 --kernels 'sdpa_cudnn,sage2_direct,fa3_fp8_prequant,dense:sage8,dense:sage8_triton,variant:*' \
       2>&1 | tail -40
