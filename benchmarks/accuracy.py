@@ -41,7 +41,7 @@ import torch
 import dist_attn
 from benchmarks.harness import Budget, ResultWriter, add_common_args, describe_exception, markdown_table
 
-__all__ = ["main"]
+__all__ = ["family_case", "main"]
 
 THEME = "accuracy"
 
@@ -87,7 +87,8 @@ def _segments_case(lens: list[int], heads: int, d: int):
     return build
 
 
-def _family_case(kind: str, rows: int, heads: int, d: int):
+def family_case(kind: str, rows: int, heads: int, d: int):
+    """The input families of the earlier notes: a builder (device, seed) -> q, k, v [T, H, D] bf16, bounds."""
     def build(device, seed):
         g = torch.Generator(device=device).manual_seed(seed)
         q, k, v = (_randn((rows, heads, d), g, device) for _ in range(3))
@@ -147,7 +148,7 @@ def cases(smoke: bool) -> list[Case]:
                     f"4 documents {lens}, each with its own V means U(0,2)"))
     fam_rows, fam_heads = (256, 2) if smoke else (8192, 4)
     for kind in ("normal", "bias", "outlier_q", "outlier_k", "outlier_qkv", "rms_gain", "sharp"):
-        out.append(Case(f"{kind}_{fam_rows}", "family", fam_rows, fam_heads, _family_case(kind, fam_rows, fam_heads, d),
+        out.append(Case(f"{kind}_{fam_rows}", "family", fam_rows, fam_heads, family_case(kind, fam_rows, fam_heads, d),
                         kind))
     return out
 

@@ -72,25 +72,11 @@ def _f64(q, k, v, scale=None):
 
 
 def _case(case: str, shape, seed: int, dtype=torch.bfloat16):
-    """q, k, v of one input family (the accuracy table's rows)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(shape, generator=g, device="cuda") for _ in range(3))
-    ch = [3, 77 % shape[-1], 100 % shape[-1]]
-    if case == "bias":
-        k += 0.5
-    elif case == "outlier_q":
-        q[..., ch] *= 20
-    elif case == "outlier_k":
-        k[..., ch] *= 20
-    elif case == "outlier_qkv":
-        for t in (q, k, v):
-            t[..., ch] *= 20
-    elif case == "rms_gain":  # RMS-normed q/k with heavy-tailed per-channel gains (QK norm)
-        gq = torch.exp(torch.randn(shape[-1], generator=g, device="cuda"))
-        gk = torch.exp(torch.randn(shape[-1], generator=g, device="cuda"))
-        q = q / q.pow(2).mean(-1, keepdim=True).sqrt() * gq
-        k = k / k.pow(2).mean(-1, keepdim=True).sqrt() * gk
-    return tuple(t.to(dtype) for t in (q, k, v))
+    """q, k, v ``[1, T, H, D]`` of one input family (the accuracy table's rows)."""
+    from benchmarks.accuracy import family_case
+
+    q, k, v, _ = family_case(case, shape[1], shape[2], shape[3])("cuda", seed)
+    return tuple(t.to(dtype)[None] for t in (q, k, v))
 
 
 def _gluon_config(over: dict):
