@@ -173,10 +173,14 @@ def build_app(state: ServerState) -> Starlette:
     async def internal_error(_request: HttpRequest, _exc: Exception) -> JSONResponse:
         return _error(500, "internal error (details in the server log)")
 
-    return Starlette(routes=[Route("/health", health, methods=["GET"]),
-                             Route("/metrics", metrics, methods=["GET"]),
-                             Route("/v1/generate", generate, methods=["POST"])],
-                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app = Starlette(routes=[Route("/health", health, methods=["GET"]),
+                            Route("/metrics", metrics, methods=["GET"]),
+                            Route("/v1/generate", generate, methods=["POST"])],
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    # Starlette answers /health/ with a 307 whose Location it builds from the client's Host
+    # header (an empty body; a client chooses where the server points): a path is exact here.
+    app.router.redirect_slashes = False
+    return app
 
 
 class _Protocol(H11Protocol):

@@ -281,3 +281,13 @@ def test_answers_are_not_held_by_nagle(app):
                 data += s.recv(65536)
             times.append(time.perf_counter() - t0)
     assert sorted(times)[10] < 0.030, sorted(times)
+
+
+def test_a_trailing_slash_is_a_404_json_not_a_redirect(app):
+    """Starlette redirected /health/ with a 307, an empty body and a Location built from the
+    client's Host header (a client can make the server point anywhere)."""
+    for raw in (b"GET /health/ HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+                _post(b'{"steps": 1}').replace(b"/v1/generate ", b"/v1/generate/ ")):
+        headers = _json_error(_exchange(app.port, raw), 404)
+        assert "location" not in headers
+    assert len(app.jobs) == 0
