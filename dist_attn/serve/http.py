@@ -70,8 +70,11 @@ def build_app(state: ServerState) -> Starlette:
     def refused(request: HttpRequest) -> JSONResponse | None:
         if state.api_key is None:
             return None
-        given = request.headers.get("authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+        # The scheme is case-insensitive (RFC 9110 11.1: curl users send "bearer"); the token
+        # is compared exactly, in constant time.
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              state.api_key.encode()):
             return None
         return _error(401, "missing or wrong bearer token",
                       headers={"www-authenticate": "Bearer"})

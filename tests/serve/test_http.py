@@ -291,3 +291,14 @@ def test_a_trailing_slash_is_a_404_json_not_a_redirect(app):
         headers = _json_error(_exchange(app.port, raw), 404)
         assert "location" not in headers
     assert len(app.jobs) == 0
+
+
+def test_the_bearer_scheme_is_case_insensitive(app):
+    """RFC 9110 11.1: the auth scheme is case-insensitive; the token is not."""
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        raw = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: {scheme} {KEY}\r\n\r\n"
+        assert _parse(_exchange(app.port, raw.encode()))[0] == 200, scheme
+    raw = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY.upper()}\r\n\r\n"
+    _json_error(_exchange(app.port, raw.encode()), 401)
+    raw = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {KEY}\r\n\r\n"
+    _json_error(_exchange(app.port, raw.encode()), 401)
