@@ -67,6 +67,10 @@ def build_app(state: ServerState) -> Starlette:
     """The ASGI app over ``state``."""
     cfg, limits = state.cfg, state.cfg.serve
 
+    def fail(status: int, message: str, **kw: Any) -> JSONResponse:
+        state.metrics.error(status)
+        return _error(status, message, **kw)
+
     def refused(request: HttpRequest) -> JSONResponse | None:
         if state.api_key is None:
             return None
@@ -76,12 +80,7 @@ def build_app(state: ServerState) -> Starlette:
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                               state.api_key.encode()):
             return None
-        return _error(401, "missing or wrong bearer token",
-                      headers={"www-authenticate": "Bearer"})
-
-    def fail(status: int, message: str, **kw: Any) -> JSONResponse:
-        state.metrics.error(status)
-        return _error(status, message, **kw)
+        return fail(401, "missing or wrong bearer token", headers={"www-authenticate": "Bearer"})
 
     async def health(_request: HttpRequest) -> JSONResponse:
         silent = state.liveness.silent_s()
@@ -170,8 +169,8 @@ def build_app(state: ServerState) -> Starlette:
         return Response(body, media_type="application/json")
 
     async def http_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPException)
-        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+        assert isinstance(exc, HTTPException)  # 404 and 405 from the router
+        return fail(exc.status_code, str(exc.detail), headers=exc.headers)
 
     async def internal_error(_request: HttpRequest, _exc: Exception) -> JSONResponse:
         return _error(500, "internal error (details in the server log)")
@@ -198,6 +197,8 @@ class _Protocol(H11Protocol):
 
     _head_timer: asyncio.TimerHandle | None = None
     _head: bytes = b""
+    metrics: Metrics | None = None
+    """Where the rejections this protocol answers itself are counted (set per server)."""
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -251,6 +252,8 @@ class _Protocol(H11Protocol):
                                    "serve.max_header_bytes)")
 
     def _send_json_error(self, status: int, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.error(status)
         body = json.dumps({"error": {"code": status, "message": message}}).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
@@ -265,7 +268,10 @@ class HttpServer:
 
     def __init__(self, state: ServerState, sock: Any) -> None:
         limits = state.cfg.serve
-        config = uvicorn.Config(build_app(state), http=_Protocol, lifespan="off",
+        # A subclass per server, so that the protocol's own rejections reach this server's
+        # metrics (uvicorn builds protocols from a class and its own keyword arguments).
+        protocol = type("_ServerProtocol", (_Protocol,), {"metrics": state.metrics})
+        config = uvicorn.Config(build_app(state), http=protocol, lifespan="off",
                                 log_config=None, access_log=False, server_header=False,
                                 timeout_keep_alive=limits.idle_timeout_s,
                                 h11_max_incomplete_event_size=limits.max_header_bytes,

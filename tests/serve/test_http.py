@@ -302,3 +302,20 @@ def test_the_bearer_scheme_is_case_insensitive(app):
     _json_error(_exchange(app.port, raw.encode()), 401)
     raw = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {KEY}\r\n\r\n"
     _json_error(_exchange(app.port, raw.encode()), 401)
+
+
+def test_every_rejection_is_counted_in_the_error_metrics(app):
+    """401 (auth), 431 (head too large) and the protocol's own 400s were answered but never
+    counted; 404 and 405 neither."""
+    port = app.port
+    _json_error(_exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"), 401)
+    huge_head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20_000 + b"\r\n\r\n"
+    _json_error(_exchange(port, huge_head), 431)
+    _json_error(_exchange(port, b"\x16\x03\x01 not http\r\n\r\n"), 400)
+    _json_error(_exchange(port, _post(b"{}", "Content-Length: 2\r\n")), 400)
+    _json_error(_exchange(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n"), 404)
+    _json_error(_exchange(port, b"BREW /v1/generate HTTP/1.1\r\nHost: x\r\n\r\n"), 405)
+    samples = metric_samples(app.metrics.render().decode())
+    got = {code: samples.get(f'dist_attn_request_errors_total{{code="{code}"}}')
+           for code in ("400", "401", "404", "405", "431")}
+    assert got == {"400": 2, "401": 1, "404": 1, "405": 1, "431": 1}, got
