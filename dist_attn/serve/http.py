@@ -63,6 +63,12 @@ def _error(status: int, message: str, *, close: bool = False,
                         headers=hdrs)
 
 
+def _consume(future: asyncio.Future) -> None:
+    """Marks a future's outcome as seen (its answer went nowhere: the client left)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def build_app(state: ServerState) -> Starlette:
     """The ASGI app over ``state``."""
     cfg, limits = state.cfg, state.cfg.serve
@@ -151,12 +157,18 @@ def build_app(state: ServerState) -> Starlette:
             if reason is Abort.NONE:
                 continue
             job.cancel(reason)  # a running job is aborted (and counted) by the rank-0 loop
+            # Nobody awaits the future from here on; the loop still fails the job, and asyncio
+            # would log that unretrieved failure as an ERROR with a traceback.
+            future.add_done_callback(_consume)
             if state.jobs.remove(job):
                 state.metrics.cancelled(reason.label)
                 job.fail(499, "cancelled while queued")
+            rid = job.request.request_id
             if reason is Abort.CLIENT_GONE:
+                log.info("%s: client disconnected; the request is cancelled", rid)
                 return Response(status_code=499)
-            return _error(504, f"{job.request.request_id} not done within its deadline")
+            log.info("%s: deadline passed; the request is cancelled", rid)
+            return _error(504, f"{rid} not done within its deadline")
         try:
             result = future.result()
         except JobError as e:

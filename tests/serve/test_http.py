@@ -319,3 +319,25 @@ def test_every_rejection_is_counted_in_the_error_metrics(app):
     got = {code: samples.get(f'dist_attn_request_errors_total{{code="{code}"}}')
            for code in ("400", "401", "404", "405", "431")}
     assert got == {"400": 2, "401": 1, "404": 1, "405": 1, "431": 1}, got
+
+
+def test_a_client_gone_while_its_job_runs_logs_info_not_an_asyncio_error(app, caplog):
+    """The handler left the job's future unawaited; when the loop later failed the job, asyncio
+    logged 'ERROR asyncio: Future exception was never retrieved' with a traceback. A client that
+    leaves is a normal event."""
+    import gc
+    import logging
+
+    caplog.set_level(logging.INFO)
+    with socket.create_connection(("127.0.0.1", app.port), timeout=5) as s:
+        s.sendall(_post(b'{"steps": 1}'))
+        job = app.jobs.get(timeout=5)  # the loop took it: it is running, not queued
+    _wait(lambda: job.abort_reason().label == "client_gone", timeout=5)
+    job.fail(499, "client disconnected")  # what the rank-0 loop does after the abort
+    time.sleep(0.5)  # the failure reaches the HTTP thread's event loop
+    gc.collect()  # asyncio reports unretrieved exceptions when the future is collected
+    time.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [
+        (r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+    gone = [r for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert gone and all(r.levelno == logging.INFO and r.exc_info is None for r in gone)
