@@ -21,12 +21,9 @@ import sys
 import tomllib
 from typing import Any
 
-__all__ = ["API_KEY_ENV", "build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "main"]
 
 log = logging.getLogger(__name__)
-
-#: Environment variable holding the API key (keeps the secret off the command line).
-API_KEY_ENV = "DIST_ATTN_API_KEY"
 
 # flag dest -> config field it overrides
 _FLAG_FIELDS = {
@@ -69,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile each DiT block (attention stays one opaque op); the "
                         "first request of each new shape compiles")
     p.add_argument("--host", help="HTTP bind address (rank 0; default loopback, others warn)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"bearer token required on every endpoint but /health (default: "
-                        f"${API_KEY_ENV})")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token required on every endpoint but /health (default: "
+                        "$DIST_ATTN_API_KEY; empty means no key)")
     p.add_argument("--port", type=int, help="HTTP port (0: pick a free one)")
     p.add_argument("--frames", type=int)
     p.add_argument("--height", type=int)
@@ -136,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     from dist_attn.distributed import init_distributed
     from dist_attn.serve.checks import run_launch_checks
     from dist_attn.serve.logs import setup_logging
-    from dist_attn.serve.process import bind_listener, exposure_warnings, set_parent_death_signal
+    from dist_attn.serve.process import (bind_listener, exposure_warnings, resolve_api_key,
+                                         set_parent_death_signal)
     from dist_attn.serve.protocol import RequestError, parse_request
 
     setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
@@ -147,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg.check_world(world)
     except ValueError as e:
         _rank0_error(rank, f"invalid config: {e}")
+        return 1
+    try:
+        api_key = resolve_api_key(args.api_key, os.environ)
+    except ValueError as e:
+        _rank0_error(rank, str(e))
         return 1
     once_req = None
     if args.once:
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             local_failures.append(f"port: cannot listen on {host}:{port} ({e.strerror or e}); "
                                   "choose another with --port")
-        for warning in exposure_warnings(host, args.api_key):
+        for warning in exposure_warnings(host, api_key):
             log.warning("%s", warning)
     try:
         backend, failures = run_launch_checks(cfg, env, dtype, local_failures)
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
         return serve(cfg, env, engine, listener=listener, once=once_req, info=info,
-                     api_key=args.api_key)
+                     api_key=api_key)
     finally:
         if listener is not None:
             listener.close()

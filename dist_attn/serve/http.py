@@ -53,6 +53,10 @@ class ServerState:
     mean_run_s: float = 1.0
     """Recent request duration, for Retry-After (updated by the loop)."""
 
+    def __post_init__(self) -> None:
+        if self.api_key == "":  # would refuse every request (process.resolve_api_key says why)
+            raise ValueError("api_key='' is not a key: pass None for no key")
+
 
 def _error(status: int, message: str, *, close: bool = False,
            headers: dict[str, str] | None = None) -> JSONResponse:

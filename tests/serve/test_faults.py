@@ -47,7 +47,8 @@ def _short_request_is_served(srv, timeout: float = 30) -> None:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    with server(tmp, 2, *FLAGS, "--output-dir", str(tmp / "out")) as s:
+    # DIST_ATTN_API_KEY set but empty means no key: it used to refuse every request with 401
+    with server(tmp, 2, *FLAGS, "--output-dir", str(tmp / "out"), DIST_ATTN_API_KEY="") as s:
         s.output_dir = str(tmp / "out")
         yield s
 
