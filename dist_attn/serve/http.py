@@ -27,7 +27,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dist_attn.serve.config import Config
-from dist_attn.serve.jobs import Abort, Job, JobError, JobQueue, Liveness, QueueFull
+from dist_attn.serve.jobs import Abort, Job, JobError, JobQueue, Liveness, QueueFull, StepTimes
 from dist_attn.serve.metrics import CONTENT_TYPE, Metrics
 from dist_attn.serve.protocol import RequestError, decode_json, parse_request
 
@@ -50,12 +50,26 @@ class ServerState:
     liveness: Liveness
     info: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
-    mean_run_s: float = 1.0
-    """Recent request duration, for Retry-After (updated by the loop)."""
+    step_times: StepTimes = field(default_factory=StepTimes)
+    """Measured step and overhead times (fed by the rank-0 loop): Retry-After and estimates."""
+    running: Job | None = None
+    """The /v1/generate job the rank-0 loop is running (None when idle or running a video)."""
 
     def __post_init__(self) -> None:
         if self.api_key == "":  # would refuse every request (process.resolve_api_key says why)
             raise ValueError("api_key='' is not a key: pass None for no key")
+
+    def generate_backlog_s(self) -> float:
+        """Expected seconds of work ahead of a new /v1/generate request: what is left of the
+        running one and every queued one, from measured step times."""
+        times, ahead = self.step_times, 0.0
+        running = self.running
+        if running is not None:
+            ahead += times.job_s(running.rows, running.request.steps, "generate",
+                                 steps_done=running.steps_done)
+        for job in self.jobs.snapshot():
+            ahead += times.job_s(job.rows, job.request.steps, "generate")
+        return ahead
 
 
 def _error(status: int, message: str, *, close: bool = False,
@@ -141,12 +155,14 @@ def build_app(state: ServerState) -> Starlette:
             return fail(e.status, str(e))
         if state.liveness.stopping:
             return fail(503, "server is shutting down")
-        job = Job(request=req, received=received,
+        job = Job(request=req, received=received, rows=req.layout(cfg).total,
                   deadline=received + (req.timeout_s or limits.request_timeout_s))
         try:
             state.jobs.put(job)
         except QueueFull:
-            retry = max(1, round(state.mean_run_s * (len(state.jobs) + 1)))
+            # When the work ahead is done, from measured step times (it said 41-76 s, from a
+            # mean of whole runs times the queue length, where the queue drained in ~30 s).
+            retry = StepTimes.retry_after(state.generate_backlog_s())
             return fail(429, f"queue full ({limits.queue_size} waiting)",
                         headers={"retry-after": str(retry)})
         return await wait_for_job(request, job)

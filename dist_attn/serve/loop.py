@@ -90,6 +90,7 @@ class _Rank0:
         """Rank 0's abort vote before a denoise step. The previous step's all-to-alls needed
         every rank, so reaching this point is also proof of life."""
         self.liveness.contact()
+        job.steps_done += 1  # the vote comes before every step after the first
         reason = job.abort_reason()
         since = self.shutdown.since
         if reason is Abort.NONE and since is not None and (
@@ -157,6 +158,7 @@ class _Rank0:
             return None
         started = time.perf_counter()
         exchange(Control(Op.RUN, req.wire()), self.env)
+        self.state.running = job
         try:
             result = self.engine.run(req, abort=lambda: self._vote(job))
         except Exception:
@@ -165,8 +167,12 @@ class _Rank0:
             self.metrics.error(500)
             job.fail(500, f"{req.request_id} failed; the server is stopping")
             raise
+        finally:
+            self.state.running = None
         assert result is not None
         self.liveness.contact()
+        for ms in result.step_latency_ms:
+            self.state.step_times.observe_step(job.rows, ms / 1e3)
         if result.aborted is not Abort.NONE:
             status, message = _ABORT_ANSWER[result.aborted]
             self.metrics.cancelled(result.aborted.label)
@@ -186,7 +192,8 @@ class _Rank0:
         now = time.perf_counter()
         result.queue_ms = round((started - job.received) * 1e3, 3)
         result.total_latency_ms = round((now - job.received) * 1e3, 3)
-        self.state.mean_run_s = 0.8 * self.state.mean_run_s + 0.2 * (now - started)
+        self.state.step_times.observe_overhead("generate", max(0.0, now - started
+                                                           - result.denoise_ms / 1e3))
         self.metrics.observe(now - job.received, result.tokens.used * req.steps,
                              result.denoise_ms / 1e3)
         job.finish(result)

@@ -341,3 +341,43 @@ def test_a_client_gone_while_its_job_runs_logs_info_not_an_asyncio_error(app, ca
         (r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
     gone = [r for r in caplog.records if "client disconnected" in r.getMessage()]
     assert gone and all(r.levelno == logging.INFO and r.exc_info is None for r in gone)
+
+
+def test_retry_after_comes_from_measured_step_times(app):
+    """It was a mean of whole runs times the queue length (41-76 s said, ~30 s to drain); now it
+    is the measured time of the work ahead: the running job's steps left and the queued jobs."""
+    from dist_attn.serve.jobs import Job
+    from dist_attn.serve.protocol import parse_request
+
+    rows = parse_request({"steps": 4}, app.cfg).layout(app.cfg).total
+    app.step_times.observe_step(rows, 0.5)
+    app.step_times.observe_overhead("generate", 0.25)
+    app.running = Job(request=parse_request({"steps": 4}, app.cfg), rows=rows, steps_done=3)
+    answers: list[bytes] = []
+    waiting = [_submit(app.port, b'{"steps": 4}', answers) for _ in range(2)]
+    _wait(lambda: len(app.jobs) == 2)
+    headers = _json_error(_exchange(app.port, _post(b'{"steps": 4}')), 429)
+    # running: 1 step left (0.5 + 0.25); queued: 2 x (4 x 0.5 + 0.25) -> 5.25 s -> 6
+    assert headers["retry-after"] == "6", headers
+    app.running = None
+    for _ in range(2):
+        app.jobs.get(timeout=1).finish(_Done())
+    for t in waiting:
+        t.join(10)
+
+
+def test_step_times_estimate_unmeasured_lengths_from_the_nearest():
+    from dist_attn.serve.jobs import StepTimes
+
+    times = StepTimes(default_step_s=2.0)
+    assert times.step_s(100) == 2.0  # nothing measured yet
+    times.observe_step(100, 1.0)
+    times.observe_step(100, 2.0)  # EWMA, alpha 0.3
+    assert times.step_s(100) == pytest.approx(1.3)
+    times.observe_step(1000, 5.0)
+    assert times.step_s(900) == pytest.approx(4.5)  # nearest (1000), scaled by length
+    assert times.job_s(100, 3, "video", steps_done=1) == pytest.approx(2.6)  # no overhead seen
+    times.observe_overhead("video", 4.0)
+    assert times.job_s(100, 3, "video", steps_done=3) == 0.0
+    assert times.job_s(100, 3, "video") == pytest.approx(3 * 1.3 + 4.0)
+    assert StepTimes.retry_after(0.01) == 1 and StepTimes.retry_after(5.2) == 6
