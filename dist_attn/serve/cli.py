@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
     p.add_argument("--pg-timeout", type=float, help="process-group timeout in seconds")
     p.add_argument("--heartbeat", type=float, help="idle heartbeat period in seconds")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="run torchrun on N local ranks under a supervisor that turns SIGTERM/"
+                        "SIGINT into rank 0's drain, so a clean stop exits 0 (torchrun alone "
+                        "exits 1 after a SIGTERM although every rank drained); not under "
+                        "torchrun")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-all-ranks", action="store_true",
                    help="log INFO on every rank, not only rank 0")
@@ -124,7 +129,18 @@ def _rank0_error(rank: int, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dist_attn.serve.supervise import (restore_default_signals, strip_flag, supervise,
+                                           under_torchrun)
+
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.nproc_per_node is not None:
+        if under_torchrun():
+            print("launch/serve.py: error: --nproc-per-node starts torchrun itself; under "
+                  "torchrun leave it out", file=sys.stderr, flush=True)
+            return 1
+        return supervise(args.nproc_per_node, strip_flag(argv, "--nproc-per-node"))
+    restore_default_signals()  # a rank under the supervisor inherits them ignored
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
 

@@ -165,3 +165,36 @@ def test_a_hung_peer_ends_the_job_within_the_process_group_timeout(tmp_path):
         t0 = time.monotonic()
         srv.wait_gone([pids[0]], timeout=30)
         assert time.monotonic() - t0 < 5.0 + 20  # the timeout plus teardown, not forever
+
+
+def test_sigterm_under_the_supervisor_drains_and_the_job_exits_0(tmp_path):
+    """torchrun's agent re-raises a SIGTERM as SignalException after its ranks drained, so the
+    job exited 1 with a traceback; `launch/serve.py --nproc-per-node N` runs torchrun under a
+    supervisor that passes the signal to rank 0 alone, which ends the job: exit status 0."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port, subprocess_env
+    from tests.serve._server import SERVE, Server
+
+    port = free_port()
+    log_path = str(tmp_path / "supervised.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, SERVE, "--nproc-per-node", "2", "--port",
+                                 str(port), *FLAGS], cwd=ROOT, env=subprocess_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    srv = Server(proc, port, log_path)
+    try:
+        srv.wait_healthy()
+        _short_request_is_served(srv)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, srv.log()[-3000:]
+        assert time.monotonic() - t0 < 20
+        log = srv.log()
+        for rank in (0, 1):
+            assert f"[rank {rank}] INFO dist_attn.serve.loop: shut down cleanly" in log, log[-3000:]
+        assert "SignalException" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        if proc.poll() is None:  # the agent goes with it; the ranks then get their parent-death
+            os.killpg(proc.pid, signal.SIGKILL)  # signal and leave
