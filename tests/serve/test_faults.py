@@ -198,3 +198,25 @@ def test_sigterm_under_the_supervisor_drains_and_the_job_exits_0(tmp_path):
     finally:
         if proc.poll() is None:  # the agent goes with it; the ranks then get their parent-death
             os.killpg(proc.pid, signal.SIGKILL)  # signal and leave
+
+
+def test_the_readme_timeout_example_times_out(srv):
+    """The README's `timeout_s` example was 40 steps of the default request, ~2 s on the tiny
+    model: it never timed out. The test runs the README's own line."""
+    import re
+
+    from tests.conftest import ROOT
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = [ln for ln in f if "/v1/generate" in ln and "timeout_s" in ln and "curl" in ln]
+    assert len(lines) == 1, lines
+    body = json.loads(re.search(r"-d '(\{.*?\})'", lines[0]).group(1))
+    claimed = float(re.search(r"aborted after (\d+(?:\.\d+)?) s", lines[0]).group(1))
+    assert body["timeout_s"] == claimed
+    t0 = time.monotonic()
+    status, text, _ = http("POST", srv.base + "/v1/generate", json.dumps(body).encode(),
+                           timeout=120)
+    elapsed = time.monotonic() - t0
+    assert status == 504 and "deadline" in text, (status, text)
+    assert claimed <= elapsed < claimed + 10, elapsed  # the deadline, then at most a step or two
+    _wait_for_log(srv, "aborted (deadline) after")
