@@ -43,6 +43,8 @@ _FLAG_FIELDS = {
     "num_tokens": "request.num_tokens",
     "steps": "request.steps",
     "seed": "request.seed",
+    "output_dir": "jobs.output_dir",
+    "video_runner": "jobs.runner",
 }
 
 
@@ -77,7 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "frames/height/width)")
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int)
-    p.add_argument("--output-dir", help="save each output latent as <request_id>.safetensors")
+    p.add_argument("--output-dir", help="where the video jobs' store and MP4s live (default "
+                                        "jobs.output_dir, ./outputs); given, /v1/generate also "
+                                        "saves each output latent there as "
+                                        "<request_id>.safetensors")
+    p.add_argument("--video-runner", help="what runs /v1/videos jobs: h3 (the pipeline), "
+                                          "synthetic (no model, for load tests) or off")
+    p.add_argument("--checkpoint", help="diffusers-format MiniMax-H3 directory for the video "
+                                        "pipeline (default: a tiny random one, built once into "
+                                        "a cache directory)")
     p.add_argument("--once", action="store_true",
                    help="run one request from the flags, print its JSON result, exit")
     p.add_argument("--check-only", action="store_true",
@@ -210,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if model is None:
             return 1
         engine = Engine(cfg, env, model, timer, output_dir=args.output_dir)
+        runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
                 "world_size": env.world_size, "backend": model.backend_name,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
@@ -217,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
         return serve(cfg, env, engine, listener=listener, once=once_req, info=info,
-                     api_key=api_key)
+                     api_key=api_key, runner=runner, videos=videos)
     finally:
         if listener is not None:
             listener.close()
@@ -260,3 +271,37 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, weights: str | None,
              sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
              model.backend_name, ", blocks compiled" if cfg.runtime.compile else "")
     return model, timer
+
+
+def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
+                rank: int) -> tuple[Any, Any]:
+    """The video runner on every rank and, on rank 0, the job store after its restart recovery
+    (``(None, None)`` with ``jobs.runner = "off"``)."""
+    from dist_attn.serve.api_videos import VideoJobs
+    from dist_attn.serve.mp4 import remove_stale_temporaries
+    from dist_attn.serve.runner import SyntheticRunner
+    from dist_attn.serve.store import JobStore
+    from dist_attn.serve.videos import VideoRules
+
+    jobs = cfg.jobs
+    if jobs.runner == "off":
+        return None, None
+    if jobs.runner == "synthetic":
+        rules = VideoRules(default_height=64, default_width=64, default_steps=cfg.request.steps,
+                           max_steps=cfg.serve.max_steps, max_rows=cfg.serve.max_tokens)
+        runner: Any = SyntheticRunner(env, step_s=jobs.synthetic_step_s, rules=rules)
+    else:
+        from dist_attn.serve.pipeline import H3Runner
+
+        runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint)
+    if rank != 0:
+        return runner, None
+    store = JobStore(jobs.output_dir)
+    recovery = store.recover()
+    stale = remove_stale_temporaries(os.path.join(jobs.output_dir, "videos"))
+    log.info("job store %s: %d queued (re-queued after a stop: %s; failed after a second: %s; "
+             "cancelled: %s); %d partial file(s) removed", store.path, recovery.queued,
+             recovery.requeued or "none", recovery.failed or "none",
+             recovery.cancelled or "none", len(stale))
+    return runner, VideoJobs(store=store, rules=runner.rules, max_queued=jobs.max_queued,
+                             output_dir=jobs.output_dir, thumbnail=jobs.thumbnail)

@@ -1,7 +1,9 @@
 """HTTP on rank 0: a Starlette app served by uvicorn in a thread of its own.
 
 Endpoints: ``GET /health`` (200 ok, 503 not ready or shutting down; never needs a token),
-``POST /v1/generate`` (JSON request -> JSON result), ``GET /metrics`` (Prometheus text). Every
+``POST /v1/generate`` (JSON request -> JSON result, the transformer-only benchmark path),
+``/v1/videos`` (the jobs API, :mod:`dist_attn.serve.api_videos`), ``GET /metrics`` (Prometheus
+text). Every
 error is a JSON body ``{"error": {"code", "message"}}``; no server banner; messages never carry
 server paths or library internals (those go to the log).
 """
@@ -26,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dist_attn.serve.api_videos import VideoJobs, video_routes
 from dist_attn.serve.config import Config
 from dist_attn.serve.jobs import Abort, Job, JobError, JobQueue, Liveness, QueueFull, StepTimes
 from dist_attn.serve.metrics import CONTENT_TYPE, Metrics
@@ -54,6 +57,8 @@ class ServerState:
     """Measured step and overhead times (fed by the rank-0 loop): Retry-After and estimates."""
     running: Job | None = None
     """The /v1/generate job the rank-0 loop is running (None when idle or running a video)."""
+    videos: VideoJobs | None = None
+    """The video jobs (store, rules, the running one); None serves /v1/generate alone."""
 
     def __post_init__(self) -> None:
         if self.api_key == "":  # would refuse every request (process.resolve_api_key says why)
@@ -130,11 +135,8 @@ def build_app(state: ServerState) -> Starlette:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def generate(request: HttpRequest) -> Response:
-        received = time.perf_counter()
-        denied = refused(request)
-        if denied:
-            return denied
+    async def read_json(request: HttpRequest) -> Any:
+        """The decoded JSON body within the limits, or the error Response to send."""
         if "transfer-encoding" in request.headers or "content-length" not in request.headers:
             return fail(411, "Content-Length required (chunked bodies are not accepted)",
                         close=True)
@@ -150,7 +152,20 @@ def build_app(state: ServerState) -> Starlette:
             return fail(408, f"body not received within serve.idle_timeout_s="
                              f"{limits.idle_timeout_s}", close=True)
         try:
-            req = parse_request(decode_json(body, limits), cfg)
+            return decode_json(body, limits)
+        except RequestError as e:
+            return fail(e.status, str(e))
+
+    async def generate(request: HttpRequest) -> Response:
+        received = time.perf_counter()
+        denied = refused(request)
+        if denied:
+            return denied
+        payload = await read_json(request)
+        if isinstance(payload, Response):
+            return payload
+        try:
+            req = parse_request(payload, cfg)
         except RequestError as e:
             return fail(e.status, str(e))
         if state.liveness.stopping:
@@ -207,9 +222,12 @@ def build_app(state: ServerState) -> Starlette:
     async def internal_error(_request: HttpRequest, _exc: Exception) -> JSONResponse:
         return _error(500, "internal error (details in the server log)")
 
-    app = Starlette(routes=[Route("/health", health, methods=["GET"]),
-                            Route("/metrics", metrics, methods=["GET"]),
-                            Route("/v1/generate", generate, methods=["POST"])],
+    routes = [Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"]),
+              Route("/v1/generate", generate, methods=["POST"])]
+    if state.videos is not None:
+        routes += video_routes(state, refused=refused, fail=fail, read_json=read_json)
+    app = Starlette(routes=routes,
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     # Starlette answers /health/ with a 307 whose Location it builds from the client's Host
     # header (an empty body; a client chooses where the server points): a path is exact here.

@@ -29,6 +29,8 @@ class Abort(enum.IntEnum):
     CLIENT_GONE = 1
     DEADLINE = 2
     SHUTDOWN = 3
+    CANCELLED = 4
+    """The client cancelled the job (DELETE /v1/videos/{id})."""
 
     @property
     def label(self) -> str:
