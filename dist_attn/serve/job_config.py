@@ -22,7 +22,7 @@ class JobsConfig:
     max_queued: int = 256
     """Video jobs waiting beyond this get 429 with Retry-After (they are on disk: the bound is
     the promise a client gets, not memory)."""
-    runner: RunnerName = "off"
+    runner: RunnerName = "h3"
     """What runs a job: "h3" (the MiniMax-H3 pipeline), "synthetic" (a test pattern and a tone,
     no model: the serving layer alone, for load tests) or "off" (/v1/generate only)."""
     synthetic_step_s: float = 0.05

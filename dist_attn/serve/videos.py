@@ -102,7 +102,8 @@ class VideoRequest:
     height: int
     width: int
     steps: int
-    """Denoising steps."""
+    """Denoising steps: transformer forwards (the scheduler's grid has one point more, the
+    terminal 0)."""
     seed: int
     """Seed of the request's generator (chosen at random when the client gave none; reported)."""
     rows: int = 0
