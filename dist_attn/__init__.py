@@ -7,7 +7,7 @@ from dist_attn.varlen import sage_varlen, trailing_padding_used_len
 from dist_attn.distributed import DistEnv, init_distributed
 from dist_attn.buffers import StagingBuffers, StagingCapacityError, default_staging_buffers
 from dist_attn.profiling import PhaseTimer
-from dist_attn.sharding import SequenceShard, gather_sequence, plan_shard, shard_sequence
+from dist_attn.sharding import SequenceShard, gather_sequence, plan_shard, shard_rows, shard_sequence
 from dist_attn.ulysses import UlyssesSageAttention, ulysses_attention
 from dist_attn.mesh import init_usp_mesh, shard_index
 
@@ -31,6 +31,7 @@ __all__ = [
     "resolve_backend",
     "sage_varlen",
     "shard_index",
+    "shard_rows",
     "shard_sequence",
     "trailing_padding_used_len",
     "ulysses_attention",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dist_attn.distributed import group_size_and_rank
 
-__all__ = ["SequenceShard", "plan_shard", "shard_sequence", "gather_sequence"]
+__all__ = ["SequenceShard", "plan_shard", "shard_rows", "shard_sequence", "gather_sequence"]
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,33 @@ def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1,
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension (the sequence axis)")
     shard = plan_shard(x.shape[dim], group, multiple_of=multiple_of)
+    return shard_rows(x, shard, dim=dim), shard
+
+
+def shard_rows(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1) -> torch.Tensor:
+    """This rank's rows of ``x`` under an existing plan, zero-padded at the end.
+
+    The pure half of :func:`shard_sequence` (no process-group query, so it traces under
+    torch.compile): a caller that already holds the plan of a sequence cuts every tensor that
+    carries it with the same rows.
+
+    Args:
+        x: the full tensor with ``shard.valid_len`` rows along ``dim``, e.g. ``[B, S, ...]``.
+        shard: the plan (from :func:`plan_shard`).
+        dim: the sequence axis.
+
+    Returns:
+        ``shard.local_len`` rows along ``dim`` (a fresh contiguous tensor; ``x`` is not modified).
+    """
+    dim = dim % x.ndim
+    if x.shape[dim] != shard.valid_len:
+        raise ValueError(f"x has {x.shape[dim]} rows along dim {dim} (shape {tuple(x.shape)}) but "
+                         f"the plan is for a sequence of valid_len={shard.valid_len} rows")
     rows = x.narrow(dim, min(shard.start, x.shape[dim]), shard.local_valid)
     if shard.local_valid < shard.local_len:
         pad = [0, 0] * (x.ndim - 1 - dim) + [0, shard.local_len - shard.local_valid]
-        return F.pad(rows, pad), shard
-    return rows.contiguous(), shard
+        return F.pad(rows, pad)
+    return rows.contiguous()
 
 
 def gather_sequence(x_local: torch.Tensor, shard: SequenceShard, group=None, *,

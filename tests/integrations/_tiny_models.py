@@ -111,3 +111,73 @@ def build(kind: str, heads: int, batch: int, frames: int, height: int, width: in
     if kind == "ltx":
         return tiny_ltx(heads), ltx_inputs(batch, frames, height, width, per_token_timestep=per_token)
     raise ValueError(f"kind={kind!r} must be 'wan' or 'ltx'")
+
+
+# ---- MiniMax-H3 -------------------------------------------------------------------------------
+# H3's real structure at toy widths: a 2-block token refiner, a [text | keyframe | audio | video]
+# packed layout with rows at three timesteps, RoPE on 2 * 3 * rope_freq_dim = 12 of 16 head
+# channels (H3: 96 of 128), SwiGLU FFN, the per-(timestep, modality) AdaLN table.
+H3_HEAD_DIM = 16
+H3_VIDEO_CHANNELS = 4  # x the (1, 2, 2) patch = 16 channels per video row
+H3_AUDIO_CHANNELS = 6
+H3_TEXT_DIM = 12
+
+
+def tiny_h3(heads: int, *, seed: int = 0, layers: int = 2):
+    """``MiniMaxH3Transformer3DModel`` with ``heads`` x 16-channel heads, ``layers`` blocks and
+    H3's 2 refiner blocks, every parameter redrawn from a seeded N(0, 0.15^2) (float32)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    model = MiniMaxH3Transformer3DModel(
+        num_attention_heads=heads, attention_head_dim=H3_HEAD_DIM, hidden_size=32, num_layers=layers,
+        num_refiner_layers=2, ffn_dim=48, in_channels=H3_VIDEO_CHANNELS,
+        audio_in_channels=H3_AUDIO_CHANNELS, patch_size=(1, 2, 2), text_dim=H3_TEXT_DIM,
+        freq_dim=16, time_embed_hidden_dim=24, time_embed_dim=20, rope_freq_dim=2,
+    )
+    return _redraw(model, seed)
+
+
+def h3_layout_functions():
+    """``(build_packed_sequence, build_row_timesteps)`` of diffusers' H3 modular pipeline.
+
+    The pipeline package imports ``transformers`` (for its Qwen3-VL text encoder) through
+    ``diffusers.loaders.MiniMaxH3LoraLoaderMixin``; the layout code needs none of it. Without
+    transformers installed (the ``diffusers`` extra does not bring it) the mixin is stood in by an
+    empty class so that ``before_denoise`` imports, unchanged."""
+    import diffusers.loaders as loaders
+
+    try:
+        loaders.MiniMaxH3LoraLoaderMixin  # noqa: B018 - present when transformers is installed
+    except (ImportError, AttributeError, RuntimeError):
+        loaders.MiniMaxH3LoraLoaderMixin = type("MiniMaxH3LoraLoaderMixin", (), {})
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3PrepareLayoutStep, MiniMaxH3SetTimestepsStep,
+    )
+
+    return MiniMaxH3PrepareLayoutStep.build_packed_sequence, MiniMaxH3SetTimestepsStep.build_row_timesteps
+
+
+def h3_inputs(batch: int, *, text: int = 5, frames: int = 2, height: int = 4, width: int = 6,
+              audio: int = 3, keyframes: tuple[str, ...] = ("first",), seed: int = 1) -> dict:
+    """Full forward arguments of :func:`tiny_h3`, laid out by diffusers' own pipeline code
+    (``fl2va``: ``[text | keyframe rows | audio | video]``). ``frames`` x ``height`` x ``width`` are
+    video latents (patch 1x2x2), ``audio`` audio latents per channel (2 channels). Rows sit at
+    three timesteps: video 0.3, audio 0.4, keyframes 0.999.
+
+    S = text + (len(keyframes) + frames) * (height/2) * (width/2) + 2 * audio; the default is
+    5 + 6 + 12 + 6 = 29 rows, which 2, 3 and 4 do not divide."""
+    build_packed_sequence, build_row_timesteps = h3_layout_functions()
+    layout = build_packed_sequence(torch.ones(text, dtype=torch.long), frames, height, width, audio,
+                                   (1, 2, 2), 2, 2, 0, keyframes)
+    position_ids, token_tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = layout
+    timestep, timestep_indices = build_row_timesteps(video_indices, audio_indices, n_cond_video,
+                                                     n_cond_audio, text, 0.3, 0.4, 0.999, 1.0)
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, video_indices.numel(), H3_VIDEO_CHANNELS * 4, generator=g),
+        "audio_hidden_states": torch.randn(batch, audio_indices.numel(), H3_AUDIO_CHANNELS, generator=g),
+        "encoder_hidden_states": torch.randn(batch, text, H3_TEXT_DIM, generator=g),
+        "timestep": timestep, "timestep_indices": timestep_indices, "token_tags": token_tags,
+        "position_ids": position_ids, "video_indices": video_indices,
+        "audio_indices": audio_indices, "text_indices": text_indices,
+    }

@@ -17,7 +17,7 @@ from dist_attn.integrations.diffusers import (  # noqa: E402
     disable_ulysses, enable_ulysses, supported_models,
 )
 from tests.conftest import subprocess_env  # noqa: E402
-from tests.integrations._tiny_models import tiny_wan, wan_inputs  # noqa: E402
+from tests.integrations._tiny_models import h3_inputs, tiny_h3, tiny_wan, wan_inputs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +40,42 @@ def test_without_process_group_runs_as_one_rank_bit_identical():
     # One rank: same rows, same kernels (SDPA in both), so no rounding may differ.
     assert torch.equal(out, ref), float((out - ref).abs().max())
     assert torch.equal(_run(model, inputs), ref)
+
+
+def test_h3_without_process_group_bit_identical_sample_and_audio_sample():
+    model = tiny_h3(4)
+    inputs = h3_inputs(2)  # S = 29 rows of text, keyframe, audio and video at three timesteps
+    with torch.no_grad():
+        ref = model(**inputs, return_dict=False)
+        with enable_ulysses(model, backend="sdpa"):
+            out = model(**inputs)
+    assert torch.equal(out.sample, ref[0]), float((out.sample - ref[0]).abs().max())
+    assert torch.equal(out.audio_sample, ref[1]), float((out.audio_sample - ref[1]).abs().max())
+    model.fuse_qkv_projections()  # the processor projects through one to_qkv
+    assert model.transformer_blocks[0].attn.fused_projections
+    with enable_ulysses(model, backend="sdpa"), torch.no_grad():
+        fused = model(**inputs, return_dict=False)
+    torch.testing.assert_close(fused, ref, rtol=0, atol=1e-5)
+
+
+def test_h3_bad_inputs_name_the_argument():
+    model = tiny_h3(2)
+    enable_ulysses(model)
+    inputs = h3_inputs(1)
+    with pytest.raises(ValueError, match=r"audio_hidden_states of shape \(2, 6, 6\) has batch 2 but "
+                                         r"hidden_states of shape \(1, 18, 16\) has batch 1"):
+        _run(model, {**inputs, "audio_hidden_states": torch.zeros(2, 6, 6)})
+    with pytest.raises(ValueError, match=r"position_ids=shape \(29,\) must be a \[S, 3\] tensor"):
+        _run(model, {**inputs, "position_ids": inputs["position_ids"][:, 0]})
+    with pytest.raises(ValueError, match=r"video_indices=shape \(17,\) must be a \[18\] tensor: one "
+                                         r"packed position per row of hidden_states"):
+        _run(model, {**inputs, "video_indices": inputs["video_indices"][:-1]})
+    with pytest.raises(ValueError, match=r"timestep_indices=a NoneType must be a \[S\] tensor with S=29"):
+        _run(model, {**inputs, "timestep_indices": None})
+    with pytest.raises(RuntimeError, match=r"called outside the transformer's forward"):
+        with torch.no_grad():
+            model.transformer_blocks[0].attn(torch.zeros(1, 29, 32))
+    _run(model, inputs)  # a good call after the failures works
 
 
 def test_fused_projections_one_rank_bit_identical():
@@ -87,7 +123,8 @@ def test_remove_restores_processors_and_hooks_and_disable_is_idempotent():
 
 
 def test_supported_models():
-    assert supported_models() == ("WanTransformer3DModel", "LTXVideoTransformer3DModel")
+    assert supported_models() == ("WanTransformer3DModel", "LTXVideoTransformer3DModel",
+                                  "MiniMaxH3Transformer3DModel")
 
 
 def test_unsupported_models_are_refused_naming_the_supported_ones():
@@ -97,7 +134,7 @@ def test_unsupported_models_are_refused_naming_the_supported_ones():
                                       out_channels=4, num_layers=1, sample_width=8, sample_height=8,
                                       sample_frames=5, text_embed_dim=16, time_embed_dim=8)
     with pytest.raises(TypeError, match=r"CogVideoXTransformer3DModel is not supported.*supported: .*"
-                                        r"WanTransformer3DModel, LTXVideoTransformer3DModel"):
+                                        r"WanTransformer3DModel, LTXVideoTransformer3DModel, MiniMaxH3Transformer3DModel"):
         enable_ulysses(cog)
     with pytest.raises(TypeError, match=r"torch.nn.modules.linear.Linear is not supported"):
         enable_ulysses(torch.nn.Linear(2, 2))

@@ -15,7 +15,8 @@ work on 1/W of the tokens, and each self-attention is one pair of all-to-alls::
 
 Unlike diffusers' context parallelism, sequence lengths and head counts need not be multiples of
 the rank count W: the sequence is padded to a multiple of W (padding keys are never attended),
-and heads (times the batch) are spread unevenly. Forward only.
+and heads (times the batch) are spread unevenly. Forward only. With ``mesh=`` (a ``("ring",
+"ulysses")`` mesh from :func:`dist_attn.init_usp_mesh`) the attention is Ulysses x Ring.
 
 Supported models are those listed by :func:`supported_models`; any other transformer is refused
 with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
@@ -38,11 +39,14 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from dist_attn.backends import available_backends
-from dist_attn.distributed import group_size_and_rank
+from dist_attn.distributed import group_size_and_rank, register_for_compile
 from dist_attn.integrations.diffusers._runtime import Runtime, install_hooks
 from dist_attn.integrations.diffusers._spec import ModelSpec
 from dist_attn.integrations.diffusers._ltx import LTX
+from dist_attn.integrations.diffusers._minimax_h3 import MINIMAX_H3
 from dist_attn.integrations.diffusers._wan import WAN
+from dist_attn.mesh import check_mesh_or_group, parallel_groups
+from dist_attn.profiling import PhaseTimer
 
 __all__ = ["UlyssesHandle", "disable_ulysses", "enable_ulysses", "supported_models"]
 
@@ -53,7 +57,7 @@ logger = logging.getLogger(__name__)
 TESTED_DIFFUSERS = "0.42.1"
 
 # One owner for "which models are supported": the class name -> its plan.
-_SPECS: dict[str, ModelSpec] = {spec.model_class.__name__: spec for spec in (WAN, LTX)}
+_SPECS: dict[str, ModelSpec] = {spec.model_class.__name__: spec for spec in (WAN, LTX, MINIMAX_H3)}
 _HANDLE_ATTR = "_dist_attn_ulysses"
 
 
@@ -77,6 +81,11 @@ class UlyssesHandle:
         """The process group as given (None = the default group)."""
         return self.runtime.group
 
+    @property
+    def mesh(self):
+        """The ``("ring", "ulysses")`` mesh as given, or None."""
+        return self.runtime.mesh
+
     def remove(self) -> None:
         """Restores diffusers' processors and removes every hook; calling it twice is a no-op."""
         if self.removed:
@@ -98,8 +107,9 @@ class UlyssesHandle:
         self.remove()
 
 
-def enable_ulysses(transformer: nn.Module, group=None, *, backend: str = "auto") -> UlyssesHandle:
-    """Makes ``transformer`` sequence-parallel over the ranks of ``group``, in place.
+def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: str = "auto",
+                   timer=None) -> UlyssesHandle:
+    """Makes ``transformer`` sequence-parallel over the ranks of ``group`` (or ``mesh``), in place.
 
     Afterwards every rank calls ``transformer(...)`` (or the pipeline that owns it) with the same
     full inputs, under ``torch.no_grad()`` or ``torch.inference_mode()``, and receives the same
@@ -112,8 +122,14 @@ def enable_ulysses(transformer: nn.Module, group=None, *, backend: str = "auto")
             self-attention modules still hold diffusers' default processor.
         group: process group of the Ulysses ranks (None = the default group; not initialised or
             one rank = local attention, no collectives).
+        mesh: instead of ``group``, a ``("ring", "ulysses")`` DeviceMesh over the whole default
+            group, shard ``r*U + u`` at global rank ``r*U + u`` (as :func:`dist_attn.init_usp_mesh`
+            builds it): the all-to-all runs inside each Ulysses row and K/V rotate around the ring
+            (needs a backend with a log-sum-exp, e.g. ``"sdpa"``).
         backend: dist_attn attention backend for the self-attention (``"auto"``, ``"sdpa"``,
             ``"sage8"``, ...; see :func:`dist_attn.available_backends`).
+        timer: optional :class:`dist_attn.PhaseTimer` that every eager self-attention reports its
+            phases to (pack, all-to-alls, kernel, ...); compiled attention reports nothing.
 
     Returns:
         A :class:`UlyssesHandle`; ``handle.remove()`` (or leaving ``with handle:``) restores the
@@ -136,7 +152,20 @@ def enable_ulysses(transformer: nn.Module, group=None, *, backend: str = "auto")
         )
     if not isinstance(backend, str) or backend not in available_backends():
         raise ValueError(f"backend={backend!r} must be one of {available_backends()}")
+    if timer is not None and not isinstance(timer, PhaseTimer):
+        raise TypeError(f"timer={timer!r} must be a dist_attn.PhaseTimer or None")
     group_size_and_rank(group)  # a group without torch.distributed raises here, naming it
+    check_mesh_or_group(mesh, group)
+    if mesh is not None:
+        groups = parallel_groups(mesh=mesh)
+        _, world, rank = group_size_and_rank(None)
+        if groups.world != world or groups.shard != rank:
+            raise ValueError(
+                f"mesh={mesh!r} puts shard {groups.shard} of {groups.world} at global rank {rank} of "
+                f"{world}: enable_ulysses cuts the sequence over the default group, so the mesh must "
+                f"span it with shard r*U + u at global rank r*U + u (build it with "
+                f"dist_attn.init_usp_mesh)"
+            )
     if getattr(transformer, _HANDLE_ATTR, None) is not None:
         raise ValueError("this transformer is already sequence-parallel (enable_ulysses was "
                          "called before); call handle.remove() or disable_ulysses() first")
@@ -157,7 +186,9 @@ def enable_ulysses(transformer: nn.Module, group=None, *, backend: str = "auto")
         logger.warning("diffusers %s is installed; dist_attn's %s processor was written for %s",
                        _diffusers.__version__, type(transformer).__name__, TESTED_DIFFUSERS)
 
-    runtime = Runtime(spec=spec, group=group, backend=backend)
+    # Compiled attention names its group by a key that must be entered outside the traced code.
+    register_for_compile(group, mesh)
+    runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer)
     handle = UlyssesHandle(transformer=transformer, runtime=runtime)
     install_hooks(runtime, transformer)
     for _, attn in attns:
@@ -165,8 +196,8 @@ def enable_ulysses(transformer: nn.Module, group=None, *, backend: str = "auto")
         attn.set_processor(spec.make_processor(runtime))
     setattr(transformer, _HANDLE_ATTR, handle)
     logger.info("enable_ulysses: %s, %d self-attention modules through dist_attn (backend=%r, "
-                "group of %d rank(s))", type(transformer).__name__, len(attns), backend,
-                group_size_and_rank(group)[1])
+                "%s)", type(transformer).__name__, len(attns), backend,
+                parallel_groups(mesh=mesh, group=group).desc)
     return handle
 
 

@@ -17,7 +17,6 @@ from diffusers import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 from torch import nn
 
-from dist_attn import ulysses_attention
 from dist_attn.integrations.diffusers._spec import ForwardInputs, ModelSpec, ShardPoint
 
 __all__ = ["LTX", "LTXUlyssesProcessor"]
@@ -53,7 +52,6 @@ class LTXUlyssesProcessor:
                  attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, S_local, C]`` -> ``[B, S_local, C]``."""
-        shard = self._rt.current("an LTX self-attention (attn1)")
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("LTXUlyssesProcessor is self-attention without a mask: got "
                              f"encoder_hidden_states={encoder_hidden_states is not None}, "
@@ -65,8 +63,7 @@ class LTXUlyssesProcessor:
             q, k = _rotate(q, *image_rotary_emb), _rotate(k, *image_rotary_emb)
         # [B, S_local, H*D] -> [B, S_local, H, D]
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        out = ulysses_attention(q, k, v, valid_len=shard.valid_len,
-                                group=self._rt.group, backend=self._rt.backend)
+        out = self._rt.attend(q, k, v, "an LTX self-attention (attn1)")
         out = out.flatten(2, 3).to(q.dtype)  # [B, S_local, H, D] -> [B, S_local, H*D]
         return attn.to_out[1](attn.to_out[0](out))
 

@@ -3,8 +3,10 @@
 Every rank calls the transformer with the FULL inputs. The forward pre-hook checks them (once
 across the ranks, then locally), plans the shard of the S-token sequence (padded to a multiple of W)
 and cuts the per-token forward arguments; the submodule hooks cut every other tensor that carries
-the sequence (hidden states entering the first block, RoPE tables) to this rank's rows and gather
-the output projection back to all S rows; the forward hook closes the plan.
+the sequence (hidden states entering the first block, RoPE tables, per-row index tensors) to this
+rank's rows and gather the output projections back to all S rows; the forward hook closes the plan.
+The processors' attention goes through :meth:`Runtime.attend`, the one place that turns the plan
+into a :func:`dist_attn.ulysses_attention` call.
 """
 
 from __future__ import annotations
@@ -18,17 +20,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_sequence
+from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_rows, ulysses_attention
 from dist_attn.distributed import group_size_and_rank
+from dist_attn.mesh import parallel_groups
 from dist_attn.integrations.diffusers._spec import ModelSpec, ShardPoint
 
 __all__ = ["Runtime", "install_hooks"]
 
 logger = logging.getLogger(__name__)
 
-# Per compared input: present flag, ndim, up to _MAX_DIMS sizes, sum |x|, sum x^2 (float64).
+# Per compared input: present flag, ndim, up to _MAX_DIMS sizes, integer flag, then two contents
+# slots (float64): sum |x| and sum x^2 for floating tensors; for integer and bool tensors an exact,
+# order-sensitive hash (bit-cast into the first slot) and 0. Index tensors (H3's video_indices,
+# token_tags, ...) are compared exactly: a rank with the same rows in another order has the same
+# sums but scatters its rows elsewhere.
 _MAX_DIMS = 6
-_ROW = 2 + _MAX_DIMS + 2
+_SHAPE = 2 + _MAX_DIMS + 1
+_ROW = _SHAPE + 2
 # Relative tolerance on the contents fingerprint. Another draw of N Gaussian values moves
 # sum |x| by ~0.75/sqrt(N) relative (3e-4 for the 4.8M latent values of a 720p Wan video, 3e-2
 # for the test's 1,440), so unseeded ranks are caught up to N ~ 5e9; values equal up to float32
@@ -46,9 +54,15 @@ class Runtime:
 
     spec: ModelSpec
     group: Any
-    """Process group of the Ulysses ranks as the caller gave it (None = the default group)."""
+    """Process group of the ranks that share one sequence, as the caller gave it (None = the
+    default group; always None with ``mesh``, whose ranks are the default group's)."""
     backend: str
     """dist_attn backend name for the self-attention."""
+    mesh: Any = None
+    """``("ring", "ulysses")`` DeviceMesh for Ulysses x Ring, or None for pure Ulysses over
+    ``group``. Shard ``r*U + u`` sits at global rank ``r*U + u`` (checked by enable_ulysses)."""
+    timer: Any = None
+    """Optional :class:`~dist_attn.profiling.PhaseTimer` handed to every eager attention call."""
     world_size: int = 1
     """W of the forward in flight (read from the group at each forward: the group may be
     initialised after enable_ulysses)."""
@@ -67,40 +81,73 @@ class Runtime:
             )
         return self.shard
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> torch.Tensor:
+        """Self-attention of this rank's rows over the whole planned sequence.
 
-def _submodule(model: nn.Module, path: str) -> nn.Module:
+        Args:
+            q, k, v: ``[B, S_local, H, D]``, this rank's rows of the padded sequence (padding rows
+                past ``valid_len`` may hold anything: they are never attended).
+            where: names the caller in the error raised outside a forward.
+
+        Returns:
+            ``[B, S_local, H, D]`` in q's dtype; padding rows are exactly zero.
+        """
+        shard = self.current(where)
+        # A PhaseTimer cannot cross torch.compile's custom-op boundary (it is host state).
+        timer = None if torch.compiler.is_compiling() else self.timer
+        return ulysses_attention(q, k, v, valid_len=shard.valid_len,
+                                 group=self.group if self.mesh is None else None, mesh=self.mesh,
+                                 backend=self.backend, timer=timer)
+
+
+def _submodules(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    """``[(path, module)]``; ``"a.b.*"`` names every child of the container ``a.b`` (each block)."""
+    base, star, rest = path.partition(".*")
+    if rest:
+        raise ValueError(f"module path {path!r}: '*' may only end the path")
     try:
-        return model.get_submodule(path) if path else model
+        sub = model.get_submodule(base) if base else model
     except AttributeError:
         raise TypeError(
-            f"{type(model).__name__} has no submodule {path!r}, which dist_attn's plan for it "
+            f"{type(model).__name__} has no submodule {base!r}, which dist_attn's plan for it "
             f"expects; this diffusers version is not supported"
         ) from None
+    if not star:
+        return [(path, sub)]
+    return [(f"{base}.{name}", child) for name, child in sub.named_children()]
 
 
-def _cut(rt: Runtime, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
-    shard = rt.current(what)
+def _cut(rt: Runtime, x: torch.Tensor, point: ShardPoint, item: int | None = None) -> torch.Tensor:
+    """This rank's rows of ``x`` under the forward's plan. Messages are built only on the error
+    paths: the hooks of a block run inside ``torch.compile(block)`` too, and trace as a narrow
+    and a pad."""
+    shard = rt.shard if rt.shard is not None else rt.current(_where(point, item))
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} should be a tensor carrying the sequence, got {type(x).__name__}")
-    if x.shape[dim] != shard.valid_len:
+        raise TypeError(f"{_where(point, item)} should be a tensor carrying the sequence, got "
+                        f"{type(x).__name__}")
+    if x.shape[point.dim] != shard.valid_len:
         raise ValueError(
-            f"{what} has {x.shape[dim]} rows along dim {dim} (shape {tuple(x.shape)}), but the "
-            f"sequence of this forward has S={shard.valid_len} tokens"
+            f"{_where(point, item)} has {x.shape[point.dim]} rows along dim {point.dim} (shape "
+            f"{tuple(x.shape)}), but the sequence of this forward has S={shard.valid_len} tokens"
         )
-    local, got = shard_sequence(x, rt.group, dim=dim)
-    if got != shard:
-        raise RuntimeError(f"{what}: shard {got} differs from the forward's plan {shard}")
-    return local
+    return shard_rows(x, shard, dim=point.dim)
+
+
+def _where(point: ShardPoint, item: int | None) -> str:
+    if point.where == "output":
+        return f"the output of {point.module!r}" + ("" if item is None else f"[{item}]")
+    if not point.module:
+        return f"argument {point.name!r}"
+    return f"argument {point.items[0]} ({point.name!r}) of {point.module!r}"
 
 
 def _output_hook(rt: Runtime, point: ShardPoint):
     def hook(module, args, output):
-        what = f"the output of {point.module!r}"
         if not point.items:
-            return _cut(rt, output, point.dim, what)
+            return _cut(rt, output, point)
         out = list(output)
         for i in point.items:
-            out[i] = _cut(rt, out[i], point.dim, f"{what}[{i}]")
+            out[i] = _cut(rt, out[i], point, i)
         return tuple(out) if isinstance(output, tuple) else out
     return hook
 
@@ -109,11 +156,10 @@ def _input_hook(rt: Runtime, point: ShardPoint):
     (index,) = point.items
 
     def hook(module, args, kwargs):
-        what = f"argument {index} of {point.module!r}"
         if len(args) > index:
-            args = (*args[:index], _cut(rt, args[index], point.dim, what), *args[index + 1:])
+            args = (*args[:index], _cut(rt, args[index], point), *args[index + 1:])
         elif point.name in kwargs:
-            kwargs = {**kwargs, point.name: _cut(rt, kwargs[point.name], point.dim, what)}
+            kwargs = {**kwargs, point.name: _cut(rt, kwargs[point.name], point)}
         else:
             raise TypeError(f"{point.module!r} was called without its {point.name!r} argument")
         return args, kwargs
@@ -134,9 +180,18 @@ def _fingerprint(x: Any, device: torch.device) -> torch.Tensor:
     # Nothing here may raise on one rank only: its peers would wait in the all-gather. A tensor
     # of more dims than _MAX_DIMS is told apart by its ndim; the model's own checks refuse it.
     dims = list(map(float, x.shape[:_MAX_DIMS]))
-    sizes = [1.0, float(x.ndim), *dims] + [-1.0] * (_MAX_DIMS - len(dims))
-    flat = x.detach().to(device, torch.float64)
-    sums = torch.stack((flat.abs().sum(), flat.square().sum()))
+    exact = not (x.is_floating_point() or x.is_complex())
+    sizes = [1.0, float(x.ndim), *dims] + [-1.0] * (_MAX_DIMS - len(dims)) + [float(exact)]
+    if exact:
+        flat = x.detach().reshape(-1).to(device, torch.int64)
+        weights = 2 * torch.arange(flat.numel(), device=device, dtype=torch.int64) + 1
+        # int64 products and sums wrap mod 2**64: exact and order-sensitive (a swap of two
+        # different values at rows i and j changes it by 2 (x_i - x_j)(i - j)).
+        code = (flat * weights).sum().view(torch.float64)
+        sums = torch.stack((code, torch.zeros((), dtype=torch.float64, device=device)))
+    else:
+        flat = x.detach().to(device, torch.float64)
+        sums = torch.stack((flat.abs().sum(), flat.square().sum()))
     return torch.cat((torch.tensor(sizes, dtype=torch.float64, device=device), sums))
 
 
@@ -156,15 +211,24 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device)
     for r in range(1, rt.world_size):
         other = every[r]
         for i, name in enumerate(names):
-            shape_ref, shape_r = ref[i, :2 + _MAX_DIMS], other[i, :2 + _MAX_DIMS]
+            shape_ref, shape_r = ref[i, :_SHAPE], other[i, :_SHAPE]
             if not torch.equal(shape_ref, shape_r):
+                kinds = (f" ({_kind(shape_r)} on rank {r}, {_kind(shape_ref)} on rank 0)"
+                         if shape_r[-1] != shape_ref[-1] else "")
                 raise ValueError(
                     f"{name} differs across the W={rt.world_size} ranks of the group: "
-                    f"{_describe(shape_r)} on rank {r}, {_describe(shape_ref)} on rank 0; every "
-                    f"rank must pass the same full inputs to the transformer"
+                    f"{_describe(shape_r)} on rank {r}, {_describe(shape_ref)} on rank 0{kinds}; "
+                    f"every rank must pass the same full inputs to the transformer"
                 )
-            sums_ref, sums_r = ref[i, 2 + _MAX_DIMS:], other[i, 2 + _MAX_DIMS:]
-            if not torch.allclose(sums_r, sums_ref, rtol=_FINGERPRINT_RTOL, atol=0.0, equal_nan=True):
+            sums_ref, sums_r = ref[i, _SHAPE:], other[i, _SHAPE:]
+            if ref[i, _SHAPE - 1] == 1:  # integers: the hashes must match bit for bit
+                if not torch.equal(sums_r.view(torch.int64), sums_ref.view(torch.int64)):
+                    raise ValueError(
+                        f"{name} has different contents on rank {r} and rank 0 of the group (its "
+                        f"integers, compared exactly, differ in value or order); every rank must "
+                        f"pass the same full inputs to the transformer"
+                    )
+            elif not torch.allclose(sums_r, sums_ref, rtol=_FINGERPRINT_RTOL, atol=0.0, equal_nan=True):
                 raise ValueError(
                     f"{name} has different contents on rank {r} and rank 0 of the group (sum |x| "
                     f"{float(sums_r[0]):.6g} vs {float(sums_ref[0]):.6g}); every rank must pass "
@@ -177,6 +241,10 @@ def _describe(row: torch.Tensor) -> str:
         return "absent"
     ndim = int(row[1])
     return f"shape {tuple(int(s) for s in row[2:2 + min(ndim, _MAX_DIMS)])}" + ("..." if ndim > _MAX_DIMS else "")
+
+
+def _kind(row: torch.Tensor) -> str:
+    return "an integer tensor" if row[_SHAPE - 1] == 1 else "a floating tensor"
 
 
 def _forward_pre_hook(rt: Runtime):
@@ -195,7 +263,10 @@ def _forward_pre_hook(rt: Runtime):
                 "dist_attn's sequence-parallel attention is forward only: call the transformer "
                 "under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)"
             )
-        _, rt.world_size, _ = group_size_and_rank(rt.group)
+        # W: every rank that shares the sequence (R*U with a mesh); U: the all-to-all's ranks,
+        # which need one folded (sample, head) pair each.
+        groups = parallel_groups(mesh=rt.mesh, group=rt.group)
+        rt.world_size = groups.world
         cache = type(getattr(model, "_cache_config", None)).__name__
         if rt.world_size > 1 and cache in _PER_RANK_CACHES:
             raise ValueError(
@@ -213,10 +284,11 @@ def _forward_pre_hook(rt: Runtime):
             _check_same_on_all_ranks(rt, arguments, device)
         inputs = spec.read_inputs(model, arguments)
         heads = spec.num_heads(model)
-        if inputs.batch * heads < rt.world_size:
+        if inputs.batch * heads < groups.ulysses_size:
             raise ValueError(
                 f"batch={inputs.batch} samples x num_heads={heads} = {inputs.batch * heads} folded "
-                f"heads, fewer than the W={rt.world_size} ranks of the group; each rank needs one"
+                f"heads, fewer than the W={groups.ulysses_size} ranks of {groups.desc}; each rank "
+                f"needs one"
             )
         rt.shard = plan_shard(inputs.seq_len, rt.group)
         logger.debug("S=%d tokens over W=%d ranks: %d rows each, %d padding rows", rt.shard.valid_len,
@@ -226,7 +298,7 @@ def _forward_pre_hook(rt: Runtime):
                 continue
             x = arguments.get(point.name)
             if isinstance(x, torch.Tensor) and (point.only_if_ndim is None or x.ndim == point.only_if_ndim):
-                arguments[point.name] = _cut(rt, x, point.dim, f"argument {point.name!r}")
+                arguments[point.name] = _cut(rt, x, point)
         return bound.args[1:], bound.kwargs
     return hook
 
@@ -239,8 +311,8 @@ def _forward_hook(rt: Runtime):
 
 def install_hooks(rt: Runtime, model: nn.Module) -> None:
     """Registers every hook of ``rt.spec`` on ``model``; their handles go to ``rt.handles``."""
-    subs = [(p, _submodule(model, p.module)) for p in rt.spec.shards if p.module]
-    gathers = [(path, dim, _submodule(model, path)) for path, dim in rt.spec.gathers]
+    subs = [(p, sub) for p in rt.spec.shards if p.module for _, sub in _submodules(model, p.module)]
+    gathers = [(path, dim, sub) for path, dim in rt.spec.gathers for _, sub in _submodules(model, path)]
     hs = rt.handles
     hs.append(model.register_forward_pre_hook(_forward_pre_hook(rt), with_kwargs=True))
     for point, sub in subs:

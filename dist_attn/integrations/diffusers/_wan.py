@@ -18,7 +18,6 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
-from dist_attn import ulysses_attention
 from dist_attn.integrations.diffusers._spec import ForwardInputs, ModelSpec, ShardPoint
 
 __all__ = ["WAN", "WanUlyssesProcessor"]
@@ -59,7 +58,6 @@ class WanUlyssesProcessor:
                  attention_mask: torch.Tensor | None = None,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, S_local, C]`` -> ``[B, S_local, C]``."""
-        shard = self._rt.current("a Wan self-attention (attn1)")
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError(
                 "WanUlyssesProcessor is self-attention without a mask: got encoder_hidden_states="
@@ -74,8 +72,7 @@ class WanUlyssesProcessor:
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
-        out = ulysses_attention(q, k, v, valid_len=shard.valid_len,
-                                group=self._rt.group, backend=self._rt.backend)
+        out = self._rt.attend(q, k, v, "a Wan self-attention (attn1)")
         out = out.flatten(2, 3).type_as(q)  # [B, S_local, H, D] -> [B, S_local, H*D]
         return attn.to_out[1](attn.to_out[0](out))
 

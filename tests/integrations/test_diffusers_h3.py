@@ -1,0 +1,279 @@
+"""enable_ulysses on diffusers' MiniMaxH3Transformer3DModel: parity with diffusers' own
+single-process forward and with diffusers' own context parallelism on 2, 3 and 4 gloo ranks, the
+collectives per block (ours and diffusers'), refusals on every rank alike, and torch.compile of
+the real blocks with attention as dist_attn's custom op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install -e '.[diffusers]')")
+
+from tests._multirank import run_ranks  # noqa: E402
+from tests.integrations._tiny_models import h3_inputs, tiny_h3  # noqa: E402
+
+# float32, max |difference| of `sample` and `audio_sample` against diffusers' unmodified model on
+# the full inputs in the same process. The ranks run the same kernels on fewer rows (GEMMs over
+# S_local rows, SDPA over [S, h, D] per folded head), which may change float32 summation order:
+# ~1e-7 on O(1) outputs. Measured: 0.0 (bit-identical) in every case below; diffusers' own context
+# parallelism against the same reference: 6.0e-8 (W=2), 1.8e-7 (W=3), 1.2e-7 (W=4). The bound sits
+# far below the mistakes it must catch, measured at W=2 on heads4_S29_cfg_b2 with the adapter
+# broken on purpose: padding keys attended 9.3e-4, RoPE rows [0, S_local) on every rank 3.3e-4,
+# adaln_indices rows [0, S_local) on every rank 3.3e-2.
+ATOL = 1e-5
+
+LAYERS = 2
+# name: (heads, batch, text rows); S = text + 6 keyframe + 6 audio + 12 video rows (h3_inputs),
+# rows at three timesteps. S = 29 is divisible by none of 2, 3, 4.
+CASES = {
+    2: {"heads4_S29_cfg_b2": (4, 2, 5), "heads3_uneven_S29_b1": (3, 1, 5), "heads4_even_S30_b1": (4, 1, 6)},
+    3: {"heads4_uneven_S29_cfg_b2": (4, 2, 5), "heads56_as_H3_S29_b1": (56, 1, 5)},
+    4: {"heads7_as_H3_on_8_S29_b1": (7, 1, 5), "heads4_S29_cfg_b2": (4, 2, 5),
+        "heads2_b2_S29": (2, 2, 5)},  # B*H = 4 = W: heads alone are too few
+}
+# Against diffusers' own enable_parallelism(ContextParallelConfig(ulysses_degree=W,
+# ulysses_anything=True)): (heads, batch, text). Lengths divisible by W: with S % W != 0 its
+# output gather (`_all_gather_anything`) calls dist.all_gather with tensors of unequal sizes, which
+# gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"; NCCL accepts them). Heads its
+# padding accepts: it pads H up to a multiple of W on the last rank only if the padding is smaller
+# than the local head count (4 heads on 3 ranks fail its assertion; 56 heads on 3 pass).
+DIFFUSERS_CP = {2: (4, 2, 6), 3: (56, 1, 6), 4: (7, 2, 8)}
+
+
+def _outputs(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def _comm_counts(fn) -> dict[str, int]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    comm = CommDebugMode()
+    with torch.no_grad(), comm:
+        fn()
+    return {str(op): n for op, n in comm.get_comm_counts().items()}
+
+
+def _parity(cases: dict) -> dict:
+    """Per case: (max |ours - diffusers|, inputs unmodified, shapes equal)."""
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    results = {}
+    for name, (heads, batch, text) in cases.items():
+        model, inputs = tiny_h3(heads, layers=LAYERS), h3_inputs(batch, text=text)
+        ref = _outputs(model, inputs)
+        before = {k: v.clone() for k, v in inputs.items()}
+        with enable_ulysses(model, backend="sdpa"):
+            out = _outputs(model, inputs)
+        unmodified = all(torch.equal(before[k], v) for k, v in inputs.items())
+        shapes = [tuple(t.shape) for t in out] == [tuple(t.shape) for t in ref]
+        results[name] = (_max_diff(out, ref), unmodified, shapes)
+    return results
+
+
+def _against_diffusers_cp(world: int) -> dict:
+    """Ours and diffusers' context parallelism on the same model and inputs: both against the
+    single-process forward and against each other, and both collective counts per forward."""
+    from diffusers import ContextParallelConfig
+
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    heads, batch, text = DIFFUSERS_CP[world]
+    model, inputs = tiny_h3(heads, layers=LAYERS), h3_inputs(batch, text=text)
+    ref = _outputs(model, inputs)
+    with enable_ulysses(model, backend="sdpa"):
+        ours = _outputs(model, inputs)
+        ours_comm = _comm_counts(lambda: model(**inputs))
+    # diffusers picks this rank's device as rank % torch.accelerator.device_count(), which is 0
+    # without an accelerator (ZeroDivisionError); every rank computes on the CPU anyway.
+    torch.accelerator.device_count = lambda: 1
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world, ulysses_anything=True))
+    theirs = _outputs(model, inputs)
+    theirs_comm = _comm_counts(lambda: model(**inputs))
+    return {"ours": _max_diff(ours, ref), "theirs": _max_diff(theirs, ref),
+            "ours_vs_theirs": _max_diff(ours, theirs), "ours_comm": ours_comm,
+            "theirs_comm": theirs_comm}
+
+
+def _kinds(counts: dict[str, int]) -> dict[str, int]:
+    """Collective counts by kind (all-to-all / all-gather), whatever the op's c10d spelling."""
+    kinds = {"alltoall": 0, "allgather": 0}
+    for op, n in counts.items():
+        key = "alltoall" if "all_to_all" in op or "alltoall" in op else "allgather" if (
+            "allgather" in op or "all_gather" in op) else op
+        kinds[key] = kinds.get(key, 0) + n
+    return kinds
+
+
+def _worker(rank, world):
+    res = {"parity": _parity(CASES[world]), "cp": _against_diffusers_cp(world)}
+    if world == 2:
+        res.update(_errors_and_restore(rank))
+    if world == 4:
+        res["ring"] = _ring_and_timer()
+    return res
+
+
+def _ring_and_timer() -> dict:
+    """Ulysses 2 x Ring 2 over a ("ring", "ulysses") mesh, with a PhaseTimer on the attention."""
+    from dist_attn import PhaseTimer, init_usp_mesh
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    model, inputs = tiny_h3(4, layers=LAYERS), h3_inputs(2)
+    ref = _outputs(model, inputs)
+    timer = PhaseTimer()
+    with enable_ulysses(model, mesh=init_usp_mesh(2, 2, device_type="cpu"), backend="sdpa", timer=timer):
+        out = _outputs(model, inputs)
+    return {"max_diff": _max_diff(out, ref), "phase_counts": timer.counts()}
+
+
+def _errors_and_restore(rank) -> dict:
+    """Inputs that differ on one rank, or are bad on one rank, raise on every rank; a good call
+    afterwards still matches; remove() leaves diffusers' model."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    model, inputs = tiny_h3(4, layers=LAYERS), h3_inputs(2)
+    ref = _outputs(model, inputs)
+    out = {}
+
+    def attempt(name, args):
+        try:
+            _outputs(model, args)
+            out[name] = None
+        except (ValueError, RuntimeError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    with enable_ulysses(model, backend="sdpa"):
+        attempt("other_seed", h3_inputs(2, seed=1 + rank))
+        order = inputs["video_indices"].clone()
+        if rank == 1:
+            order[[0, 1]] = order[[1, 0]]  # the same rows, two of them swapped
+        attempt("swapped_rows", {**inputs, "video_indices": order})
+        bad = {**inputs, "position_ids": inputs["position_ids"][:, :2]} if rank == 1 else inputs
+        attempt("bad_on_one_rank", bad)
+        attempt("bad_everywhere", {**inputs, "token_tags": inputs["token_tags"][:-1]})
+        try:
+            model(**inputs)  # grad mode with trainable parameters
+            out["grad_mode"] = None
+        except RuntimeError as exc:
+            out["grad_mode"] = str(exc)
+        out["after_errors"] = _max_diff(_outputs(model, inputs), ref)
+    out["restored_bitwise"] = all(torch.equal(a, b) for a, b in zip(_outputs(model, inputs), ref))
+    out["processors_restored"] = all(type(b.attn.processor) is MiniMaxH3AttnProcessor
+                                     for b in model.transformer_blocks)
+    out["hooks_left"] = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return out
+
+
+def _check(results, world):
+    for rank, res in enumerate(results):
+        for name in CASES[world]:
+            err, unmodified, shapes = res["parity"][name]
+            assert shapes, f"rank {rank} {name}: output shapes differ from diffusers'"
+            assert unmodified, f"rank {rank} {name}: the caller's inputs were modified"
+            assert err <= ATOL, f"rank {rank} {name}: max |diff| {err:.3g} > {ATOL}"
+        cp = res["cp"]
+        assert cp["ours"] <= ATOL and cp["theirs"] <= ATOL and cp["ours_vs_theirs"] <= ATOL, cp
+        # Ours per forward: exactly one all-to-all pair per block self-attention; all-gathers: the
+        # input check and the two output heads. The refiner runs locally, with no collective.
+        assert _kinds(cp["ours_comm"]) == {"alltoall": 2 * LAYERS, "allgather": 3}, cp["ours_comm"]
+        # diffusers 0.42.1 (pinned), recorded for the closing note: q, k, v and o each one
+        # all-to-all and one size all-gather, in every attention INCLUDING the 2 refiner blocks
+        # (their unsharded text goes through the all-to-all too); each output head gathers its
+        # sizes and then its rows.
+        attentions = LAYERS + 2
+        assert _kinds(cp["theirs_comm"]) == {"alltoall": 4 * attentions,
+                                             "allgather": 4 * attentions + 4}, cp["theirs_comm"]
+
+
+def test_h3_two_ranks_parity_collectives_and_errors(tmp_path):
+    results = run_ranks(_worker, 2, tmp_path, timeout=240)
+    _check(results, 2)
+    for rank, res in enumerate(results):
+        assert "hidden_states has different contents on rank 1" in res["other_seed"], res["other_seed"]
+        assert "video_indices has different contents on rank 1" in res["swapped_rows"] and \
+            "compared exactly" in res["swapped_rows"], res["swapped_rows"]
+        assert "position_ids differs across the W=2 ranks of the group: shape (29, 2) on rank 1, " \
+            "shape (29, 3) on rank 0" in res["bad_on_one_rank"], res["bad_on_one_rank"]
+        assert "token_tags=shape (28,) must be a [S] tensor with S=29" in res["bad_everywhere"], \
+            res["bad_everywhere"]
+        assert res["grad_mode"] and "torch.no_grad()" in res["grad_mode"], res["grad_mode"]
+        assert res["after_errors"] <= ATOL, res["after_errors"]
+        assert res["restored_bitwise"], f"rank {rank}: output after remove() is not diffusers' own"
+        assert res["processors_restored"] and res["hooks_left"] == 0, res
+
+
+def test_h3_three_ranks_uneven_heads_and_lengths(tmp_path):
+    _check(run_ranks(_worker, 3, tmp_path, timeout=240), 3)
+
+
+# The ring merges two partial softmaxes per query row by their log-sum-exp in float32 where one
+# rank computes one softmax: other rounding. Measured here 6.0e-8 (Ulysses 2 x Ring 2).
+ATOL_RING = 1e-5
+
+
+def test_h3_four_ranks_seven_heads_cfg_batch_and_ring(tmp_path):
+    results = run_ranks(_worker, 4, tmp_path, timeout=300)
+    _check(results, 4)
+    for res in results:
+        assert res["ring"]["max_diff"] <= ATOL_RING, res["ring"]
+        counts = res["ring"]["phase_counts"]
+        # each block's attention: one all-to-all in, one out, and the ring's K/V rotation
+        assert counts["a2a_in"] == counts["a2a_out"] == LAYERS and counts.get("ring_wait", 0) > 0, counts
+
+
+@pytest.mark.parametrize("heads, world, split", [
+    (56, 3, (19, 19, 18)), (56, 5, (12, 11, 11, 11, 11)), (56, 6, (10, 10, 9, 9, 9, 9)),
+    (7, 4, (2, 2, 2, 1)),  # H3's 56 heads on 8 ranks, one rank's view: 7 heads on 4
+])
+def test_uneven_head_splits_of_h3(heads, world, split):
+    """The one head-split rule every all-to-all follows (the first ``heads % W`` ranks take one
+    head more); the 3- and 4-rank runs above execute 56 on 3 and 7 on 4 end to end."""
+    from dist_attn.plan import heads_per_rank
+
+    assert tuple(heads_per_rank(heads, world)) == split
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+# Inductor fuses RMSNorm, RoPE, AdaLN and SwiGLU and may reorder float32 sums: measured 6e-8 on
+# this model; 1e-5 is the float32 allowance used above.
+ATOL_COMPILE = 1e-5
+
+
+def _compile_worker(rank, world):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    model, inputs = tiny_h3(4, layers=LAYERS), h3_inputs(2)
+    ref = _outputs(model, inputs)
+    enable_ulysses(model, backend="sdpa")
+    eager = _outputs(model, inputs)
+    counter = CompileCounterWithBackend("inductor")
+    # diffusers' own regional compilation: every MiniMaxH3TransformerBlock (and refiner block)
+    # under torch.compile(fullgraph=True); enable_ulysses' hooks on the blocks trace with them.
+    model.compile_repeated_blocks(fullgraph=True, backend=counter)
+    first = _outputs(model, inputs)
+    frames = counter.frame_count
+    again = _outputs(model, inputs)
+    attention_ops = sorted({str(n.target) for g in counter.graphs for n in g.graph.nodes
+                            if n.op == "call_function" and "dist_attn" in str(n.target)})
+    return {"compiled_vs_eager": _max_diff(first, eager), "eager_vs_diffusers": _max_diff(eager, ref),
+            "recompiled": counter.frame_count - frames, "again_bitwise": all(
+                torch.equal(a, b) for a, b in zip(first, again)), "attention_ops": attention_ops}
+
+
+def test_h3_blocks_compiled_fullgraph_match_eager_on_two_ranks(tmp_path):
+    for res in run_ranks(_compile_worker, 2, tmp_path, timeout=420):
+        assert res["compiled_vs_eager"] <= ATOL_COMPILE, res
+        assert res["eager_vs_diffusers"] <= ATOL, res
+        assert res["attention_ops"] == ["dist_attn.ulysses_attention"], res["attention_ops"]
+        assert res["recompiled"] == 0 and res["again_bitwise"], res  # the second call reuses the graphs
