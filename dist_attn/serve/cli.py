@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         if model is None:
             return 1
         engine = Engine(cfg, env, model, timer, output_dir=args.output_dir)
-        runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank)
+        runner = videos = None
+        if not args.once:  # --once runs one /v1/generate request: no jobs
+            runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
                 "world_size": env.world_size, "backend": model.backend_name,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
