@@ -143,11 +143,36 @@ def load_components(checkpoint: str, *, device: torch.device, dtype: torch.dtype
         device).eval().requires_grad_(False)
     comps.audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(sub("audio_vae")).to(
         device).eval().requires_grad_(False)
-    comps.text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
-        sub("text_encoder"), dtype=dtype).to(device).eval().requires_grad_(False)
+    comps.text_encoder = _load_text_encoder(Qwen3VLForConditionalGeneration, sub("text_encoder"),
+                                            dtype=dtype, device=device)
     comps.tokenizer = Qwen2TokenizerFast.from_pretrained(sub("tokenizer"))
     comps.processor = _load_processor(checkpoint, comps.tokenizer)
     return comps
+
+
+#: The Qwen3-VL hidden state H3 conditions on (``MiniMaxH3ModularPipeline.text_encoder_layer``).
+H3_TEXT_LAYER = 50
+
+
+def _load_text_encoder(cls: Any, path: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+    """The text encoder with only the decoder layers H3 reads: ``hidden_states[50]`` is the
+    output of layer 50 whatever follows it, so layers 51+ are not loaded (the 64-layer, 5,120-wide
+    Qwen3-VL is ~67 GB in bf16; 51 layers ~54 GB, next to a 66 GB transformer on rank 0). One
+    layer more than 50 is kept: the pipeline refuses a stack of exactly 50 (its last state is
+    post-norm)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    full = config.text_config.num_hidden_layers
+    keep = min(full, H3_TEXT_LAYER + 1)
+    config.text_config.num_hidden_layers = keep
+    if hasattr(config.text_config, "layer_types") and config.text_config.layer_types:
+        config.text_config.layer_types = config.text_config.layer_types[:keep]
+    if keep < full:
+        log.info("text encoder: loading %d of its %d decoder layers (H3 reads hidden_states[%d])",
+                 keep, full, H3_TEXT_LAYER)
+    model = cls.from_pretrained(path, config=config, dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def _load_processor(checkpoint: str, tokenizer: Any) -> Any:

@@ -128,3 +128,28 @@ def test_rules_come_from_the_pipeline(runner):
     assert (r.canvas_multiple, r.frames_per_chunk, r.latents_per_chunk, r.fps) == (32, 17, 5, 24)
     assert r.text_rows("héllo") == len("héllo".encode())  # byte-level BPE, no merges
     assert r.frames_ok(124) is None and "nearest: 124 or 141" in r.frames_ok(130)
+
+
+def test_a_deeper_text_encoder_loads_only_the_layers_h3_reads(runner, tmp_path):
+    """hidden_states[50] does not depend on layers 51+: a 53-layer encoder loads 51 layers and
+    gives the same conditioning as the full stack."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from dist_attn.serve.pipeline import _load_text_encoder
+
+    full_cfg = runner.pipe.comps.text_encoder.config
+    cfg = full_cfg.__class__.from_dict(full_cfg.to_dict())
+    cfg.text_config.num_hidden_layers = 53
+    torch.manual_seed(0)
+    deep = Qwen3VLForConditionalGeneration(cfg).eval()
+    deep.save_pretrained(str(tmp_path / "te"))
+    cut = _load_text_encoder(Qwen3VLForConditionalGeneration, str(tmp_path / "te"),
+                             dtype=torch.float32, device=torch.device("cpu"))
+    assert len(cut.model.language_model.layers) == 51
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+              mm_token_type_ids=torch.zeros_like(ids), use_cache=False, output_hidden_states=True)
+    with torch.no_grad():
+        want = deep.model(**kw).hidden_states[50]
+        got = cut.model(**kw).hidden_states[50]
+    assert torch.equal(got, want)
