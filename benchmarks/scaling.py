@@ -1,4 +1,7 @@
-"""Ulysses scaling at h3-ref: UlyssesSageAttention forward and one full DiT block vs the number of ranks.
+"""Ulysses scaling at h3-ref: UlyssesSageAttention forward and one real H3 block vs the number of ranks.
+
+The block is diffusers' ``MiniMaxH3TransformerBlock`` (its own init, bf16) with dist_attn's H3
+processor (:mod:`benchmarks.h3_block`); its inputs are the h3-ref rows (37,980 used of 38,016).
 
 Two modes, never mixed in one table or plot:
 
@@ -60,8 +63,8 @@ from dist_attn import backends as da_backends
 from dist_attn.varlen import attend_varlen, segment_layout
 from dist_attn.buffers import StagingBuffers
 from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv
+from benchmarks.h3_block import attach, block_inputs, build_block, h3_ref_layout, padded_total
 from dist_attn.serve.config import load_config
-from dist_attn.serve.tokens import PackedLayout, request_layout
 from dist_attn.plan import heads_per_rank, make_plan
 from dist_attn.profiling import PHASES, PhaseTimer
 
@@ -83,10 +86,30 @@ MODEL_FORMULA = (
 
 
 class _NoAttention(nn.Module):
-    """Stands in for the attention of a DiT block to time everything else (returns garbage)."""
+    """Stands in for the attention of a block to time everything else (returns garbage)."""
 
     def forward(self, q, k, v, *args, **kwargs):
         return torch.empty_like(q)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """The attention workload: rows ``[0, used)`` real, ``[used, total)`` padding; ``layout``
+    the packed rows behind them (text, audio, video) for the block's inputs."""
+
+    used: int
+    total: int
+    layout: Any
+
+
+def _workload(cfg, smoke: bool) -> _Rows:
+    """h3-ref (37,980 used of 38,016), or with --smoke the config's default request padded to 64."""
+    if smoke:
+        r = cfg.request
+        lay = cfg.layout(frames=r.frames, height=r.height, width=r.width)
+    else:
+        lay = h3_ref_layout()
+    return _Rows(used=lay.used, total=padded_total(lay.used), layout=lay)
 
 
 def _ints(text: str) -> list[int]:
@@ -121,23 +144,22 @@ def _qkv(rows: int, heads: int, d: int, dev, seed: int):
             for _ in range(3)]
 
 
-def _build_block(cfg, dev, backend: str, timer):
-    from dist_attn.serve.model import DiTBlock, init_weights
+def _build_block(cfg, dev, lay: _Rows):
+    """The real H3 block (own init, bf16) with dist_attn's processor; attention is swapped
+    through ``block.attn.processor._rt.layer``."""
+    block = build_block(cfg.model, dev, torch.bfloat16, seed=cfg.model.weight_seed)
+    attach(block, _NoAttention(), lay.used)
+    return block
 
-    block = DiTBlock(cfg.model, backend=backend, timer=timer, device=dev, dtype=torch.bfloat16)
-    init_weights(block, cfg.model.weight_seed)
-    return block.eval().requires_grad_(False)
+
+def _runtime(block):
+    return block.attn.processor._rt
 
 
-def _block_inputs(cfg, s_local: int, row_offset: int, dev, seed: int):
-    from dist_attn.serve.model import rope_tables
-
-    m = cfg.model
-    g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(s_local, m.hidden_size, generator=g, device=dev).to(torch.bfloat16)
-    tmod = (0.02 * torch.randn(6, m.hidden_size, generator=g, device=dev)).to(torch.bfloat16)
-    rope = rope_tables(torch.arange(row_offset, row_offset + s_local, device=dev), m.rope_dims, m.rope_theta)
-    return x, tmod, rope
+def _block_inputs(cfg, lay: _Rows, s_local: int, row_offset: int, dev, seed: int):
+    """``(hidden, temb, adaln_indices, rope)`` of rows ``[row_offset, row_offset + s_local)``."""
+    return block_inputs(cfg.model, lay.layout, lay.total, s_local, row_offset, dev, torch.bfloat16,
+                        seed=seed)
 
 
 def _add_scaling(rows: list[dict[str, Any]]) -> None:
@@ -203,7 +225,7 @@ def run_measured(args, cfg, lay, ctx: DistContext, backends, writer, budget) -> 
                         try:
                             result = _measure_one(what, be_name, C, n, sub, q, k, v, cu, bounds, lay,
                                                   cfg, dev, pool, args, s_local, rank,
-                                                  block_holder=lambda b=be_name: _get_block(cfg, dev, b))
+                                                  block_holder=lambda: _get_block(cfg, dev, lay))
                         except Exception as exc:  # noqa: BLE001
                             result = {"status": "error", "reason": describe_exception(exc)}
                     per_rank = ctx.gather(result)
@@ -235,10 +257,10 @@ def run_measured(args, cfg, lay, ctx: DistContext, backends, writer, budget) -> 
 _BLOCKS: dict[str, Any] = {}
 
 
-def _get_block(cfg, dev, backend):
-    # one set of weights per process: the backend, group and overlap are attributes of .attn
+def _get_block(cfg, dev, lay):
+    # one set of weights per process: the attention layer (backend, group, overlap) is swapped
     if "block" not in _BLOCKS:
-        _BLOCKS["block"] = _build_block(cfg, dev, backend, None)
+        _BLOCKS["block"] = _build_block(cfg, dev, lay)
     return _BLOCKS["block"]
 
 
@@ -254,13 +276,13 @@ def _measure_one(what, be_name, C, n, sub, q, k, v, cu, bounds, lay, cfg, dev, p
             return layer(q, k, v, cu, lay.used, cu_seqlens_host=bounds)
     else:
         block = block_holder()
-        block.attn.group, block.attn.backend, block.attn.overlap_chunks = sub, be_name, C
-        block.attn.buffers = pool
-        x, tmod, rope = _block_inputs(cfg, s_local, rank * s_local, dev, seed=20 + rank)
-        layer = block.attn
+        layer = dist_attn.UlyssesSageAttention(H, D, group=sub, backend=be_name, buffers=pool,
+                                               overlap_chunks=C)
+        _runtime(block).layer, _runtime(block).valid_len = layer, lay.used
+        x, temb, adaln, rope = _block_inputs(cfg, lay, s_local, rank * s_local, dev, seed=20 + rank)
 
         def fn():
-            return block(x, tmod, rope, cu, lay.used, bounds)
+            return block(x, temb, adaln, rope)
     barrier = (lambda: dist.barrier(group=sub)) if sub is not None else None
     with torch.no_grad():
         for _ in range(max(1, args.warmup)):
@@ -319,8 +341,7 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
         return kernel_cache[key]
 
     # the non-attention part of the block at S_local rows, and the real N = 1 layer and block
-    block = None if args.no_block else _build_block(cfg, dev, "sdpa", None)
-    real_attn = block.attn if block is not None else None
+    block = None if args.no_block else _build_block(cfg, dev, lay)
     nonattn: dict[int, float] = {}
     for be_name, be_reason in backends:
         if be_reason:  # one row says why, instead of a grid of identical ones
@@ -369,10 +390,10 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
                         layer = dist_attn.UlyssesSageAttention(H, D, backend=be_name, timer=timer)
                         fn = lambda: layer(q, k, v, cu, lay.used, cu_seqlens_host=bounds)  # noqa: E731
                     else:
-                        block.attn = real_attn
-                        block.attn.backend, block.attn.timer = be_name, timer
-                        x, tmod, rope = _block_inputs(cfg, lay.total, 0, dev, seed=4)
-                        fn = lambda: block(x, tmod, rope, cu, lay.used, bounds)  # noqa: E731
+                        _runtime(block).layer = dist_attn.UlyssesSageAttention(
+                            H, D, backend=be_name, timer=timer)
+                        x, temb, adaln, rope = _block_inputs(cfg, lay, lay.total, 0, dev, seed=4)
+                        fn = lambda: block(x, temb, adaln, rope)  # noqa: E731
                     with torch.no_grad():
                         fn()
                         timer.reset()
@@ -380,7 +401,7 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
                     row.update(status="ok", total_ms=t.median_ms, iters=t.iters, timing=t.method,
                                phases_ms={kk: vv / t.iters for kk, vv in timer.totals_ms().items()})
                     if block is not None:
-                        block.attn.timer = None
+                        _runtime(block).layer = _NoAttention()
                     del q, k, v
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", reason=describe_exception(exc))
@@ -439,11 +460,11 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
         row["total_ms"] = total
         return row
     if n not in nonattn:
-        block.attn = _NoAttention()
-        x, tmod, rope = _block_inputs(cfg, s_local, 0, dev, seed=6)
+        _runtime(block).layer = _NoAttention()
+        x, temb, adaln, rope = _block_inputs(cfg, lay, s_local, 0, dev, seed=6)
         with torch.no_grad():
-            nonattn[n] = timed(lambda: block(x, tmod, rope, None, lay.used, None))
-        del x, tmod, rope
+            nonattn[n] = timed(lambda: block(x, temb, adaln, rope))
+        del x, temb, adaln, rope
     row.update(total_ms=total + nonattn[n], nonattn_ms=nonattn[n])
     return row
 
@@ -542,8 +563,7 @@ def run_multihost(args):
     from benchmarks.multihost_model import LayoutSpec, Params, model_layer
 
     cfg = load_config(args.config or os.path.join(_REPO, "configs", "h3.toml"))
-    r = cfg.request
-    lay = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width, num_tokens=r.num_tokens)
+    lay = _workload(cfg, smoke=False)
     H, D = cfg.model.num_heads, cfg.model.head_dim
     params = Params(nvlink_gbs=args.bandwidth_gbs, internode_gbs=args.internode_gbs,
                     kernel_tflops=args.kernel_tflops, copy_gbs=args.copy_gbs, merge_gbs=args.merge_gbs,
@@ -651,7 +671,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("--comm-backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--seq", type=int, default=None, help="override total packed rows")
     p.add_argument("--used", type=int, default=None, help="override used rows")
-    p.add_argument("--no-block", action="store_true", help="attention layer only (no DiT block)")
+    p.add_argument("--no-block", action="store_true", help="attention layer only (no H3 block)")
     mh = p.add_argument_group("--modeled --multi-host: several hosts, computed (no device runs)")
     mh.add_argument("--multi-host", action="store_true",
                     help="with --modeled: one host's U vs pure Ulysses over all hosts (uneven heads) "
@@ -690,11 +710,13 @@ def main(argv: list[str] | None = None):
         args.overlap = [1] + args.overlap
 
     cfg = load_config(args.config)
-    r = cfg.request
-    lay = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width, num_tokens=r.num_tokens)
+    lay = _workload(cfg, smoke)
     if args.seq or args.used:
+        if not args.no_block:
+            p.error("--seq / --used change the attention's rows only: pass --no-block too (the "
+                    "block's inputs are the packed rows of a real layout)")
         total = args.seq or lay.total
-        lay = PackedLayout(used=min(args.used or lay.used, total), total=total)
+        lay = _Rows(used=min(args.used or lay.used, total), total=total, layout=None)
 
     device_flag = "cpu" if smoke and args.device == "auto" else args.device
     if args.modeled:

@@ -62,14 +62,16 @@ COMPONENTS = ("http", "queue", "broadcast", "setup", "finalize")
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="TOML config (default: embedded tiny)")
-    p.add_argument("--layers", type=int, help="DiT layers to build (default: the config's)")
+    p.add_argument("--layers", type=int, help="H3 blocks to build (default: the config's)")
     p.add_argument("--backend", default=None, help="attention backend (auto, sage, sdpa, ...)")
     p.add_argument("--quality", default=None, help="quality tier passed to the server")
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks (default 4; 2 with --smoke); 1 runs without torchrun")
     p.add_argument("--steps", type=int, default=1, help="denoise steps per request")
-    p.add_argument("--num-tokens", type=int, default=None,
-                   help="request size in used rows (default: the config's default request)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="request frames (default: the config's default request)")
+    p.add_argument("--height", type=int, default=None, help="request height in pixels")
+    p.add_argument("--width", type=int, default=None, help="request width in pixels")
     p.add_argument("--requests", type=int, default=30, help="measured requests")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured requests first")
     p.add_argument("--url", help="measure an already running server instead of starting one")
@@ -275,8 +277,8 @@ def main() -> int:
     try:
         health = _wait_health(base, proc, args.startup_timeout)
         payload: dict[str, Any] = {"steps": args.steps, "seed": 0}
-        if args.num_tokens:
-            payload["num_tokens"] = args.num_tokens
+        payload.update({k: getattr(args, k) for k in ("frames", "height", "width")
+                        if getattr(args, k) is not None})
         client = _Client(base)
         for _ in range(args.warmup):
             _one(client, payload)

@@ -127,3 +127,26 @@ def test_scaling_smoke_modeled(tmp_path, ranks):
     assert piped["hidden_ms"] == pytest.approx(sum(piped["kernel_chunk_ms"]), rel=1e-6)
     # the real N = 1 layer is reported separately, never as a modeled row
     assert any(r["mode"] == "measured" and r["N"] == 1 for r in data["rows"])
+
+
+def test_h3_model_smoke(tmp_path):
+    """The real-H3 benchmark: every section has a row, unavailable kernels say why."""
+    from benchmarks import h3_model
+
+    h3_model.main(["--smoke", "--out", str(tmp_path), "--device", "cpu",
+                   "--paths", "ulysses:sdpa,ulysses:fa3,diffusers:native",
+                   "--compiled-paths", "ulysses:sdpa", "--overhead-backends", "sdpa",
+                   "--serve-backends", "sdpa"])
+    data = _check_result(tmp_path, "h3-model")
+    ok = {(r["section"], r["path"], r["mode"]) for r in data["rows"] if r.get("status") == "ok"}
+    for want in [("block", "none", "eager"), ("block", "ulysses:sdpa", "eager"),
+                 ("model", "ulysses:sdpa", "eager"), ("model", "diffusers:native", "eager"),
+                 ("refiner", "diffusers:native", "eager"), ("serve", "ulysses:sdpa", "eager"),
+                 ("overhead", "ulysses:sdpa vs direct:sdpa", "eager"),
+                 ("block", "ulysses:sdpa", "compiled"), ("model", "ulysses:sdpa", "compiled")]:
+        assert want in ok, want
+    fa3 = [r for r in data["rows"] if r["path"] == "ulysses:fa3"]
+    assert fa3 and all(r["status"] == "unavailable" and "fa3" in r["reason"] for r in fa3)
+    overhead = next(r for r in data["rows"] if r["section"] == "overhead")
+    assert overhead["direct_ms"] > 0 and "overhead" in overhead
+    assert data["config"]["used"] == 274 and data["config"]["model"]["num_layers"] == 2

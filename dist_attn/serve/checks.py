@@ -20,6 +20,10 @@ from dist_attn.serve.quality import (Topology, gather_device_facts, local_device
 
 __all__ = ["resolve_backend_name", "run_launch_checks"]
 
+# Rows of the probe tensor the backend registry is asked with (its rules read the shape's heads,
+# head_dim, dtype and device, not the length).
+_PROBE_ROWS = 64
+
 
 def resolve_backend_name(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[str, Any]:
     """The attention backend that will run, as (name, backend object).
@@ -31,7 +35,7 @@ def resolve_backend_name(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple
     """
     name = cfg.runtime.backend
     heads = max(heads_per_rank(cfg.model.num_heads, cfg.parallel.resolved_ulysses(env.world_size)))
-    probe = torch.zeros(cfg.tokens.alignment, heads, cfg.model.head_dim, dtype=dtype,
+    probe = torch.zeros(_PROBE_ROWS, heads, cfg.model.head_dim, dtype=dtype,
                         device=env.device)
     obj = resolve_ring_backend(name, probe, ring_size=cfg.parallel.ring_degree,
                                exact_only=tier_exact_only(cfg.runtime.quality))

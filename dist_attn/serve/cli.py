@@ -1,6 +1,7 @@
-"""Serve the DiT on the ranks of one host: the project's main job.
+"""Serve MiniMax H3 (diffusers' MiniMaxH3Transformer3DModel) on the ranks of one host: the
+project's main job.
 
-    torchrun --nproc-per-node 4 launch/serve.py                       # tiny, CPU gloo, :8000
+    torchrun --nproc-per-node 4 launch/serve.py                       # tiny H3, CPU gloo, :8000
     torchrun --nproc-per-node 4 launch/serve.py --config configs/h3.toml --quality high
     torchrun --nproc-per-node 4 launch/serve.py --once --steps 2      # one request, JSON line
     torchrun --nproc-per-node 4 launch/serve.py --check-only --quality high
@@ -40,7 +41,6 @@ _FLAG_FIELDS = {
     "frames": "request.frames",
     "height": "request.height",
     "width": "request.width",
-    "num_tokens": "request.num_tokens",
     "steps": "request.steps",
     "seed": "request.seed",
     "output_dir": "jobs.output_dir",
@@ -58,15 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quality tier: 'lossless' or 'high' (absent: no constraint)")
     p.add_argument("--backend", help="attention backend: auto, sage, sdpa, ...")
     p.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
-    p.add_argument("--layers", type=int, help="number of DiT layers (model.num_layers)")
+    p.add_argument("--layers", type=int, help="number of H3 blocks (model.num_layers)")
     p.add_argument("--ulysses-degree", type=int, help="Ulysses degree (0 = world size / ring degree)")
     p.add_argument("--ring-degree", type=int, help="ring degree R (the ring crosses hosts; "
                                                    "Ulysses runs inside each)")
-    p.add_argument("--weights", help="safetensors file or torch state dict (default: seeded "
-                                     "random weights)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="diffusers-format MiniMax-H3 directory: the served DiT loads DIR/"
+                        "transformer (or DIR itself when it is a bare MiniMaxH3Transformer3DModel "
+                        "checkpoint: config.json + safetensors) with from_pretrained, the video "
+                        "pipeline the rest (vae/, audio_vae/, text_encoder/, tokenizer/, "
+                        "scheduler/, audio_scheduler/). Default: the DiT's own random "
+                        "initialisation (model.weight_seed) inside a tiny random pipeline built "
+                        "once into a cache directory")
     p.add_argument("--compile", action="store_const", const=True, default=None,
-                   help="torch.compile each DiT block (attention stays one opaque op); the "
-                        "first request of each new shape compiles")
+                   help="torch.compile every H3 block, fullgraph (attention stays one opaque op); "
+                        "the first request of each new shape compiles")
     p.add_argument("--host", help="HTTP bind address (rank 0; default loopback, others warn)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on every endpoint but /health (default: "
@@ -75,8 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int)
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
-    p.add_argument("--num-tokens", type=int, help="request size in used rows (instead of "
-                                                  "frames/height/width)")
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--output-dir", help="where the video jobs' store and MP4s live (default "
@@ -85,9 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                                         "<request_id>.safetensors")
     p.add_argument("--video-runner", help="what runs /v1/videos jobs: h3 (the pipeline), "
                                           "synthetic (no model, for load tests) or off")
-    p.add_argument("--checkpoint", help="diffusers-format MiniMax-H3 directory for the video "
-                                        "pipeline (default: a tiny random one, built once into "
-                                        "a cache directory)")
     p.add_argument("--once", action="store_true",
                    help="run one request from the flags, print its JSON result, exit")
     p.add_argument("--check-only", action="store_true",
@@ -125,9 +126,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
         value = getattr(args, dest)
         if value is not None:
             overrides[key] = value
-    if args.num_tokens is None and any(getattr(args, k) is not None
-                                       for k in ("frames", "height", "width")):
-        overrides["request.num_tokens"] = 0  # a geometry flag means a geometry request
     if args.quality is not None:
         overrides["runtime.quality"] = args.quality
     return apply_overrides(cfg, overrides) if overrides else cfg
@@ -216,15 +214,20 @@ def main(argv: list[str] | None = None) -> int:
         from dist_attn.serve.engine import Engine
         from dist_attn.serve.loop import serve
 
-        model, timer = _build(cfg, env, dtype, backend, args.weights, rank)
+        model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank)
         if model is None:
             return 1
-        engine = Engine(cfg, env, model, timer, output_dir=args.output_dir)
+        engine = Engine(cfg, env, model, timer, backend=backend, output_dir=args.output_dir)
         runner = videos = None
         if not args.once:  # --once runs one /v1/generate request: no jobs
-            runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank)
+            try:
+                runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank,
+                                             model)
+            except (ValueError, FileNotFoundError) as e:  # every rank reads the same files
+                _rank0_error(rank, f"video pipeline: {e}")
+                return 1
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
-                "world_size": env.world_size, "backend": model.backend_name,
+                "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
                 "compiled": cfg.runtime.compile,
                 "device": (torch.cuda.get_device_name(env.device)
@@ -238,47 +241,53 @@ def main(argv: list[str] | None = None) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _build(cfg: Any, env: Any, dtype: Any, backend: str, weights: str | None,
+def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
            rank: int) -> tuple[Any, Any]:
-    """Builds the model on every rank; a bad weight file fails on every rank alike (all read
-    the same file) and is reported once."""
+    """Builds the sequence-parallel H3 on every rank; a bad checkpoint fails on every rank alike
+    (all read the same files, before any collective) and is reported once."""
     from dist_attn.profiling import PhaseTimer
-    from dist_attn.serve.model import DiT, build_model, compile_blocks
-    from dist_attn.serve.weights import WeightsError, check_state_dict, load_weights
+    from dist_attn.serve.model import build_h3, compile_blocks, parallelize
+    from dist_attn.serve.weights import WeightsError
 
-    state = None
-    if weights:
-        try:
-            state = load_weights(weights)
-            expected = DiT(cfg.model, device="meta", backend=backend).state_dict()
-            check_state_dict(state, expected, source=weights)
-        except WeightsError as e:
-            _rank0_error(rank, str(e))
-            return None, None
+    try:
+        model = build_h3(cfg.model, device=env.device, dtype=dtype, checkpoint=checkpoint)
+    except (WeightsError, ImportError) as e:
+        _rank0_error(rank, str(e))
+        return None, None
     timer = PhaseTimer(env.device)
     mesh = None
     if cfg.parallel.ring_degree > 1:
         from dist_attn.mesh import init_usp_mesh
 
-        # global rank r*U + u sits at mesh coordinate (r, u) and holds shard r*U + u: the engine's
-        # rank * S_local row offset is the mesh's placement rule
+        # global rank r*U + u sits at mesh coordinate (r, u) and holds shard r*U + u: the rows
+        # enable_ulysses gives it over the default group
         mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
                              device_type=env.device.type)
-    model = build_model(cfg.model, device=env.device, dtype=dtype, backend=backend, timer=timer,
-                        state_dict=state, mesh=mesh)
+    parallelize(model, mesh=mesh, backend=backend, timer=timer)
     if cfg.runtime.compile:
         compile_blocks(model)
-    log.info("built %s: %d layers, %.2fB parameters, %s on %s, attention backend %s%s",
-             cfg.model.name, cfg.model.num_layers,
+    log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
+             "parameters, %s on %s (fp32 modules kept), %s, attention backend %s%s",
+             cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
              sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
-             model.backend_name, ", blocks compiled" if cfg.runtime.compile else "")
+             f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
+             backend, ", blocks compiled" if cfg.runtime.compile else "")
     return model, timer
 
 
+def _transformer_dir(checkpoint: str | None) -> str | None:
+    """The transformer's directory inside a pipeline checkpoint (or the bare checkpoint)."""
+    if checkpoint is None:
+        return None
+    sub = os.path.join(checkpoint, "transformer")
+    return sub if os.path.isdir(sub) else checkpoint
+
+
 def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
-                rank: int) -> tuple[Any, Any]:
-    """The video runner on every rank and, on rank 0, the job store after its restart recovery
-    (``(None, None)`` with ``jobs.runner = "off"``)."""
+                rank: int, transformer: Any) -> tuple[Any, Any]:
+    """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
+    and, on rank 0, the job store after its restart recovery (``(None, None)`` with
+    ``jobs.runner = "off"``)."""
     from dist_attn.serve.api_videos import VideoJobs
     from dist_attn.serve.mp4 import remove_stale_temporaries
     from dist_attn.serve.runner import SyntheticRunner
@@ -295,7 +304,13 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
     else:
         from dist_attn.serve.pipeline import H3Runner
 
-        runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint)
+        if checkpoint is not None and _transformer_dir(checkpoint) == checkpoint:
+            raise ValueError(f"--checkpoint {checkpoint} is a bare transformer checkpoint; the "
+                             "video pipeline needs a full one (transformer/, vae/, audio_vae/, "
+                             "text_encoder/, tokenizer/, scheduler/, audio_scheduler/), or pass "
+                             "--video-runner off")
+        runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint,
+                                transformer=transformer)
     if rank != 0:
         return runner, None
     store = JobStore(jobs.output_dir)

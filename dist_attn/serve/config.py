@@ -2,8 +2,8 @@
 
 A config file has one table per dataclass::
 
-    [model]     -> ModelConfig     (the DiT's shape)
-    [tokens]    -> TokenConfig     (how a request becomes packed rows)
+    [model]     -> ModelConfig     (the arguments of diffusers' MiniMaxH3Transformer3DModel)
+    [tokens]    -> TokenConfig     (H3's pipeline rules: request -> packed rows, the schedules)
     [parallel]  -> ParallelConfig  (Ulysses / ring / tensor-parallel degrees)
     [runtime]   -> RuntimeConfig   (backend, dtype, quality tier, timeouts)
     [request]   -> RequestConfig   (the default request: ``--once`` and the benchmark)
@@ -11,7 +11,7 @@ A config file has one table per dataclass::
     [jobs]      -> JobsConfig      (video jobs: store, output directory, runner)
 
 Every ``__post_init__`` raises :class:`ValueError` naming the field, its value and the rule it
-breaks. Rules that need the world size (heads vs Ulysses degree, packed alignment vs world size)
+breaks. Rules that need the world size (heads vs Ulysses degree, the parallel degrees)
 are checked by :meth:`Config.check_world`, which the launcher calls on every rank before the
 process group is used.
 
@@ -33,9 +33,10 @@ from dist_attn.plan import heads_per_rank
 from dist_attn.serve.fields import field_error, require_non_negative, require_positive
 from dist_attn.serve.job_config import JobsConfig
 from dist_attn.serve.quality import QualityTier, tier_backend_rule, tier_name_rule
-from dist_attn.serve.tokens import TokenConfig, request_layout
+from dist_attn.serve.tokens import PackedLayout, TokenConfig, request_layout
 
 __all__ = [
+    "H3_ARCHITECTURE",
     "ModelConfig",
     "ParallelConfig",
     "RuntimeConfig",
@@ -56,54 +57,101 @@ DType = Literal["auto", "bfloat16", "float16", "float32"]
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 
 
+#: The fields of ModelConfig that are arguments of diffusers' MiniMaxH3Transformer3DModel.
+H3_ARCHITECTURE = ("num_attention_heads", "attention_head_dim", "hidden_size", "num_layers",
+                   "num_refiner_layers", "ffn_dim", "in_channels", "audio_in_channels",
+                   "patch_size", "text_dim", "freq_dim", "time_embed_hidden_dim", "time_embed_dim",
+                   "rope_freq_dim", "rope_theta", "norm_eps", "qk_norm_eps", "final_norm_eps")
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
-    """Shape of the DiT. Weights are replicated; activations are sequence-sharded."""
+    """The served DiT: diffusers' ``MiniMaxH3Transformer3DModel`` with these arguments (the
+    defaults are the class's own, i.e. H3's). Weights are replicated; activations are
+    sequence-sharded by :func:`dist_attn.integrations.diffusers.enable_ulysses`."""
 
-    name: str = "tiny"
+    name: str = "h3"
     """A label that travels into logs, /health and benchmark results."""
-    num_layers: int = 2
-    """Number of DiT blocks."""
-    hidden_size: int = 256
-    """Residual stream width."""
-    num_heads: int = 4
+    num_attention_heads: int = 56
     """Attention heads (plain multi-head, no GQA). At least the Ulysses degree; need not divide
-    it (the core gives the first ``num_heads % W`` ranks one extra head)."""
-    head_dim: int = 64
+    it (the first ``num_heads % W`` ranks take one extra head)."""
+    attention_head_dim: int = 128
     """Per-head width. Constrained by the attention backend (``AttentionBackend.head_dims``)."""
-    ffn_size: int = 512
-    """Hidden width of the MLP."""
-    rope_dims: int = 48
-    """RoPE rotates the first ``rope_dims`` of each head's dims (H3: 96 of 128). Even, <= head_dim."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    latent_channels: int = 16
-    """Channels of one packed latent row (the denoised state), in and out of the DiT."""
+    hidden_size: int = 5376
+    """Residual stream width (smaller than heads x head_dim in H3: 5376 vs 7168)."""
+    num_layers: int = 50
+    """Transformer blocks."""
+    num_refiner_layers: int = 2
+    """Token-refiner blocks over the text rows."""
+    ffn_dim: int = 14336
+    """Inner width of the SwiGLU feed-forward."""
+    in_channels: int = 24
+    """Channels of the video latents (one row = ``in_channels * prod(patch_size)`` values)."""
+    audio_in_channels: int = 32
+    """Channels of the audio latents (one row each)."""
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """(t, h, w) patch of the video latents."""
+    text_dim: int = 5120
+    """Width of the text conditioning (Qwen3-VL's hidden state)."""
     freq_dim: int = 256
     """Width of the sinusoidal timestep embedding."""
-    norm_eps: float = 1e-6
-    """Epsilon of the LayerNorms and of the q/k RMSNorms."""
+    time_embed_hidden_dim: int = 5376
+    """Inner width of the timestep MLP."""
+    time_embed_dim: int = 2688
+    """Output of the timestep MLP, the input of every AdaLN projection."""
+    rope_freq_dim: int = 16
+    """Rotary frequencies per (t, h, w) axis; ``2 * 3 * rope_freq_dim`` head channels rotate
+    (H3: 96 of 128)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """Epsilon of the pre-attention and pre-FFN RMSNorms."""
+    qk_norm_eps: float = 1e-5
+    """Epsilon of the per-head q/k RMSNorms."""
+    final_norm_eps: float = 1e-5
+    """Epsilon of the refiner's output norm and of ``norm_out``."""
     weight_seed: int = 0
-    """Seed of the random weights used when no ``--weights`` file is given."""
+    """Seed of the class's own random initialisation when no ``--checkpoint`` is given (every
+    rank draws the same weights)."""
 
     def __post_init__(self) -> None:
-        require_positive(self, "num_layers", "hidden_size", "num_heads", "head_dim", "ffn_size",
-                  "latent_channels", "freq_dim")
-        require_non_negative(self, "rope_dims", "weight_seed")
-        if self.rope_dims % 2 or self.rope_dims > self.head_dim:
-            raise field_error("ModelConfig", "rope_dims", self.rope_dims,
-                        f"must be even and at most head_dim={self.head_dim} (RoPE rotates pairs)")
+        require_positive(self, "num_attention_heads", "attention_head_dim", "hidden_size",
+                         "num_layers", "ffn_dim", "in_channels", "audio_in_channels", "text_dim",
+                         "freq_dim", "time_embed_hidden_dim", "time_embed_dim", "rope_freq_dim")
+        require_non_negative(self, "num_refiner_layers", "weight_seed")
+        patch = self.patch_size
+        if (not isinstance(patch, (list, tuple)) or len(patch) != 3
+                or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in patch)):
+            raise field_error("ModelConfig", "patch_size", patch, "must be three positive integers (t, h, w)")
+        object.__setattr__(self, "patch_size", tuple(patch))  # TOML gives a list
+        if 6 * self.rope_freq_dim > self.attention_head_dim:
+            raise field_error("ModelConfig", "rope_freq_dim", self.rope_freq_dim,
+                              f"rotates 2 * 3 * {self.rope_freq_dim} = {6 * self.rope_freq_dim} "
+                              f"channels, more than attention_head_dim={self.attention_head_dim}")
         if self.freq_dim % 2:
             raise field_error("ModelConfig", "freq_dim", self.freq_dim, "must be even (sin/cos halves)")
-        if not self.rope_theta > 0:
-            raise field_error("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
-        if not self.norm_eps > 0:
-            raise field_error("ModelConfig", "norm_eps", self.norm_eps, "must be > 0")
+        for name in ("rope_theta", "norm_eps", "qk_norm_eps", "final_norm_eps"):
+            if not getattr(self, name) > 0:
+                raise field_error("ModelConfig", name, getattr(self, name), "must be > 0")
+
+    @property
+    def num_heads(self) -> int:
+        """H: ``num_attention_heads``."""
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """D: ``attention_head_dim``."""
+        return self.attention_head_dim
 
     @property
     def inner_dim(self) -> int:
         """num_heads * head_dim: width of q, k, v and of the attention output."""
-        return self.num_heads * self.head_dim
+        return self.num_attention_heads * self.attention_head_dim
+
+    def diffusers_config(self) -> dict[str, Any]:
+        """The keyword arguments of ``MiniMaxH3Transformer3DModel(...)``."""
+        return {name: getattr(self, name) for name in H3_ARCHITECTURE}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -187,24 +235,23 @@ def _registered(name: str):
 
 @dataclass(kw_only=True, frozen=True)
 class RequestConfig:
-    """The default request. Either a video geometry (frames, height, width) or ``num_tokens``."""
+    """The default request: a video geometry, as H3's pipeline takes it."""
 
-    frames: int = 9
-    """Video frames."""
-    height: int = 256
-    """Video height in pixels; a multiple of TokenConfig.spatial_compression."""
-    width: int = 256
-    """Video width in pixels; a multiple of TokenConfig.spatial_compression."""
-    num_tokens: int = 0
-    """If > 0, the request is this many used rows and the geometry is ignored."""
-    steps: int = 4
-    """Denoising steps."""
+    frames: int = 124
+    """Video frames (rounded up to the next 17 n + 5; H3's default 124)."""
+    height: int = 768
+    """Video height in pixels; a multiple of 32 (H3's canvas: 768 x 1344)."""
+    width: int = 1344
+    """Video width in pixels; a multiple of 32."""
+    steps: int = 50
+    """Denoising steps: forward passes of the transformer (the scheduler's grid has one more
+    point, the terminal sigma 0)."""
     seed: int = 0
-    """Seed of the initial noise."""
+    """Seed of the initial noise and of the stand-in text embedding."""
 
     def __post_init__(self) -> None:
         require_positive(self, "frames", "height", "width", "steps")
-        require_non_negative(self, "num_tokens", "seed")
+        require_non_negative(self, "seed")
 
 
 #: torchrun's agent sends SIGKILL this long after forwarding SIGTERM to its ranks.
@@ -220,7 +267,7 @@ class ServeConfig:
     port: int = 8000
     """Bind port (0 picks a free one; the bound port is logged)."""
     max_tokens: int = 65536
-    """Largest accepted used-row count; larger requests get 413."""
+    """Largest accepted packed sequence (rows); larger requests get 413."""
     max_steps: int = 100
     """Largest accepted step count; larger requests get 413."""
     max_body_bytes: int = 65536
@@ -290,19 +337,26 @@ class Config:
 
     def __post_init__(self) -> None:
         self.check_backend(self.runtime.backend)
-        rows = request_layout(self.tokens, frames=self.request.frames, height=self.request.height,
-                              width=self.request.width, num_tokens=self.request.num_tokens)
+        r = self.request
+        try:
+            rows = self.layout(frames=r.frames, height=r.height, width=r.width)
+        except ValueError as e:
+            raise ValueError(f"the default request ([request]) is invalid: {e}") from None
         if rows.used > self.serve.max_tokens:
-            raise field_error("RequestConfig", "num_tokens" if self.request.num_tokens else "frames",
-                        rows.used, f"gives {rows.used} rows, above serve.max_tokens="
-                        f"{self.serve.max_tokens}")
+            raise field_error("RequestConfig", "frames", r.frames,
+                              f"gives {rows.used} rows, above serve.max_tokens={self.serve.max_tokens}")
+
+    def layout(self, *, frames: int, height: int, width: int) -> PackedLayout:
+        """The packed rows of a ``frames`` x ``height`` x ``width`` request (H3's rules)."""
+        return request_layout(self.tokens, self.model.patch_size, frames=frames, height=height,
+                              width=width)
 
     def check_backend(self, backend: str) -> None:
         """Raises if ``backend`` (a name, possibly resolved from "auto") cannot run head_dim."""
         registered = _registered(backend)
         allowed = registered.head_dims if registered is not None else None
         if allowed is not None and self.model.head_dim not in allowed:
-            raise field_error("ModelConfig", "head_dim", self.model.head_dim,
+            raise field_error("ModelConfig", "attention_head_dim", self.model.head_dim,
                         f"is not supported by backend {backend!r} (accepts head_dim in "
                         f"{list(allowed)})")
 
@@ -310,9 +364,8 @@ class Config:
         """Raises :class:`ValueError` if this config cannot run on ``world_size`` ranks.
 
         Rules: ulysses * ring * tensor_parallel == world size; the core's head split accepts
-        num_heads on the Ulysses degree (at least one head per rank; uneven splits are fine);
-        alignment divisible by the world size (so every packed length, a multiple of alignment,
-        splits into equal contiguous shards, and ring chunks of ulysses shards each).
+        num_heads on the Ulysses degree (at least one head per rank; uneven splits are fine).
+        Any packed length works: the attention pads it to a multiple of the world size.
         """
         p = self.parallel
         ulysses = p.resolved_ulysses(world_size)
@@ -323,12 +376,8 @@ class Config:
         try:
             heads_per_rank(self.model.num_heads, ulysses)
         except ValueError as e:
-            raise field_error("ModelConfig", "num_heads", self.model.num_heads,
+            raise field_error("ModelConfig", "num_attention_heads", self.model.num_heads,
                         f"cannot be split over the Ulysses degree {ulysses}: {e}") from None
-        if self.tokens.alignment % world_size:
-            raise field_error("TokenConfig", "alignment", self.tokens.alignment,
-                        f"is not divisible by the world size {world_size} (the packed length, a "
-                        "multiple of alignment, must split into equal per-rank shards)")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (for logs and benchmark result files)."""

@@ -170,7 +170,7 @@ def build_app(state: ServerState) -> Starlette:
             return fail(e.status, str(e))
         if state.liveness.stopping:
             return fail(503, "server is shutting down")
-        job = Job(request=req, received=received, rows=req.layout(cfg).total,
+        job = Job(request=req, received=received, rows=req.layout(cfg).used,
                   deadline=received + (req.timeout_s or limits.request_timeout_s))
         try:
             state.jobs.put(job)

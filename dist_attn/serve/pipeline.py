@@ -409,9 +409,13 @@ class H3Runner:
         from dist_attn.serve.tiny_h3 import ensure_tiny_checkpoint
 
         if checkpoint is None:
-            checkpoint = ensure_tiny_checkpoint(env)
+            served = dict(transformer.config) if transformer is not None else None
+            keys = set(cfg.model.diffusers_config()) if transformer is not None else set()
+            checkpoint = ensure_tiny_checkpoint(
+                env, {k: v for k, v in served.items() if k in keys} if served else None)
         comps = load_components(checkpoint, device=env.device, dtype=dtype, rank0=env.rank == 0,
                                 transformer=transformer)
+        check_fit(comps, checkpoint)
         if env.distributed and transformer is None:
             from dist_attn.integrations.diffusers import enable_ulysses
 
@@ -478,6 +482,23 @@ class H3Runner:
     def follow(self, req: VideoRequest) -> None:
         embeds, tags, _ = self.pipe.encode(None)
         self.pipe.run_denoise(req, embeds, tags, self._hook(None))
+
+
+def check_fit(comps: H3Components, checkpoint: str) -> None:
+    """Raises ValueError naming each field where the transformer and the other components of
+    ``checkpoint`` disagree (the served DiT may come from another config than the checkpoint)."""
+    t = comps.transformer.config
+    pairs = [("text_dim", t.text_dim, "text_encoder hidden_size",
+              comps.text_encoder.config.text_config.hidden_size if comps.text_encoder is not None
+              else t.text_dim),
+             ("in_channels", t.in_channels, "vae latent_channels", comps.vae.config.latent_channels),
+             ("audio_in_channels", t.audio_in_channels, "audio_vae latent_channels",
+              comps.audio_vae.config.latent_channels)]
+    bad = [f"transformer {a}={x} but {b}={y}" for a, x, b, y in pairs if x != y]
+    if bad:
+        raise ValueError(f"the served DiT does not fit the pipeline of {checkpoint}: "
+                         + "; ".join(bad) + " (pass --checkpoint with a full H3 pipeline whose "
+                         "transformer/ the served config matches)")
 
 
 def checkpoint_is_tiny(path: str) -> bool:

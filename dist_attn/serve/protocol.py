@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dist_attn.serve.config import Config, ServeConfig
-from dist_attn.serve.tokens import PackedLayout, request_layout
+from dist_attn.serve.tokens import PackedLayout
 
 __all__ = ["RequestError", "Request", "WIRE_FIELDS", "decode_json", "parse_request",
            "request_from_wire"]
 
 #: The integer fields of a request, in the order they travel to the other ranks.
-WIRE_FIELDS = ("frames", "height", "width", "num_tokens", "steps", "seed")
+WIRE_FIELDS = ("frames", "height", "width", "steps", "seed")
 _FIELDS = (*WIRE_FIELDS, "timeout_s")
 
 
@@ -41,7 +41,6 @@ class Request:
     frames: int
     height: int
     width: int
-    num_tokens: int
     steps: int
     seed: int
     timeout_s: float | None = None
@@ -49,9 +48,8 @@ class Request:
     serve.request_timeout_s)."""
 
     def layout(self, cfg: Config) -> PackedLayout:
-        """The packed rows of this request under ``cfg``."""
-        return request_layout(cfg.tokens, frames=self.frames, height=self.height,
-                              width=self.width, num_tokens=self.num_tokens)
+        """The packed rows of this request under ``cfg`` (H3's rules)."""
+        return cfg.layout(frames=self.frames, height=self.height, width=self.width)
 
     def wire(self) -> tuple[int, ...]:
         """The fields every rank needs, as integers in :data:`WIRE_FIELDS` order."""
@@ -117,10 +115,8 @@ def decode_json(body: bytes, limits: ServeConfig) -> Any:
 
 def parse_request(payload: Any, cfg: Config, *, request_id: str | None = None) -> Request:
     """Validates a decoded JSON request; raises :class:`RequestError` (400 malformed, 413 too
-    large) naming the field. Geometry (frames/height/width) and num_tokens are exclusive; absent
-    fields take the config's [request] defaults, except that giving num_tokens drops the
-    geometry and vice versa. ``timeout_s`` (a number of seconds) may shorten the server's
-    deadline, never extend it."""
+    large) naming the field. Absent fields take the config's [request] defaults. ``timeout_s``
+    (a number of seconds) may shorten the server's deadline, never extend it."""
     if not isinstance(payload, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(payload).__name__}")
     unknown = sorted(set(payload) - set(_FIELDS))
@@ -136,22 +132,11 @@ def parse_request(payload: Any, cfg: Config, *, request_id: str | None = None) -
                 or not 0 < timeout_s <= cfg.serve.request_timeout_s):
             raise RequestError(400, f"timeout_s={timeout_s!r} must be a number in (0, "
                                     f"serve.request_timeout_s={cfg.serve.request_timeout_s}]")
-    geometry = {"frames", "height", "width"} & set(payload)
-    if geometry and payload.get("num_tokens"):
-        raise RequestError(400, f"give either num_tokens or frames/height/width, not both "
-                                f"(got num_tokens and {sorted(geometry)})")
     d = cfg.request
-    fields = {"frames": payload.get("frames", d.frames),
-              "height": payload.get("height", d.height),
-              "width": payload.get("width", d.width),
-              "num_tokens": payload.get("num_tokens", 0 if geometry else d.num_tokens),
-              "steps": payload.get("steps", d.steps),
-              "seed": payload.get("seed", d.seed)}
+    fields = {name: payload.get(name, getattr(d, name)) for name in WIRE_FIELDS}
     for name in ("frames", "height", "width", "steps"):
         if fields[name] <= 0:
             raise RequestError(400, f"{name}={fields[name]} must be a positive integer")
-    if fields["num_tokens"] < 0:
-        raise RequestError(400, f"num_tokens={fields['num_tokens']} must be >= 0")
     if not 0 <= fields["seed"] < 2**63:
         raise RequestError(400, f"seed={fields['seed']} must be in [0, 2**63)")
     if fields["steps"] > cfg.serve.max_steps:
@@ -162,12 +147,12 @@ def parse_request(payload: Any, cfg: Config, *, request_id: str | None = None) -
         if fields[name] > 1_000_000:
             raise RequestError(413, f"{name}={fields[name]} is too large")
     try:
-        layout = request_layout(cfg.tokens, **{k: fields[k] for k in
-                                               ("frames", "height", "width", "num_tokens")})
+        layout = cfg.layout(frames=fields["frames"], height=fields["height"], width=fields["width"])
     except ValueError as e:
         raise RequestError(400, str(e)) from None
     if layout.used > cfg.serve.max_tokens:
-        raise RequestError(413, f"request has {layout.used} tokens, above serve.max_tokens="
+        raise RequestError(413, f"request has {layout.used} rows ({layout.text} text, {layout.audio} "
+                                f"audio, {layout.video} video), above serve.max_tokens="
                                 f"{cfg.serve.max_tokens}")
     return Request(request_id=request_id or _new_request_id(), timeout_s=timeout_s, **fields)
 

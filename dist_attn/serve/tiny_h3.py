@@ -33,14 +33,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["TINY_SPEC", "MARKER", "cache_dir", "tiny_checkpoint_path", "build_tiny_checkpoint",
-           "ensure_tiny_checkpoint"]
+__all__ = ["TINY_SPEC", "MARKER", "cache_dir", "tiny_spec", "tiny_checkpoint_path",
+           "build_tiny_checkpoint", "ensure_tiny_checkpoint"]
 
 #: The file that marks a directory as the generated tiny checkpoint (and records its spec).
 MARKER = "dist_attn_tiny.json"
 
-#: Everything the tiny checkpoint is made of; its hash names the cache directory, so a change
-#: here builds a new one instead of serving a stale one.
+#: Everything the tiny checkpoint is made of (the transformer part is replaced by the served DiT's
+#: configuration, see :func:`tiny_spec`); its hash names the cache directory, so a change here or
+#: in the served config builds a new one instead of serving a stale one.
 TINY_SPEC: dict[str, Any] = {
     "version": 2,
     "seed": 0,
@@ -65,10 +66,28 @@ _SPECIALS = ["<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad
              "<|video_pad|>"]
 
 
-def _spec_hash() -> str:
+def tiny_spec(transformer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:data:`TINY_SPEC` around a transformer configuration (the served DiT's
+    ``ModelConfig.diffusers_config()``; None: the spec's own tiny one). The components it feeds
+    follow it: the text encoder's width is ``text_dim``, the video VAE's latent channels
+    ``in_channels``, the audio VAE's ``audio_in_channels``."""
+    spec = json.loads(json.dumps(TINY_SPEC))
+    if transformer is not None:
+        spec["transformer"] = json.loads(json.dumps(dict(transformer)))
+    t = spec["transformer"]
+    spec["text_dim"] = t["text_dim"]
+    spec["text_encoder"]["hidden_size"] = t["text_dim"]
+    spec["vae"]["latent_channels"] = t["in_channels"]
+    spec["audio_vae"]["latent_channels"] = t["audio_in_channels"]
+    spec["audio_vae"]["latent_dim"] = max(spec["audio_vae"]["latent_dim"], t["audio_in_channels"])
+    spec["audio_vae"]["latent_dim"] -= spec["audio_vae"]["latent_dim"] % t["audio_in_channels"]
+    return spec
+
+
+def _spec_hash(spec: dict[str, Any]) -> str:
     import hashlib
 
-    return hashlib.sha256(json.dumps(TINY_SPEC, sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def cache_dir() -> str:
@@ -79,9 +98,9 @@ def cache_dir() -> str:
     return os.path.join(base, "dist_attn")
 
 
-def tiny_checkpoint_path() -> str:
-    """Where the tiny checkpoint of the current :data:`TINY_SPEC` lives."""
-    return os.path.join(cache_dir(), f"h3-tiny-{_spec_hash()}")
+def tiny_checkpoint_path(spec: dict[str, Any] | None = None) -> str:
+    """Where the tiny checkpoint of ``spec`` (default :func:`tiny_spec`) lives."""
+    return os.path.join(cache_dir(), f"h3-tiny-{_spec_hash(spec or tiny_spec())}")
 
 
 def _tokenizer() -> Any:
@@ -97,13 +116,15 @@ def _tokenizer() -> Any:
                               pad_token="<|endoftext|>", unk_token=None, bos_token=None)
 
 
-def build_tiny_checkpoint(path: str) -> str:
-    """Builds the tiny checkpoint into ``path`` (which must not exist) atomically; returns it."""
+def build_tiny_checkpoint(path: str, spec: dict[str, Any] | None = None) -> str:
+    """Builds the tiny checkpoint of ``spec`` (default :func:`tiny_spec`) into ``path`` (which
+    must not exist) atomically; returns it."""
     from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio,
                            MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel)
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    spec, seed = TINY_SPEC, TINY_SPEC["seed"]
+    spec = spec or tiny_spec()
+    seed = spec["seed"]
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".h3-tiny-", dir=parent)
@@ -163,19 +184,20 @@ def build_tiny_checkpoint(path: str) -> str:
     return path
 
 
-def ensure_tiny_checkpoint(env: Any = None) -> str:
-    """The tiny checkpoint's directory, built first if absent (rank 0 builds, every rank waits
-    at a barrier)."""
+def ensure_tiny_checkpoint(env: Any = None, transformer: dict[str, Any] | None = None) -> str:
+    """The directory of the tiny checkpoint around ``transformer`` (see :func:`tiny_spec`),
+    built first if absent (rank 0 builds, every rank waits at a barrier)."""
     import logging
 
     import torch.distributed as dist
 
-    path = tiny_checkpoint_path()
+    spec = tiny_spec(transformer)
+    path = tiny_checkpoint_path(spec)
     rank0 = env is None or env.rank == 0
     if rank0 and not os.path.isfile(os.path.join(path, MARKER)):
         logging.getLogger(__name__).info("building the tiny random H3 checkpoint into %s (once)",
                                          path)
-        build_tiny_checkpoint(path)
+        build_tiny_checkpoint(path, spec)
     if env is not None and env.distributed:
         dist.barrier()
     return path

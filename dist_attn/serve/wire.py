@@ -1,7 +1,7 @@
 """What the ranks say to each other outside attention: control messages and abort votes.
 
 Control messages travel as ONE int64 broadcast from rank 0: ``[op, frames, height, width,
-num_tokens, steps, seed]`` (one small tensor costs ~1 ms on loaded CPU gloo where
+steps, seed]`` (one small tensor costs ~1 ms on loaded CPU gloo where
 broadcast_object_list cost 2.4 ms: two broadcasts plus pickling). A broadcast can return on rank
 0 before a stopped rank has received it (the bytes sit in a socket buffer), so a heartbeat is
 followed by a one-integer all-reduce that completes only once every rank has entered it: that is

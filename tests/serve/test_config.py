@@ -9,25 +9,24 @@ import pytest
 
 from dist_attn.serve.config import (DEFAULT_CONFIG_PATH, Config, ModelConfig, RuntimeConfig,
                                     ServeConfig, apply_overrides, load_config, parse_config)
-from dist_attn.serve.tokens import TokenConfig, request_layout
+from dist_attn.serve.tokens import TokenConfig
 
 from tests.conftest import ROOT
 
 TINY_TOML = os.path.join(ROOT, "configs", "tiny.toml")
 
 
-def test_h3_config_matches_the_reference_workload():
+def test_h3_config_is_h3s_default_request():
     cfg = load_config(os.path.join(ROOT, "configs", "h3.toml"))
     m = cfg.model
-    assert (m.num_layers, m.hidden_size, m.num_heads, m.head_dim, m.ffn_size, m.rope_dims) == (
-        50, 5376, 56, 128, 14336, 96)
-    assert cfg.tokens.alignment == 64
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.head_dim, m.ffn_dim, m.rope_freq_dim) == (
+        50, 5376, 56, 128, 14336, 16)
     r = cfg.request
-    layout = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width)
-    # H3's reference request: latent 37 x 42 x 24 = 37,296 video rows; h3-ref used 37,980, total 38,016.
-    assert layout.latent_shape == (37, 42, 24)
-    assert (layout.used, layout.total) == (37_980, 38_016)
-    assert layout.cu_seqlens() == [0, 37_980, 38_016]
+    layout = cfg.layout(frames=r.frames, height=r.height, width=r.width)
+    # H3's pipeline default: 124 frames at 768 x 1344 -> latent 37 x 48 x 84 = 37,296 video rows,
+    # 207 audio latents x 2 channels, and the 512 text rows of the reference workload.
+    assert layout.latent_shape == (37, 48, 84) and layout.grid == (37, 24, 42)
+    assert (layout.text, layout.audio, layout.video, layout.used) == (512, 414, 37_296, 38_222)
     cfg.check_world(4)
 
 
@@ -36,33 +35,21 @@ def test_default_config_is_the_tiny_file():
     cfg = load_config(None)
     assert cfg == load_config(TINY_TOML)
     r = cfg.request
-    layout = request_layout(cfg.tokens, frames=r.frames, height=r.height, width=r.width)
-    assert 100 <= layout.used <= 1000 and layout.total % 64 == 0  # "a few hundred tokens"
+    layout = cfg.layout(frames=r.frames, height=r.height, width=r.width)
+    assert layout.used == 274  # "a few hundred rows", divisible by none of 3 and 4
     assert cfg.model.head_dim == 64
-    for world in (1, 2, 4):
+    for world in (1, 2, 3, 4):
         cfg.check_world(world)
 
 
 def test_heads_vs_ulysses_degree():
     # Uneven heads are valid, as in the core (4 heads on 3 ranks: 2, 1, 1) ...
-    apply_overrides(load_config(None), {"tokens.alignment": 96}).check_world(3)
+    load_config(None).check_world(3)
     # ... but every rank needs one head: the core's rule, with the config field named.
-    with pytest.raises(ValueError, match=r"ModelConfig.num_heads=4 cannot be split over the "
-                                         r"Ulysses degree 8: num_heads=4 must be >= the Ulysses "
+    with pytest.raises(ValueError, match=r"ModelConfig.num_attention_heads=4 cannot be split over "
+                                         r"the Ulysses degree 8: num_heads=4 must be >= the Ulysses "
                                          r"world size 8"):
         load_config(None).check_world(8)
-
-
-def test_alignment_vs_world_size():
-    cfg = apply_overrides(load_config(None), {"tokens.alignment": 96, "model.num_heads": 6})
-    cfg.check_world(2)
-    with pytest.raises(ValueError, match=r"TokenConfig.alignment=96 is not divisible by the "
-                                         r"world size 64"):
-        apply_overrides(cfg, {"model.num_heads": 64}).check_world(64)
-    cfg = apply_overrides(load_config(None), {"tokens.alignment": 6, "model.num_heads": 4})
-    with pytest.raises(ValueError, match=r"TokenConfig.alignment=6 is not divisible by the world "
-                                         r"size 4"):
-        cfg.check_world(4)
 
 
 def test_ulysses_times_ring_times_tp_is_world():
@@ -74,12 +61,12 @@ def test_ulysses_times_ring_times_tp_is_world():
 
 
 def test_head_dim_vs_backend():
-    with pytest.raises(ValueError, match=r"ModelConfig.head_dim=80 is not supported by backend "
-                                         r"'sage' \(accepts head_dim in \[64, 96, 128\]\)"):
-        apply_overrides(load_config(None), {"model.head_dim": 80, "model.rope_dims": 48,
+    with pytest.raises(ValueError, match=r"ModelConfig.attention_head_dim=80 is not supported by "
+                                         r"backend 'sage' \(accepts head_dim in \[64, 96, 128\]\)"):
+        apply_overrides(load_config(None), {"model.attention_head_dim": 80,
                                             "runtime.backend": "sage"})
     # sdpa takes any head_dim
-    apply_overrides(load_config(None), {"model.head_dim": 80, "runtime.backend": "sdpa"})
+    apply_overrides(load_config(None), {"model.attention_head_dim": 80, "runtime.backend": "sdpa"})
 
 
 def test_quality_values_listed_and_lossless_rejects_sage():
@@ -96,12 +83,16 @@ def test_quality_values_listed_and_lossless_rejects_sage():
 
 
 @pytest.mark.parametrize("cls, kwargs, match", [
-    (ModelConfig, {"num_heads": 0}, r"ModelConfig.num_heads=0 must be a positive integer"),
-    (ModelConfig, {"rope_dims": 63}, r"ModelConfig.rope_dims=63 must be even and at most "
-                                     r"head_dim=64"),
-    (ModelConfig, {"rope_dims": 66}, r"ModelConfig.rope_dims=66 must be even and at most "
-                                     r"head_dim=64"),
+    (ModelConfig, {"num_attention_heads": 0}, r"ModelConfig.num_attention_heads=0 must be a "
+                                               r"positive integer"),
+    (ModelConfig, {"rope_freq_dim": 22}, r"ModelConfig.rope_freq_dim=22 rotates 2 \* 3 \* 22 = 132 "
+                                         r"channels, more than attention_head_dim=128"),
+    (ModelConfig, {"patch_size": [1, 2]}, r"ModelConfig.patch_size=\[1, 2\] must be three positive "
+                                          r"integers"),
     (ModelConfig, {"hidden_size": 2.5}, r"ModelConfig.hidden_size=2.5 must be a positive integer"),
+    (TokenConfig, {"min_duration_s": 20.0}, r"TokenConfig.min_duration_s=20.0 must be >= 0 and at "
+                                            r"most max_duration_s=15.0"),
+    (TokenConfig, {"video_shift": 0}, r"TokenConfig.video_shift=0 must be > 0"),
     (ServeConfig, {"drain_timeout_s": 40.0}, r"ServeConfig.drain_timeout_s=40.0 must be > 0 and "
                                              r"at most 25.0 s \(torchrun kills ranks 30.0 s after "
                                              r"its SIGTERM"),
@@ -136,19 +127,20 @@ def test_unknown_fields_and_sections_are_named(tmp_path):
 
 def test_request_geometry_rules():
     cfg = load_config(None)
-    with pytest.raises(ValueError, match=r"request.height=250 must be a multiple of "
-                                         r"tokens.spatial_compression=32"):
-        request_layout(cfg.tokens, frames=9, height=250, width=256)
-    layout = request_layout(cfg.tokens, frames=1, height=32, width=32, num_tokens=100)
-    assert (layout.used, layout.total, layout.latent_shape) == (100, 128, None)
-    layout = request_layout(cfg.tokens, frames=1, height=32, width=32, num_tokens=128)
-    assert layout.cu_seqlens() == [0, 128]  # no padding segment when already aligned
-    assert TokenConfig().alignment == 64
+    with pytest.raises(ValueError, match=r"request.height=250 must be a multiple of 32"):
+        cfg.layout(frames=22, height=250, width=256)
+    assert cfg.layout(frames=6, height=64, width=64).frames == 22  # up to the next 17 n + 5
+    assert TokenConfig().text_tokens == 512
 
 
 def test_default_request_must_fit_max_tokens():
-    with pytest.raises(ValueError, match=r"gives 100000 rows, above serve.max_tokens=16384"):
-        apply_overrides(load_config(None), {"request.num_tokens": 100_000})
+    with pytest.raises(ValueError, match=r"RequestConfig.frames=124 gives 3998 rows, above "
+                                         r"serve.max_tokens=2048"):
+        apply_overrides(load_config(None), {"request.frames": 124, "request.height": 256,
+                                            "request.width": 384, "serve.max_tokens": 2048})
+    with pytest.raises(ValueError, match=r"the default request \(\[request\]\) is invalid: "
+                                         r"request.width=100 must be a multiple of 32"):
+        apply_overrides(load_config(None), {"request.width": 100})
 
 
 def test_command_line_flags_override_config_fields():
@@ -156,14 +148,14 @@ def test_command_line_flags_override_config_fields():
 
     args = launcher.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "configs", "h3.toml"), "--layers", "1", "--backend",
-         "sdpa", "--port", "0", "--num-tokens", "1000", "--set", "serve.max_steps=7",
+         "sdpa", "--port", "0", "--frames", "200", "--set", "serve.max_steps=7",
          "--set", "model.name=\"h3-1layer\"", "--quality", "high"])
     cfg = launcher.config_from_args(args)
     assert isinstance(cfg, Config)
     assert cfg.model.num_layers == 1 and cfg.model.name == "h3-1layer"
     assert cfg.runtime.backend == "sdpa" and cfg.runtime.quality == "high"
     assert cfg.serve.port == 0 and cfg.serve.max_steps == 7
-    assert cfg.request.num_tokens == 1000
+    assert cfg.request.frames == 200
     assert cfg.model.hidden_size == 5376  # untouched fields keep the file's values
     args = launcher.build_parser().parse_args(["--quality", "medium"])
     with pytest.raises(ValueError, match=r"valid values: 'lossless', 'high' \(absent: no "

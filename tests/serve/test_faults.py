@@ -1,8 +1,8 @@
 """The server under torchrun (2 CPU gloo ranks, loopback) meeting its faults: cancellation on
 every rank, rank-0-only errors, a stopped rank, SIGTERM with work in flight, a killed agent.
 
-A "long" request is 2,000 denoise steps of 2,048 tokens (minutes on CPU); each test ends it
-well before that, so a test that waits for it would time out and fail."""
+A "long" request is 2,000 denoise steps of 1,630 rows (minutes on CPU); each test ends it well
+before that, so a test that waits for it would time out and fail."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import pytest
 
 from tests.serve._server import http, metric_samples, server
 
-LONG = json.dumps({"num_tokens": 2048, "steps": 2000, "seed": 3}).encode()
-SHORT = json.dumps({"num_tokens": 200, "steps": 1, "seed": 1}).encode()
+# 124 frames at 128 x 256: 37 latent frames x 4 x 8 patches = 1,184 video + 414 audio + 32 text rows.
+LONG = json.dumps({"frames": 124, "height": 128, "width": 256, "steps": 2000, "seed": 3}).encode()
+SHORT = json.dumps({"frames": 5, "height": 128, "width": 128, "steps": 1, "seed": 1}).encode()
 FLAGS = ("--set", "serve.max_steps=2000", "--set", "runtime.heartbeat_s=0.5",
          "--set", "runtime.health_timeout_s=3.0", "--set", "runtime.pg_timeout_s=60.0",
          "--log-all-ranks")

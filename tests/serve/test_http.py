@@ -349,7 +349,7 @@ def test_retry_after_comes_from_measured_step_times(app):
     from dist_attn.serve.jobs import Job
     from dist_attn.serve.protocol import parse_request
 
-    rows = parse_request({"steps": 4}, app.cfg).layout(app.cfg).total
+    rows = parse_request({"steps": 4}, app.cfg).layout(app.cfg).used
     app.step_times.observe_step(rows, 0.5)
     app.step_times.observe_overhead("generate", 0.25)
     app.running = Job(request=parse_request({"steps": 4}, app.cfg), rows=rows, steps_done=3)

@@ -19,17 +19,21 @@ from tests.serve._server import metric_samples
 def test_parse_request_rules():
     cfg = load_config(None)
     req = parse_request({"frames": 5, "height": 64, "width": 96, "steps": 3, "seed": 2}, cfg)
-    assert req.layout(cfg).latent_shape == (2, 2, 3)
-    assert parse_request({"num_tokens": 50}, cfg).layout(cfg).total == 64
-    assert parse_request({"num_tokens": 50, "timeout_s": 1.5}, cfg).timeout_s == 1.5
+    assert req.layout(cfg).latent_shape == (2, 4, 6) and req.layout(cfg).grid == (2, 2, 3)
+    assert parse_request({"frames": 6}, cfg).layout(cfg).frames == 22  # the next 17 n + 5
+    assert parse_request({"timeout_s": 1.5}, cfg).timeout_s == 1.5
     for payload, status, match in [
         ([], 400, "JSON object"),
         ({"frame": 3}, 400, r"unknown field\(s\) \['frame'\]"),
         ({"steps": True}, 400, "must be an integer"),
         ({"steps": 0}, 400, "steps=0 must be a positive integer"),
         ({"steps": 51}, 413, "max_steps=50"),
-        ({"num_tokens": 10, "frames": 3}, 400, "either num_tokens or frames"),
-        ({"height": 100}, 400, "multiple of tokens.spatial_compression=32"),
+        ({"num_tokens": 10}, 400, r"unknown field\(s\) \['num_tokens'\]"),
+        ({"height": 100}, 400, r"height=100 must be a multiple of 32 \(the video VAE's 16x"),
+        ({"frames": 400}, 400, r"frames=400 gives 413 frames once aligned .* outside \[0.0, 15.0\] s"),
+        ({"frames": 300, "height": 2048, "width": 2048}, 413, r"request has 377900 rows \(32 text, "
+                                                              r"1036 audio, 376832 video\), above "
+                                                              r"serve.max_tokens=16384"),
         ({"frames": 10**12}, 413, "too large"),
         ({"seed": -1}, 400, "seed=-1"),
         ({"timeout_s": 0}, 400, r"timeout_s=0 must be a number in \(0, serve.request_timeout_s"),
@@ -74,17 +78,16 @@ def test_metrics_histogram_is_cumulative():
     assert samples["dist_attn_tokens_per_second"] == pytest.approx(200 / 1.01)
 
 
-def test_checksum_is_independent_of_sharding():
-    z = torch.randn(128, 16)
-    full = latent_checksum(z, 0, 100)
-    parts = [latent_checksum(z[r * 32:(r + 1) * 32], r * 32, 100) for r in range(4)]
-    assert sum(int(p.bits64, 16) for p in parts) % 2**64 == int(full.bits64, 16)
-    assert abs(sum(p.sum for p in parts) - full.sum) < 1e-9
-    z2 = z.clone()
-    z2[100:] = 7.0  # padding rows do not count
-    assert latent_checksum(z2, 0, 100) == full
-    z2[99, 15] = torch.nextafter(z[99, 15], torch.tensor(1e9))  # one ulp of one element does
-    assert latent_checksum(z2, 0, 100).bits64 != full.bits64
+def test_checksum_is_exact_and_order_sensitive():
+    video, audio = torch.randn(168, 16), torch.randn(74, 8)
+    full = latent_checksum(video, audio)
+    assert full == latent_checksum(video.clone(), audio.clone())
+    assert abs(full.sum - float(video.double().sum() + audio.double().sum())) < 1e-9
+    nudged = video.clone()
+    nudged[99, 15] = torch.nextafter(video[99, 15], torch.tensor(1e9))  # one ulp of one element
+    assert latent_checksum(nudged, audio).bits64 != full.bits64
+    swapped = video.clone()[[1, 0, *range(2, 168)]]  # two rows swapped: the same sums
+    assert latent_checksum(swapped, audio).bits64 != full.bits64
 
 
 def test_job_queue_bounds_removes_and_drains():

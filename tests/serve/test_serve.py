@@ -10,15 +10,15 @@ import sys
 import time
 
 import pytest
-import torch
 
 from dist_attn.serve.engine import latent_checksum
-from dist_attn.serve.weights import load_safetensors, save_safetensors
+from dist_attn.serve.weights import load_output
 
 from tests.serve._server import SERVE, STARTUP_S, http, metric_samples, run, server, torchrun
 
-# Every float op of the sharded DiT is row-wise or per-head, so 4 ranks match 1 rank to
-# reduction-order noise (observed: bit-identical on CPU float32); 1e-5 is the float32 allowance.
+# Every float op of the sharded H3 is row-wise or per-head, so 4 ranks match 1 rank to
+# reduction-order noise (observed: bit-identical on CPU float32, 274 rows padded to 276 on 4 ranks);
+# 1e-5 is the float32 allowance.
 RTOL_F32 = 1e-5
 
 
@@ -40,19 +40,20 @@ def test_once_on_4_ranks_matches_a_single_rank(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     r4, r1 = _last_json(dist_run.stdout), _last_json(single.stdout)
     assert r4["world_size"] == 4 and r1["world_size"] == 1
-    assert r4["tokens"] == r1["tokens"] == {"used": 276, "total": 320,
-                                            "latent_shape": [3, 8, 8]}
+    # H3's packing of the tiny default (22 frames at 128 x 192): 32 text + 74 audio + 168 video
+    rows = {"used": 274, "text": 32, "audio": 74, "video": 168, "frames": 22, "latent_shape": [7, 8, 12]}
+    assert r4["tokens"] == {**rows, "total": 276} and r1["tokens"] == {**rows, "total": 274}
+    assert r4["backend"] == r1["backend"] == "sdpa"
     assert len(r4["step_latency_ms"]) == 2 and r4["total_latency_ms"] > 0
     assert 0 < r4["all_to_all_share"] < r4["attention_share"] <= 1
     assert r1["all_to_all_share"] == 0  # world 1: no all-to-all
-    a = load_safetensors(r4["output"])["latent"]
-    b = load_safetensors(r1["output"])["latent"]
-    assert a.shape == (276, 16)
-    err = (a - b).norm() / b.norm()
-    assert err < RTOL_F32, err
+    a, b = load_output(r4["output"]), load_output(r1["output"])
+    assert a["video"].shape == (168, 16) and a["audio"].shape == (74, 8)
+    for name in ("video", "audio"):
+        err = (a[name] - b[name]).norm() / b[name].norm()
+        assert err < RTOL_F32, (name, err)
     assert abs(r4["checksum"]["sum"] - r1["checksum"]["sum"]) <= 1e-4 * r1["checksum"]["abs_sum"]
-    # the checksum reduced from 4 shards is the checksum of the saved (gathered) latent
-    assert latent_checksum(a, 0, 276).bits64 == r4["checksum"]["bits64"]
+    assert latent_checksum(a["video"], a["audio"]).bits64 == r4["checksum"]["bits64"]
     # per-step progress logged on rank 0 only, with the rank in every line
     assert "[rank 0] INFO dist_attn.serve.engine: once-5 step 2/2" in dist_run.stderr
     assert "[rank 1] INFO" not in dist_run.stderr
@@ -69,18 +70,20 @@ def test_server_under_torchrun(tmp_path, world):
         health = json.loads(body)
         assert status == 200 and health["status"] == "ok" and health["world_size"] == world
 
-        good = json.dumps({"num_tokens": 200, "steps": 2, "seed": 1}).encode()
+        good = json.dumps({"frames": 5, "height": 128, "width": 128, "steps": 2, "seed": 1}).encode()
         status, body, _ = http("POST", base + "/v1/generate", good)
         assert status == 200, body
         first = json.loads(body)
-        assert first["tokens"] == {"used": 200, "total": 256, "latent_shape": None}
+        assert first["tokens"] == {"used": 80, "total": 80, "text": 32, "audio": 16, "video": 32,
+                                   "frames": 5, "latent_shape": [2, 8, 8]}
         assert len(first["step_latency_ms"]) == 2 and first["world_size"] == world
         assert len(first["checksum"]["bits64"]) == 16
 
         status, body, _ = http("POST", base + "/v1/generate", b'{"steps": "many"}')
         assert status == 400 and "steps='many' must be an integer" in json.loads(body)["error"][
             "message"]
-        status, body, _ = http("POST", base + "/v1/generate", b'{"num_tokens": 10000000}')
+        status, body, _ = http("POST", base + "/v1/generate",
+                               b'{"frames": 300, "height": 2048, "width": 2048}')
         assert status == 413 and "max_tokens" in body
         status, body, _ = http("POST", base + "/v1/generate", b"x" * 70_000)
         assert status == 413 and "max_body_bytes" in body
@@ -161,17 +164,17 @@ def launcher(monkeypatch):
     root.handlers[:], root.level = handlers, level
 
 
-def test_launch_rejects_bad_tier_backend_and_weights(launcher, tmp_path, capsys):
+def test_launch_rejects_bad_tier_backend_and_checkpoint(launcher, tmp_path, capsys):
     assert launcher.main(["--check-only", "--quality", "lossless", "--backend", "sage"]) == 1
     err = capsys.readouterr().err
     assert "backend='sage' is an 8-bit backend, not allowed under quality='lossless'" in err
     assert launcher.main(["--check-only", "--quality", "best"]) == 1
     assert "valid values: 'lossless', 'high' (absent: no constraint)" in capsys.readouterr().err
-    weights = tmp_path / "w.safetensors"
-    save_safetensors({"patch_in.weight": torch.zeros(3, 3)}, weights)
-    assert launcher.main(["--once", "--weights", str(weights)]) == 1
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"_class_name": "MiniMaxH3Transformer3DModel", "num_layers": 50, "num_attention_heads": 56}))
+    assert launcher.main(["--once", "--checkpoint", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "mis-shaped keys (1): patch_in.weight: file [3, 3] vs model [256, 16]" in err
-    assert "missing keys" in err and "blocks.1.qkv.weight" in err
+    assert f"--checkpoint {tmp_path} does not match the serving config's [model]" in err
+    assert "num_layers: checkpoint 50 vs config 2" in err and "num_attention_heads: checkpoint 56" in err
     assert launcher.main(["--once", "--layers", "0"]) == 1
     assert "ModelConfig.num_layers=0 must be a positive integer" in capsys.readouterr().err

@@ -1,131 +1,82 @@
-"""The stdlib+torch safetensors reader/writer, torch state dicts, and weight validation."""
+"""--checkpoint: a diffusers-format MiniMaxH3Transformer3DModel directory loaded with
+from_pretrained (fp32 modules kept), its architecture checked against the serving config; output
+latents through the safetensors package."""
 
 from __future__ import annotations
 
 import json
-import struct
 
 import pytest
 import torch
 
-from dist_attn.serve.config import ModelConfig
-from dist_attn.serve.model import DiT, build_model
-from dist_attn.serve.weights import (SAFETENSORS_DTYPES, WeightsError, check_state_dict,
-                               load_safetensors, load_weights, save_safetensors)
+pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extra")
 
-CFG = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, head_dim=16, ffn_size=48,
-                  rope_dims=8, latent_channels=4, freq_dim=16)
+from dist_attn.serve.config import ModelConfig, load_config  # noqa: E402
+from dist_attn.serve.model import build_h3  # noqa: E402
+from dist_attn.serve.weights import (WeightsError, check_checkpoint, load_checkpoint,  # noqa: E402
+                                     load_output, save_output)
 
-
-def _write_raw(path, header: dict, data: bytes) -> None:
-    """A safetensors file written by hand from the documented format (not by our writer)."""
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+CPU = torch.device("cpu")
 
 
-def test_reads_a_hand_written_file(tmp_path):
-    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
-    c = torch.tensor([[7, -8]], dtype=torch.int64)
-    blobs = [t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in (a, b, c)]
-    offs, pos = [], 0
-    for blob in blobs:
-        offs.append([pos, pos + len(blob)])
-        pos += len(blob)
-    header = {"__metadata__": {"format": "pt"},
-              "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": offs[0]},
-              "b": {"dtype": "BF16", "shape": [2], "data_offsets": offs[1]},
-              "c": {"dtype": "I64", "shape": [1, 2], "data_offsets": offs[2]}}
-    path = tmp_path / "hand.safetensors"
-    _write_raw(path, header, b"".join(blobs))
-    out = load_safetensors(path)
-    assert sorted(out) == ["a", "b", "c"]
-    assert torch.equal(out["a"], a) and torch.equal(out["b"], b) and torch.equal(out["c"], c)
-    assert out["b"].dtype == torch.bfloat16
+def _tiny(**overrides) -> ModelConfig:
+    return ModelConfig(**{**load_config(None).model.__dict__, "num_layers": 1, **overrides})
 
 
-@pytest.mark.parametrize("dtype", sorted(SAFETENSORS_DTYPES.values(), key=str))
-def test_round_trip_every_dtype(tmp_path, dtype):
-    src = (torch.randn(3, 5) * 4).to(dtype)
-    path = tmp_path / "t.safetensors"
-    save_safetensors({"x": src, "scalar": torch.tensor(2.0), "empty": torch.zeros(0, 4)}, path,
-                     metadata={"k": "v"})
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    assert n % 8 == 0 and json.loads(raw[8:8 + n])["__metadata__"] == {"k": "v"}
-    out = load_safetensors(path)
-    assert out["x"].dtype == dtype and torch.equal(out["x"].view(torch.uint8),
-                                                   src.view(torch.uint8))
-    assert out["scalar"].shape == () and float(out["scalar"]) == 2.0
-    assert out["empty"].shape == (0, 4)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint written by diffusers' own save_pretrained, from a model of other weights."""
+    pytest.importorskip("accelerate", reason="--checkpoint loads through accelerate (the serve extra)")
+    model = build_h3(_tiny(weight_seed=7), device=CPU, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("ckpt") / "transformer"
+    model.save_pretrained(path)
+    return path, model.state_dict()
 
 
-def test_cross_check_with_safetensors_package_if_installed(tmp_path):
-    st = pytest.importorskip("safetensors.torch")
-    tensors = {"w": torch.randn(4, 3), "h": torch.randn(2).to(torch.float16)}
-    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
-    save_safetensors(tensors, ours)
-    st.save_file(tensors, str(theirs))
-    for name, t in st.load_file(str(ours)).items():
-        assert torch.equal(t, tensors[name])
-    for name, t in load_safetensors(theirs).items():
-        assert torch.equal(t, tensors[name])
+def test_checkpoint_loads_with_from_pretrained_keeping_fp32_modules(checkpoint):
+    path, saved = checkpoint
+    cfg = _tiny()  # weight_seed differs: the checkpoint's weights, not the own init, are served
+    model = build_h3(cfg, device=CPU, dtype=torch.float32, checkpoint=str(path))
+    got = model.state_dict()
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    half = load_checkpoint(path, cfg, device=CPU, dtype=torch.bfloat16)
+    assert half.proj_in.weight.dtype == half.time_embedder.linear_1.weight.dtype == torch.float32
+    assert half.audio_proj_out.weight.dtype == torch.float32
+    assert half.transformer_blocks[0].attn.to_q.weight.dtype == torch.bfloat16
+    assert torch.equal(half.proj_out.weight, saved["proj_out.weight"])  # fp32 kept exactly
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda h, d: (h, d[:-4]), r"data_offsets \[\d+, \d+\] do not hold F32\[2, 3\]"),
-    (lambda h, d: ({"a": {**h["a"], "dtype": "F7"}}, d), r"unknown dtype 'F7'"),
-    (lambda h, d: ({"a": {"dtype": "F32"}}, d), r"entry 'a' needs dtype, shape and data_offsets"),
-    (lambda h, d: ({"a": {**h["a"], "shape": [2, -3]}}, d), r"bad shape"),
-])
-def test_malformed_files_are_named(tmp_path, mutate, match):
-    a = torch.zeros(2, 3)
-    header = {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
-    header, data = mutate(header, a.numpy().tobytes())
-    path = tmp_path / "bad.safetensors"
-    _write_raw(path, header, data)
-    with pytest.raises(WeightsError, match=match):
-        load_safetensors(path)
-
-
-def test_garbage_file_is_rejected(tmp_path):
-    path = tmp_path / "junk.bin"
-    path.write_bytes(b"\xff" * 64)
-    with pytest.raises(WeightsError, match=r"neither safetensors nor a torch state dict|header"):
-        load_weights(path)
-    with pytest.raises(WeightsError, match=r"header length .* exceeds the file"):
-        load_safetensors(path)
-    with pytest.raises(WeightsError, match="no such file"):
-        load_weights(tmp_path / "absent.safetensors")
-
-
-def test_model_round_trips_through_both_formats(tmp_path):
-    model = build_model(CFG, device=torch.device("cpu"), dtype=torch.float32, backend="sdpa")
-    sd = model.state_dict()
-    save_safetensors(sd, tmp_path / "m.safetensors")
-    torch.save(sd, tmp_path / "m.pt")
-    for name in ("m.safetensors", "m.pt"):
-        loaded = load_weights(tmp_path / name)
-        check_state_dict(loaded, DiT(CFG, device="meta").state_dict())
-        other = build_model(CFG, device=torch.device("cpu"), dtype=torch.float32,
-                            backend="sdpa", state_dict=loaded)
-        for key, value in other.state_dict().items():
-            assert torch.equal(value, sd[key]), key
-
-
-def test_bad_state_dict_lists_missing_unexpected_and_misshaped(tmp_path):
-    sd = dict(build_model(CFG, device=torch.device("cpu"), dtype=torch.float32,
-                          backend="sdpa").state_dict())
-    del sd["blocks.0.fc1.bias"], sd["proj_out.weight"]
-    sd["blocks.0.extra"] = torch.zeros(3)
-    sd["blocks.0.qkv.weight"] = torch.zeros(7, 32)
-    path = tmp_path / "bad.safetensors"
-    save_safetensors(sd, path)
+def test_checkpoint_architecture_mismatch_lists_every_field(checkpoint):
+    path, _ = checkpoint
     with pytest.raises(WeightsError) as info:
-        check_state_dict(load_weights(path), DiT(CFG, device="meta").state_dict(),
-                         source=str(path))
+        check_checkpoint(path, _tiny(num_layers=2, ffn_dim=256))
     msg = str(info.value)
-    assert "missing keys (2): blocks.0.fc1.bias, proj_out.weight" in msg
-    assert "unexpected keys (1): blocks.0.extra" in msg
-    assert "mis-shaped keys (1): blocks.0.qkv.weight: file [7, 32] vs model [96, 32]" in msg
-    assert "bad.safetensors does not fit the model" in msg
+    assert "does not match the serving config's [model] (2 field(s)" in msg
+    assert "num_layers: checkpoint 1 vs config 2" in msg and "ffn_dim: checkpoint 512 vs config 256" in msg
+
+
+def test_bad_checkpoint_directories_are_named(tmp_path):
+    with pytest.raises(WeightsError, match=r"not a directory"):
+        check_checkpoint(tmp_path / "absent", _tiny())
+    with pytest.raises(WeightsError, match=r"no config.json \(not a diffusers-format checkpoint\)"):
+        check_checkpoint(tmp_path, _tiny())
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
+    with pytest.raises(WeightsError, match=r"_class_name='WanTransformer3DModel', expected "
+                                           r"'MiniMaxH3Transformer3DModel'"):
+        check_checkpoint(tmp_path, _tiny())
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(WeightsError, match=r"cannot be read as JSON"):
+        check_checkpoint(tmp_path, _tiny())
+
+
+def test_output_latents_round_trip_through_safetensors(tmp_path):
+    from safetensors import safe_open
+
+    video, audio = torch.randn(168, 16), torch.randn(74, 8)
+    path = tmp_path / "out.safetensors"
+    save_output({"video": video, "audio": audio}, path, metadata={"request": '{"steps": 2}'})
+    got = load_output(path)
+    assert torch.equal(got["video"], video) and torch.equal(got["audio"], audio)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"request": '{"steps": 2}'}

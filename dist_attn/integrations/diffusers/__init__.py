@@ -33,11 +33,14 @@ except ImportError as _exc:  # optional dependency: only this subpackage needs i
         "pip install 'dist-attn[diffusers]'"
     ) from _exc
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from torch import nn
 
+from dist_attn import SequenceShard, plan_shard
 from dist_attn.backends import available_backends
 from dist_attn.distributed import group_size_and_rank, register_for_compile
 from dist_attn.integrations.diffusers._runtime import Runtime, install_hooks
@@ -85,6 +88,22 @@ class UlyssesHandle:
     def mesh(self):
         """The ``("ring", "ulysses")`` mesh as given, or None."""
         return self.runtime.mesh
+
+    @contextlib.contextmanager
+    def sequence(self, seq_len: int) -> Iterator[SequenceShard]:
+        """Plans a sequence of ``seq_len`` rows for calls of the transformer's blocks OUTSIDE its
+        forward (a benchmark or a test of one block); the transformer's own forward plans its
+        sequence itself. Inside, a block takes what its hooks cut (H3's first block: the full
+        ``[B, S, hidden]`` hidden states and every block: the full ``adaln_indices``), the rest as
+        this rank's rows (the RoPE tables), and returns this rank's rows."""
+        rt = self.runtime
+        if rt.shard is not None:
+            raise RuntimeError("handle.sequence() inside a forward of the transformer")
+        rt.shard = plan_shard(seq_len, rt.group)
+        try:
+            yield rt.shard
+        finally:
+            rt.shard = None
 
     def remove(self) -> None:
         """Restores diffusers' processors and removes every hook; calling it twice is a no-op."""
