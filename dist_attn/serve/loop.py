@@ -265,8 +265,8 @@ class _Rank0:
             return Abort.NONE
 
         t0 = time.perf_counter()
-        exchange(Control(Op.VIDEO, video_wire(req)), self.env)
         try:
+            exchange(Control(Op.VIDEO, video_wire(req)), self.env)
             outcome = runner.lead(req, mp4_path=os.path.join(videos.output_dir, mp4_rel),
                                   png_path=(os.path.join(videos.output_dir, png_rel)
                                             if videos.thumbnail else None),

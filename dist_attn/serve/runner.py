@@ -25,6 +25,7 @@ import numpy as np
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.jobs import Abort
 from dist_attn.serve.mp4 import VideoFile, write_mp4
+from dist_attn.serve.protocol import WIRE_FIELDS
 from dist_attn.serve.videos import VideoRequest, VideoRules
 from dist_attn.serve.wire import agree_abort
 
@@ -71,16 +72,21 @@ class VideoRunner(Protocol):
 
 
 def video_wire(req: VideoRequest) -> tuple[int, ...]:
-    """The integers the other ranks need, in the control message's six slots (the prompt stays
-    on rank 0: its encoding is broadcast by the runner)."""
-    return (req.frames, req.height, req.width, req.rows, req.steps, req.seed)
+    """The integers the other ranks need, in the control message's slots (``WIRE_FIELDS``, the
+    /v1/generate request's fields, whose names a video request shares); the prompt stays on rank
+    0: its encoding is broadcast by the runner."""
+    values = {"frames": req.frames, "height": req.height, "width": req.width,
+              "steps": req.steps, "seed": req.seed}
+    missing = [name for name in WIRE_FIELDS if name not in values]
+    assert not missing, f"the control message carries {missing}, which a video job has not"
+    return tuple(values[name] for name in WIRE_FIELDS)
 
 
 def video_from_wire(values: tuple[int, ...]) -> VideoRequest:
-    """A request rebuilt on a worker rank from :func:`video_wire` (no prompt)."""
-    frames, height, width, rows, steps, seed = values
-    return VideoRequest(prompt="", frames=frames, height=height, width=width, steps=steps,
-                        seed=seed, rows=rows)
+    """A request rebuilt on a worker rank from :func:`video_wire` (no prompt; rows unknown)."""
+    got = dict(zip(WIRE_FIELDS, values))
+    return VideoRequest(prompt="", frames=got["frames"], height=got["height"],
+                        width=got["width"], steps=got["steps"], seed=got["seed"])
 
 
 class SyntheticRunner:
