@@ -5,15 +5,16 @@
 #   bash benchmarks/gpu_checks.sh serve    # serving only: serve_overhead at one h3-ref layer (with
 #                                          # a load run), then one 8-layer h3-ref request eager
 #                                          # and with --compile (3 steps each, W = 1)
-# .whl/ holds the wheels the H200 image lacks: starlette and uvicorn (pure Python), and
-# sageattention-1.0.6 for the GPU tests.
+# .whl/ holds the wheels the H200 image lacks: starlette and uvicorn (pure Python), diffusers 0.42.1
+# (the served model is its MiniMaxH3Transformer3DModel), and sageattention-1.0.6 for the GPU tests.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 OUTD=${OUT:-benchmarks/results}
 mkdir -p "$OUTD"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/starlette-*.whl .whl/uvicorn-*.whl $([ "${1:-all}" = serve ] || ls .whl/sageattention-*.whl)
+    .whl/starlette-*.whl .whl/uvicorn-*.whl .whl/diffusers-*.whl \
+    $([ "${1:-all}" = serve ] || ls .whl/sageattention-*.whl)
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
