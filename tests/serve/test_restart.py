@@ -63,8 +63,11 @@ def _final(srv, ids) -> bool:
 def test_kill_9_with_jobs_queued_and_running_then_restart(tmp_path):
     out = str(tmp_path / "out")
     flags = ("--output-dir", out, "--set", "runtime.heartbeat_s=0.5")
+    # a fresh cache: the first start builds the tiny pipeline (rank 0 builds, rank 1 waits at the
+    # barrier), as on a fresh machine; the later starts find it
+    cache = {"DIST_ATTN_CACHE": str(tmp_path / "cache")}
     # 1. a runs, b and c wait; every process of the job is killed
-    with server(tmp_path, 2, *flags) as srv:
+    with server(tmp_path, 2, *flags, **cache) as srv:
         a = _submit(srv, {**LONG, "seed": 1})
         b = _submit(srv, {**SHORT, "seed": 2})
         c = _submit(srv, {**SHORT, "seed": 3})
@@ -72,14 +75,14 @@ def test_kill_9_with_jobs_queued_and_running_then_restart(tmp_path):
         assert _job(srv, b)["status"] == _job(srv, c)["status"] == "queued"
         srv.kill()  # SIGKILL to the agent and every rank: no cleanup runs anywhere
     # 2. a is re-queued once (it keeps its place: it runs first again) and is killed again
-    with server(tmp_path, 2, *flags) as srv:
+    with server(tmp_path, 2, *flags, **cache) as srv:
         _wait(lambda: _running_at_step(srv, a, 3), 60, "a did not run again")
         job = _job(srv, a)
         assert job["attempts"] == 2 and "re-queued" in job["history"][0], job
         assert _job(srv, b)["status"] == _job(srv, c)["status"] == "queued"
         srv.kill()
     # 3. a is failed with its reason (never started a third time); b and c have their files
-    with server(tmp_path, 2, *flags) as srv:
+    with server(tmp_path, 2, *flags, **cache) as srv:
         _wait(lambda: _final(srv, [a, b, c]), 60, "jobs did not reach a final state")
         failed = _job(srv, a)
         assert failed["status"] == "failed" and "2 times" in failed["error"], failed
