@@ -194,7 +194,7 @@ class RuntimeConfig:
     """Idle rank 0 exchanges a heartbeat with every rank this often, so waiting ranks never reach
     the timeout and rank 0 knows they answer."""
     compile: bool = False
-    """torch.compile each DiT block (attention stays one opaque op inside it)."""
+    """torch.compile every H3 block and refiner block, fullgraph (attention stays one opaque op)."""
     health_timeout_s: float = 10.0
     """/health reports not-ready when rank 0 has not heard from every rank for this long. Rank 0
     hears from all ranks at every heartbeat and after every denoise step, so this must exceed one

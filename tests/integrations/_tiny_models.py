@@ -1,12 +1,12 @@
-"""Tiny seeded diffusers transformers (Wan, LTX-Video) and their inputs, identical in every
-process that builds them."""
+"""Tiny seeded diffusers transformers (Wan, LTX-Video, MiniMax-H3) and their inputs, identical in
+every process that builds them."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["build", "ltx_inputs", "tiny_ltx", "tiny_wan", "wan_inputs", "HEAD_DIM", "IMAGE_DIM",
-           "IN_CHANNELS", "TEXT_DIM", "TEXT_LEN"]
+__all__ = ["build", "h3_inputs", "h3_layout_functions", "ltx_inputs", "tiny_h3", "tiny_ltx", "tiny_wan",
+           "wan_inputs", "HEAD_DIM", "IMAGE_DIM", "IN_CHANNELS", "TEXT_DIM", "TEXT_LEN"]
 
 # Wan splits each head's RoPE channels into time / height / width parts of 2*(D//6) each (the
 # rest to time): D = 12 gives 4 / 4 / 4, the smallest head with all three parts non-empty.

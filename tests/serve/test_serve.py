@@ -178,3 +178,21 @@ def test_launch_rejects_bad_tier_backend_and_checkpoint(launcher, tmp_path, caps
     assert "num_layers: checkpoint 50 vs config 2" in err and "num_attention_heads: checkpoint 56" in err
     assert launcher.main(["--once", "--layers", "0"]) == 1
     assert "ModelConfig.num_layers=0 must be a positive integer" in capsys.readouterr().err
+
+
+def test_once_with_compile_compiles_the_served_blocks(launcher, monkeypatch, capsys):
+    """--compile reaches compile_blocks (diffusers' compile_repeated_blocks, fullgraph) of the
+    served MiniMaxH3Transformer3DModel; aot_eager here, inductor in the 2-rank integration test."""
+    from dist_attn.serve import model as served
+
+    calls, real = [], served.compile_blocks
+
+    def spy(model, **kwargs):
+        calls.append(type(model).__name__)
+        real(model, backend="aot_eager")
+
+    monkeypatch.setattr(served, "compile_blocks", spy)
+    assert launcher.main(["--once", "--compile", "--steps", "1", "--backend", "sdpa"]) == 0
+    result = _last_json(capsys.readouterr().out)
+    assert calls == ["MiniMaxH3Transformer3DModel"]
+    assert len(result["step_latency_ms"]) == 1 and result["checksum"]["bits64"]
