@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dist_attn.distributed import register_for_compile
 
-__all__ = ["MESH_DIM_NAMES", "ParallelGroups", "check_mesh_or_group", "init_usp_mesh", "parallel_groups",
+__all__ = ["MESH_DIM_NAMES", "ParallelGroups", "check_mesh", "check_mesh_or_group", "init_usp_mesh", "parallel_groups",
            "shard_index"]
 
 #: The mesh dim names, outer (ring) first: Ulysses innermost so its all-to-all stays on one host.
@@ -62,7 +62,9 @@ class ParallelGroups:
         return self.ring_rank * self.ulysses_size + self.ulysses_rank
 
 
-def _check_mesh(mesh) -> None:
+def check_mesh(mesh) -> None:
+    """Raises unless ``mesh`` is a 2-D ``("ring", "ulysses")`` DeviceMesh holding this rank with
+    ranks ascending along ``"ulysses"`` (host facts only: the same verdict on every rank)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -108,7 +110,7 @@ def parallel_groups(*, mesh=None, group=None) -> ParallelGroups:
         return ParallelGroups(ulysses_group=group, ulysses_size=size, ulysses_rank=rank,
                               ring_group=None, ring_size=1, ring_rank=0, ring_send_to=None,
                               ring_recv_from=None, desc=desc)
-    _check_mesh(mesh)
+    check_mesh(mesh)
     r, u = mesh.get_coordinate()
     n_ring, n_uly = mesh.mesh.shape
     ranks = mesh.mesh

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_attn.backends import default_softmax_scale
+from dist_attn.backends import available_backends, default_softmax_scale
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
 from dist_attn.distributed import compile_key, register_for_compile, resolve_compile_key
-from dist_attn.mesh import check_mesh_or_group, parallel_groups
+from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
@@ -253,8 +253,16 @@ class UlyssesSageAttention(nn.Module):
         for name, val in (("num_heads", num_heads), ("head_dim", head_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name}={val!r} must be a positive int")
-        if not isinstance(backend, str):
-            raise TypeError(f"backend={backend!r} must be a str")
+        # Checked here, not at the first forward: a module built with a typo would otherwise
+        # construct fine and fail minutes later inside a model's first call.
+        if not isinstance(backend, str) or backend not in available_backends():
+            raise ValueError(f"backend={backend!r} is not one of {available_backends()} "
+                             "(register_backend adds others)")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group={group!r} must be a torch.distributed.ProcessGroup or None "
+                            "(the default group)")
+        if mesh is not None:
+            check_mesh(mesh)
         _check_scale(softmax_scale)
         _check_chunks(overlap_chunks)
         check_mesh_or_group(mesh, group)

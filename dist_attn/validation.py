@@ -19,7 +19,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = None) -> None:
     """Checks q/k/v: tensors ``[T, H, D]`` or ``[B, T, H, D]`` of one shape, dtype and device,
-    dtype fp16/bf16/fp32, and (when given) ``H == num_heads`` and ``D == head_dim``. The last dim
+    ``H >= 1`` and ``D >= 1``, dtype fp16/bf16/fp32, and (when given) ``H == num_heads`` and ``D == head_dim``. The last dim
     must be contiguous."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -34,6 +34,10 @@ def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = N
             f"q, k, v shapes must be equal, got q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
         )
     h_axis, d_axis = q.ndim - 2, q.ndim - 1
+    for axis, what in ((h_axis, "heads"), (d_axis, "head_dim")):
+        if q.shape[axis] < 1:  # an empty head axis would divide by zero in the softmax scale
+            raise ValueError(f"q.shape[{axis}]={q.shape[axis]} ({what}, shape {tuple(q.shape)}) "
+                             "must be at least 1")
     if num_heads is not None and q.shape[h_axis] != num_heads:
         raise ValueError(f"q.shape[{h_axis}]={q.shape[h_axis]} heads does not match the module's "
                          f"num_heads={num_heads}")

@@ -93,5 +93,8 @@ class AttentionBackend:
 
 
 def default_softmax_scale(head_dim: int) -> float:
-    """1 / sqrt(head_dim), the scale every kernel here defaults to."""
+    """1 / sqrt(head_dim), the scale every kernel here defaults to; head_dim must be >= 1."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim={head_dim!r} must be a positive int (the softmax scale is "
+                         "1 / sqrt(head_dim))")
     return 1.0 / math.sqrt(head_dim)

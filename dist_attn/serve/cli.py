@@ -22,12 +22,9 @@ import sys
 import tomllib
 from typing import Any
 
-__all__ = ["API_KEY_ENV", "build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "main"]
 
 log = logging.getLogger(__name__)
-
-#: Environment variable holding the API key (keeps the secret off the command line).
-API_KEY_ENV = "DIST_ATTN_API_KEY"
 
 # flag dest -> config field it overrides
 _FLAG_FIELDS = {
@@ -46,6 +43,8 @@ _FLAG_FIELDS = {
     "width": "request.width",
     "steps": "request.steps",
     "seed": "request.seed",
+    "output_dir": "jobs.output_dir",
+    "video_runner": "jobs.runner",
 }
 
 
@@ -64,23 +63,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-degree", type=int, help="ring degree R (the ring crosses hosts; "
                                                    "Ulysses runs inside each)")
     p.add_argument("--checkpoint", metavar="DIR",
-                   help="diffusers-format MiniMaxH3Transformer3DModel checkpoint (config.json + "
-                        "safetensors), loaded with from_pretrained (default: the class's own "
-                        "random initialisation, seeded by model.weight_seed)")
+                   help="diffusers-format MiniMax-H3 directory: the served DiT loads DIR/"
+                        "transformer (or DIR itself when it is a bare MiniMaxH3Transformer3DModel "
+                        "checkpoint: config.json + safetensors) with from_pretrained, the video "
+                        "pipeline the rest (vae/, audio_vae/, text_encoder/, tokenizer/, "
+                        "scheduler/, audio_scheduler/). Default: the DiT's own random "
+                        "initialisation (model.weight_seed) inside a tiny random pipeline built "
+                        "once into a cache directory")
     p.add_argument("--compile", action="store_const", const=True, default=None,
                    help="torch.compile every H3 block, fullgraph (attention stays one opaque op); "
                         "the first request of each new shape compiles")
     p.add_argument("--host", help="HTTP bind address (rank 0; default loopback, others warn)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"bearer token required on every endpoint but /health (default: "
-                        f"${API_KEY_ENV})")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token required on every endpoint but /health (default: "
+                        "$DIST_ATTN_API_KEY; empty means no key)")
     p.add_argument("--port", type=int, help="HTTP port (0: pick a free one)")
     p.add_argument("--frames", type=int)
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int)
-    p.add_argument("--output-dir", help="save each output latent as <request_id>.safetensors")
+    p.add_argument("--output-dir", help="where the video jobs' store and MP4s live (default "
+                                        "jobs.output_dir, ./outputs); given, /v1/generate also "
+                                        "saves each output latent there as "
+                                        "<request_id>.safetensors")
+    p.add_argument("--video-runner", help="what runs /v1/videos jobs: h3 (the pipeline), "
+                                          "synthetic (no model, for load tests) or off")
     p.add_argument("--once", action="store_true",
                    help="run one request from the flags, print its JSON result, exit")
     p.add_argument("--check-only", action="store_true",
@@ -89,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
     p.add_argument("--pg-timeout", type=float, help="process-group timeout in seconds")
     p.add_argument("--heartbeat", type=float, help="idle heartbeat period in seconds")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="run torchrun on N local ranks under a supervisor that turns SIGTERM/"
+                        "SIGINT into rank 0's drain, so a clean stop exits 0 (torchrun alone "
+                        "exits 1 after a SIGTERM although every rank drained); not under "
+                        "torchrun")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-all-ranks", action="store_true",
                    help="log INFO on every rank, not only rank 0")
@@ -124,7 +137,18 @@ def _rank0_error(rank: int, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dist_attn.serve.supervise import (restore_default_signals, strip_flag, supervise,
+                                           under_torchrun)
+
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.nproc_per_node is not None:
+        if under_torchrun():
+            print("launch/serve.py: error: --nproc-per-node starts torchrun itself; under "
+                  "torchrun leave it out", file=sys.stderr, flush=True)
+            return 1
+        return supervise(args.nproc_per_node, strip_flag(argv, "--nproc-per-node"))
+    restore_default_signals()  # a rank under the supervisor inherits them ignored
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
 
@@ -133,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     from dist_attn.distributed import init_distributed
     from dist_attn.serve.checks import run_launch_checks
     from dist_attn.serve.logs import setup_logging
-    from dist_attn.serve.process import bind_listener, exposure_warnings, set_parent_death_signal
+    from dist_attn.serve.process import (bind_listener, exposure_warnings, resolve_api_key,
+                                         set_parent_death_signal)
     from dist_attn.serve.protocol import RequestError, parse_request
 
     setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
@@ -144,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg.check_world(world)
     except ValueError as e:
         _rank0_error(rank, f"invalid config: {e}")
+        return 1
+    try:
+        api_key = resolve_api_key(args.api_key, os.environ)
+    except ValueError as e:
+        _rank0_error(rank, str(e))
         return 1
     once_req = None
     if args.once:
@@ -165,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             local_failures.append(f"port: cannot listen on {host}:{port} ({e.strerror or e}); "
                                   "choose another with --port")
-        for warning in exposure_warnings(host, args.api_key):
+        for warning in exposure_warnings(host, api_key):
             log.warning("%s", warning)
     try:
         backend, failures = run_launch_checks(cfg, env, dtype, local_failures)
@@ -184,10 +214,18 @@ def main(argv: list[str] | None = None) -> int:
         from dist_attn.serve.engine import Engine
         from dist_attn.serve.loop import serve
 
-        model, timer = _build(cfg, env, dtype, backend, args.checkpoint, rank)
+        model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank)
         if model is None:
             return 1
         engine = Engine(cfg, env, model, timer, backend=backend, output_dir=args.output_dir)
+        runner = videos = None
+        if not args.once:  # --once runs one /v1/generate request: no jobs
+            try:
+                runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank,
+                                             model)
+            except (ValueError, FileNotFoundError) as e:  # every rank reads the same files
+                _rank0_error(rank, f"video pipeline: {e}")
+                return 1
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
@@ -195,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
         return serve(cfg, env, engine, listener=listener, once=once_req, info=info,
-                     api_key=args.api_key)
+                     api_key=api_key, runner=runner, videos=videos)
     finally:
         if listener is not None:
             listener.close()
@@ -235,3 +273,52 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
              f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
              backend, ", blocks compiled" if cfg.runtime.compile else "")
     return model, timer
+
+
+def _transformer_dir(checkpoint: str | None) -> str | None:
+    """The transformer's directory inside a pipeline checkpoint (or the bare checkpoint)."""
+    if checkpoint is None:
+        return None
+    sub = os.path.join(checkpoint, "transformer")
+    return sub if os.path.isdir(sub) else checkpoint
+
+
+def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
+                rank: int, transformer: Any) -> tuple[Any, Any]:
+    """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
+    and, on rank 0, the job store after its restart recovery (``(None, None)`` with
+    ``jobs.runner = "off"``)."""
+    from dist_attn.serve.api_videos import VideoJobs
+    from dist_attn.serve.mp4 import remove_stale_temporaries
+    from dist_attn.serve.runner import SyntheticRunner
+    from dist_attn.serve.store import JobStore
+    from dist_attn.serve.videos import VideoRules
+
+    jobs = cfg.jobs
+    if jobs.runner == "off":
+        return None, None
+    if jobs.runner == "synthetic":
+        rules = VideoRules(default_height=64, default_width=64, default_steps=cfg.request.steps,
+                           max_steps=cfg.serve.max_steps, max_rows=cfg.serve.max_tokens)
+        runner: Any = SyntheticRunner(env, step_s=jobs.synthetic_step_s, rules=rules)
+    else:
+        from dist_attn.serve.pipeline import H3Runner
+
+        if checkpoint is not None and _transformer_dir(checkpoint) == checkpoint:
+            raise ValueError(f"--checkpoint {checkpoint} is a bare transformer checkpoint; the "
+                             "video pipeline needs a full one (transformer/, vae/, audio_vae/, "
+                             "text_encoder/, tokenizer/, scheduler/, audio_scheduler/), or pass "
+                             "--video-runner off")
+        runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint,
+                                transformer=transformer)
+    if rank != 0:
+        return runner, None
+    store = JobStore(jobs.output_dir)
+    recovery = store.recover()
+    stale = remove_stale_temporaries(os.path.join(jobs.output_dir, "videos"))
+    log.info("job store %s: %d queued (re-queued after a stop: %s; failed after a second: %s; "
+             "cancelled: %s); %d partial file(s) removed", store.path, recovery.queued,
+             recovery.requeued or "none", recovery.failed or "none",
+             recovery.cancelled or "none", len(stale))
+    return runner, VideoJobs(store=store, rules=runner.rules, max_queued=jobs.max_queued,
+                             output_dir=jobs.output_dir, thumbnail=jobs.thumbnail)

@@ -8,6 +8,7 @@ A config file has one table per dataclass::
     [runtime]   -> RuntimeConfig   (backend, dtype, quality tier, timeouts)
     [request]   -> RequestConfig   (the default request: ``--once`` and the benchmark)
     [serve]     -> ServeConfig     (HTTP server and request limits)
+    [jobs]      -> JobsConfig      (video jobs: store, output directory, runner)
 
 Every ``__post_init__`` raises :class:`ValueError` naming the field, its value and the rule it
 breaks. Rules that need the world size (heads vs Ulysses degree, the parallel degrees)
@@ -30,6 +31,7 @@ from typing import Any, Literal, get_args
 
 from dist_attn.plan import heads_per_rank
 from dist_attn.serve.fields import field_error, require_non_negative, require_positive
+from dist_attn.serve.job_config import JobsConfig
 from dist_attn.serve.quality import QualityTier, tier_backend_rule, tier_name_rule
 from dist_attn.serve.tokens import PackedLayout, TokenConfig, request_layout
 
@@ -316,6 +318,7 @@ _SECTIONS: dict[str, type] = {
     "runtime": RuntimeConfig,
     "request": RequestConfig,
     "serve": ServeConfig,
+    "jobs": JobsConfig,
 }
 
 
@@ -330,6 +333,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     request: RequestConfig = field(default_factory=RequestConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
 
     def __post_init__(self) -> None:
         self.check_backend(self.runtime.backend)

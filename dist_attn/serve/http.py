@@ -1,7 +1,9 @@
 """HTTP on rank 0: a Starlette app served by uvicorn in a thread of its own.
 
 Endpoints: ``GET /health`` (200 ok, 503 not ready or shutting down; never needs a token),
-``POST /v1/generate`` (JSON request -> JSON result), ``GET /metrics`` (Prometheus text). Every
+``POST /v1/generate`` (JSON request -> JSON result, the transformer-only benchmark path),
+``/v1/videos`` (the jobs API, :mod:`dist_attn.serve.api_videos`), ``GET /metrics`` (Prometheus
+text). Every
 error is a JSON body ``{"error": {"code", "message"}}``; no server banner; messages never carry
 server paths or library internals (those go to the log).
 """
@@ -26,8 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dist_attn.serve.api_videos import VideoJobs, video_routes
 from dist_attn.serve.config import Config
-from dist_attn.serve.jobs import Abort, Job, JobError, JobQueue, Liveness, QueueFull
+from dist_attn.serve.jobs import Abort, Job, JobError, JobQueue, Liveness, QueueFull, StepTimes
 from dist_attn.serve.metrics import CONTENT_TYPE, Metrics
 from dist_attn.serve.protocol import RequestError, decode_json, parse_request
 
@@ -50,8 +53,28 @@ class ServerState:
     liveness: Liveness
     info: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
-    mean_run_s: float = 1.0
-    """Recent request duration, for Retry-After (updated by the loop)."""
+    step_times: StepTimes = field(default_factory=StepTimes)
+    """Measured step and overhead times (fed by the rank-0 loop): Retry-After and estimates."""
+    running: Job | None = None
+    """The /v1/generate job the rank-0 loop is running (None when idle or running a video)."""
+    videos: VideoJobs | None = None
+    """The video jobs (store, rules, the running one); None serves /v1/generate alone."""
+
+    def __post_init__(self) -> None:
+        if self.api_key == "":  # would refuse every request (process.resolve_api_key says why)
+            raise ValueError("api_key='' is not a key: pass None for no key")
+
+    def generate_backlog_s(self) -> float:
+        """Expected seconds of work ahead of a new /v1/generate request: what is left of the
+        running one and every queued one, from measured step times."""
+        times, ahead = self.step_times, 0.0
+        running = self.running
+        if running is not None:
+            ahead += times.job_s(running.rows, running.request.steps, "generate",
+                                 steps_done=running.steps_done)
+        for job in self.jobs.snapshot():
+            ahead += times.job_s(job.rows, job.request.steps, "generate")
+        return ahead
 
 
 def _error(status: int, message: str, *, close: bool = False,
@@ -63,22 +86,30 @@ def _error(status: int, message: str, *, close: bool = False,
                         headers=hdrs)
 
 
+def _consume(future: asyncio.Future) -> None:
+    """Marks a future's outcome as seen (its answer went nowhere: the client left)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def build_app(state: ServerState) -> Starlette:
     """The ASGI app over ``state``."""
     cfg, limits = state.cfg, state.cfg.serve
 
-    def refused(request: HttpRequest) -> JSONResponse | None:
-        if state.api_key is None:
-            return None
-        given = request.headers.get("authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-            return None
-        return _error(401, "missing or wrong bearer token",
-                      headers={"www-authenticate": "Bearer"})
-
     def fail(status: int, message: str, **kw: Any) -> JSONResponse:
         state.metrics.error(status)
         return _error(status, message, **kw)
+
+    def refused(request: HttpRequest) -> JSONResponse | None:
+        if state.api_key is None:
+            return None
+        # The scheme is case-insensitive (RFC 9110 11.1: curl users send "bearer"); the token
+        # is compared exactly, in constant time.
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              state.api_key.encode()):
+            return None
+        return fail(401, "missing or wrong bearer token", headers={"www-authenticate": "Bearer"})
 
     async def health(_request: HttpRequest) -> JSONResponse:
         silent = state.liveness.silent_s()
@@ -104,11 +135,8 @@ def build_app(state: ServerState) -> Starlette:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def generate(request: HttpRequest) -> Response:
-        received = time.perf_counter()
-        denied = refused(request)
-        if denied:
-            return denied
+    async def read_json(request: HttpRequest) -> Any:
+        """The decoded JSON body within the limits, or the error Response to send."""
         if "transfer-encoding" in request.headers or "content-length" not in request.headers:
             return fail(411, "Content-Length required (chunked bodies are not accepted)",
                         close=True)
@@ -124,17 +152,32 @@ def build_app(state: ServerState) -> Starlette:
             return fail(408, f"body not received within serve.idle_timeout_s="
                              f"{limits.idle_timeout_s}", close=True)
         try:
-            req = parse_request(decode_json(body, limits), cfg)
+            return decode_json(body, limits)
+        except RequestError as e:
+            return fail(e.status, str(e))
+
+    async def generate(request: HttpRequest) -> Response:
+        received = time.perf_counter()
+        denied = refused(request)
+        if denied:
+            return denied
+        payload = await read_json(request)
+        if isinstance(payload, Response):
+            return payload
+        try:
+            req = parse_request(payload, cfg)
         except RequestError as e:
             return fail(e.status, str(e))
         if state.liveness.stopping:
             return fail(503, "server is shutting down")
-        job = Job(request=req, received=received,
+        job = Job(request=req, received=received, rows=req.layout(cfg).used,
                   deadline=received + (req.timeout_s or limits.request_timeout_s))
         try:
             state.jobs.put(job)
         except QueueFull:
-            retry = max(1, round(state.mean_run_s * (len(state.jobs) + 1)))
+            # When the work ahead is done, from measured step times (it said 41-76 s, from a
+            # mean of whole runs times the queue length, where the queue drained in ~30 s).
+            retry = StepTimes.retry_after(state.generate_backlog_s())
             return fail(429, f"queue full ({limits.queue_size} waiting)",
                         headers={"retry-after": str(retry)})
         return await wait_for_job(request, job)
@@ -149,12 +192,18 @@ def build_app(state: ServerState) -> Starlette:
             if reason is Abort.NONE:
                 continue
             job.cancel(reason)  # a running job is aborted (and counted) by the rank-0 loop
+            # Nobody awaits the future from here on; the loop still fails the job, and asyncio
+            # would log that unretrieved failure as an ERROR with a traceback.
+            future.add_done_callback(_consume)
             if state.jobs.remove(job):
                 state.metrics.cancelled(reason.label)
                 job.fail(499, "cancelled while queued")
+            rid = job.request.request_id
             if reason is Abort.CLIENT_GONE:
+                log.info("%s: client disconnected; the request is cancelled", rid)
                 return Response(status_code=499)
-            return _error(504, f"{job.request.request_id} not done within its deadline")
+            log.info("%s: deadline passed; the request is cancelled", rid)
+            return _error(504, f"{rid} not done within its deadline")
         try:
             result = future.result()
         except JobError as e:
@@ -167,16 +216,23 @@ def build_app(state: ServerState) -> Starlette:
         return Response(body, media_type="application/json")
 
     async def http_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPException)
-        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+        assert isinstance(exc, HTTPException)  # 404 and 405 from the router
+        return fail(exc.status_code, str(exc.detail), headers=exc.headers)
 
     async def internal_error(_request: HttpRequest, _exc: Exception) -> JSONResponse:
         return _error(500, "internal error (details in the server log)")
 
-    return Starlette(routes=[Route("/health", health, methods=["GET"]),
-                             Route("/metrics", metrics, methods=["GET"]),
-                             Route("/v1/generate", generate, methods=["POST"])],
-                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+    routes = [Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"]),
+              Route("/v1/generate", generate, methods=["POST"])]
+    if state.videos is not None:
+        routes += video_routes(state, refused=refused, fail=fail, read_json=read_json)
+    app = Starlette(routes=routes,
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    # Starlette answers /health/ with a 307 whose Location it builds from the client's Host
+    # header (an empty body; a client chooses where the server points): a path is exact here.
+    app.router.redirect_slashes = False
+    return app
 
 
 class _Protocol(H11Protocol):
@@ -191,6 +247,8 @@ class _Protocol(H11Protocol):
 
     _head_timer: asyncio.TimerHandle | None = None
     _head: bytes = b""
+    metrics: Metrics | None = None
+    """Where the rejections this protocol answers itself are counted (set per server)."""
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -244,6 +302,8 @@ class _Protocol(H11Protocol):
                                    "serve.max_header_bytes)")
 
     def _send_json_error(self, status: int, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.error(status)
         body = json.dumps({"error": {"code": status, "message": message}}).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
@@ -258,7 +318,10 @@ class HttpServer:
 
     def __init__(self, state: ServerState, sock: Any) -> None:
         limits = state.cfg.serve
-        config = uvicorn.Config(build_app(state), http=_Protocol, lifespan="off",
+        # A subclass per server, so that the protocol's own rejections reach this server's
+        # metrics (uvicorn builds protocols from a class and its own keyword arguments).
+        protocol = type("_ServerProtocol", (_Protocol,), {"metrics": state.metrics})
+        config = uvicorn.Config(build_app(state), http=protocol, lifespan="off",
                                 log_config=None, access_log=False, server_header=False,
                                 timeout_keep_alive=limits.idle_timeout_s,
                                 h11_max_incomplete_event_size=limits.max_header_bytes,

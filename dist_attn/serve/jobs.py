@@ -8,8 +8,10 @@ aborts it between denoise steps on every rank together.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import enum
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dist_attn.serve.protocol import Request
 
-__all__ = ["Abort", "JobError", "Job", "QueueFull", "JobQueue", "Liveness"]
+__all__ = ["Abort", "JobError", "Job", "QueueFull", "JobQueue", "Liveness", "StepTimes"]
 
 
 class Abort(enum.IntEnum):
@@ -27,6 +29,8 @@ class Abort(enum.IntEnum):
     CLIENT_GONE = 1
     DEADLINE = 2
     SHUTDOWN = 3
+    CANCELLED = 4
+    """The client cancelled the job (DELETE /v1/videos/{id})."""
 
     @property
     def label(self) -> str:
@@ -51,6 +55,10 @@ class Job:
     received: float = field(default_factory=time.perf_counter)
     deadline: float = float("inf")
     future: Future = field(default_factory=Future)
+    rows: int = 0
+    """Packed rows of the request (what its step time depends on)."""
+    steps_done: int = 0
+    """Denoise steps finished (set by the rank-0 loop while it runs)."""
     _cancelled: Abort = Abort.NONE
 
     def cancel(self, reason: Abort) -> None:
@@ -115,6 +123,16 @@ class JobQueue:
             except ValueError:
                 return False
 
+    def snapshot(self) -> list[Job]:
+        """The waiting jobs, oldest first (a copy)."""
+        with self._cond:
+            return list(self._jobs)
+
+    def wake(self) -> None:
+        """Makes a waiting :meth:`get` return now (other work arrived: a video job)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def drain(self) -> list[Job]:
         """Removes and returns every waiting job."""
         with self._cond:
@@ -139,3 +157,63 @@ class Liveness:
     def silent_s(self) -> float:
         """Seconds since every rank last answered."""
         return time.perf_counter() - self._last
+
+
+class StepTimes:
+    """Measured seconds per denoise step by packed length, and measured seconds a job spends
+    outside its steps (setup, text encoding, decode, muxing) by kind: what Retry-After and the
+    jobs' estimated remaining time are computed from.
+
+    Each packed length keeps an exponential moving average (weight ``alpha`` for the newest
+    step). A length never measured takes the nearest measured one scaled by the length ratio
+    (linear: exact for the row-wise work, optimistic for attention's quadratic share); with no
+    measurement at all a step counts ``default_step_s``. Thread-safe.
+    """
+
+    def __init__(self, *, default_step_s: float = 1.0, alpha: float = 0.3) -> None:
+        self.default_step_s = default_step_s
+        self.alpha = alpha
+        self._step: dict[int, float] = {}
+        self._rows: list[int] = []  # sorted keys of _step
+        self._overhead: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """One denoise step of a ``rows``-row request took ``seconds``."""
+        with self._lock:
+            old = self._step.get(rows)
+            if old is None:
+                bisect.insort(self._rows, rows)
+                self._step[rows] = seconds
+            else:
+                self._step[rows] = old + self.alpha * (seconds - old)
+
+    def observe_overhead(self, kind: str, seconds: float) -> None:
+        """A job of ``kind`` spent ``seconds`` outside its denoise steps."""
+        with self._lock:
+            old = self._overhead.get(kind)
+            self._overhead[kind] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def step_s(self, rows: int) -> float:
+        """Expected seconds of one step of a ``rows``-row request."""
+        with self._lock:
+            if rows in self._step:
+                return self._step[rows]
+            if not self._rows:
+                return self.default_step_s
+            i = bisect.bisect_left(self._rows, rows)
+            near = min(self._rows[max(0, i - 1):i + 1], key=lambda r: abs(r - rows))
+            return self._step[near] * rows / max(near, 1)
+
+    def job_s(self, rows: int, steps: int, kind: str, *, steps_done: int = 0) -> float:
+        """Expected seconds left of a job of ``kind`` with ``steps - steps_done`` steps to go
+        (its whole overhead is counted while it has steps left, none after)."""
+        left = max(steps - steps_done, 0)
+        with self._lock:
+            overhead = self._overhead.get(kind, 0.0)
+        return left * self.step_s(rows) + (overhead if left else 0.0)
+
+    @staticmethod
+    def retry_after(seconds: float) -> int:
+        """A Retry-After value (whole seconds, at least 1) for ``seconds`` of work ahead."""
+        return max(1, math.ceil(seconds))

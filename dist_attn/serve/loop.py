@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -32,6 +33,9 @@ from dist_attn.serve.metrics import Metrics
 from dist_attn.serve.process import Shutdown
 from dist_attn.serve.protocol import Request, request_from_wire
 from dist_attn.serve.wire import Control, Op, exchange
+from dist_attn.serve.api_videos import VideoJobs, VideoProgress
+from dist_attn.serve.runner import VideoRunner, video_from_wire, video_wire
+from dist_attn.serve.store import JobRecord, JobStatus
 
 __all__ = ["serve"]
 
@@ -47,17 +51,21 @@ _EXIT_GRACE_S = 5.0
 
 def serve(cfg: Config, env: DistEnv, engine: Engine, *, listener: socket.socket | None = None,
           once: Request | None = None, info: dict[str, Any] | None = None,
-          api_key: str | None = None) -> int:
+          api_key: str | None = None, runner: VideoRunner | None = None,
+          videos: VideoJobs | None = None) -> int:
     """Runs this rank's loop until shutdown; returns the process exit code. Rank 0 serves HTTP
-    on ``listener`` (or runs ``once``, prints its JSON result on stdout and stops)."""
+    on ``listener`` (or runs ``once``, prints its JSON result on stdout and stops).
+
+    ``runner`` (every rank) and ``videos`` (rank 0: the store and what HTTP shares) enable the
+    video jobs; without them only /v1/generate is served."""
     hard_exit = cfg.serve.drain_timeout_s + _EXIT_GRACE_S
     if env.rank != 0:
         Shutdown(hard_exit_after_s=hard_exit).install()  # rank 0 tells us when to leave
-        return _worker_loop(env, engine)
-    return _Rank0(cfg, env, engine, info or {}, api_key).run(listener, once)
+        return _worker_loop(env, engine, runner)
+    return _Rank0(cfg, env, engine, info or {}, api_key, runner, videos).run(listener, once)
 
 
-def _worker_loop(env: DistEnv, engine: Engine) -> int:
+def _worker_loop(env: DistEnv, engine: Engine, runner: VideoRunner | None) -> int:
     while True:
         msg = exchange(None, env)
         if msg.op is Op.SHUTDOWN:
@@ -65,17 +73,27 @@ def _worker_loop(env: DistEnv, engine: Engine) -> int:
             return 0
         if msg.op is Op.RUN:
             engine.run(request_from_wire(msg.request))
+        elif msg.op is Op.VIDEO:
+            assert runner is not None, "rank 0 sent a video job to a rank without a runner"
+            runner.follow(video_from_wire(msg.request))
 
 
 class _Rank0:
     def __init__(self, cfg: Config, env: DistEnv, engine: Engine, info: dict[str, Any],
-                 api_key: str | None) -> None:
+                 api_key: str | None, runner: VideoRunner | None = None,
+                 videos: VideoJobs | None = None) -> None:
         self.cfg, self.env, self.engine = cfg, env, engine
+        assert (runner is None) == (videos is None), "video jobs need a runner and a store"
+        self.runner, self.videos = runner, videos
         self.jobs = JobQueue(cfg.serve.queue_size)
         self.metrics = Metrics(lambda: len(self.jobs))
+        if videos is not None:
+            store = videos.store
+            self.metrics.watch_jobs(lambda: {k.value: n for k, n in store.counts().items()})
         self.liveness = Liveness()
         self.state = ServerState(cfg=cfg, jobs=self.jobs, metrics=self.metrics,
-                                 liveness=self.liveness, info=info, api_key=api_key)
+                                 liveness=self.liveness, info=info, api_key=api_key,
+                                 videos=videos)
         self.shutdown = Shutdown(hard_exit_after_s=cfg.serve.drain_timeout_s + _EXIT_GRACE_S,
                                  on_request=self._refuse_queued)
 
@@ -90,6 +108,7 @@ class _Rank0:
         """Rank 0's abort vote before a denoise step. The previous step's all-to-alls needed
         every rank, so reaching this point is also proof of life."""
         self.liveness.contact()
+        job.steps_done += 1  # the vote comes before every step after the first
         reason = job.abort_reason()
         since = self.shutdown.since
         if reason is Abort.NONE and since is not None and (
@@ -132,8 +151,18 @@ class _Rank0:
         heartbeat = self.cfg.runtime.heartbeat_s
         last = time.monotonic()
         while not self.shutdown.requested.is_set():
-            # Short waits so a signal (which only sets a flag) is seen within 0.2 s.
-            job = self.jobs.get(timeout=min(0.2, heartbeat))
+            # /v1/generate first (short benchmark requests), then the oldest stored video job;
+            # short waits so that a signal (which only sets a flag) is seen within 0.2 s. A new
+            # video job wakes the wait.
+            job = self.jobs.get(timeout=0)
+            if job is None and self.videos is not None and not once:
+                record = self.videos.store.start_next()
+                if record is not None:
+                    self._run_video(record)
+                    last = time.monotonic()
+                    continue
+            if job is None:
+                job = self.jobs.get(timeout=min(0.2, heartbeat))
             if job is None:
                 if once:
                     return None
@@ -157,6 +186,7 @@ class _Rank0:
             return None
         started = time.perf_counter()
         exchange(Control(Op.RUN, req.wire()), self.env)
+        self.state.running = job
         try:
             result = self.engine.run(req, abort=lambda: self._vote(job))
         except Exception:
@@ -165,8 +195,12 @@ class _Rank0:
             self.metrics.error(500)
             job.fail(500, f"{req.request_id} failed; the server is stopping")
             raise
+        finally:
+            self.state.running = None
         assert result is not None
         self.liveness.contact()
+        for ms in result.step_latency_ms:
+            self.state.step_times.observe_step(job.rows, ms / 1e3)
         if result.aborted is not Abort.NONE:
             status, message = _ABORT_ANSWER[result.aborted]
             self.metrics.cancelled(result.aborted.label)
@@ -186,10 +220,92 @@ class _Rank0:
         now = time.perf_counter()
         result.queue_ms = round((started - job.received) * 1e3, 3)
         result.total_latency_ms = round((now - job.received) * 1e3, 3)
-        self.state.mean_run_s = 0.8 * self.state.mean_run_s + 0.2 * (now - started)
+        self.state.step_times.observe_overhead("generate", max(0.0, now - started
+                                                           - result.denoise_ms / 1e3))
         self.metrics.observe(now - job.received, result.tokens.used * req.steps,
                              result.denoise_ms / 1e3)
         job.finish(result)
         log.info("%s done: %d tokens x %d steps in %.1f ms", req.request_id, result.tokens.used,
                  req.steps, result.total_latency_ms)
         return result
+
+    def _run_video(self, record: JobRecord) -> None:
+        """Runs one stored video job on every rank and records how it ended. A failure on rank 0
+        alone (decode, muxing, disk) fails the job and the server serves on; a failure in the
+        collective path leaves the job 'running' in the store (the restart re-queues it once) and
+        ends the server."""
+        videos, runner = self.videos, self.runner
+        assert videos is not None and runner is not None
+        req, job_id = record.request, record.id
+        progress = VideoProgress(job_id=job_id, rows=req.rows, steps=req.steps,
+                                 started=record.started_at or time.time())
+        mp4_rel, png_rel = f"videos/{job_id}.mp4", f"videos/{job_id}.png"
+        try:
+            os.makedirs(os.path.join(videos.output_dir, "videos"), exist_ok=True)
+        except OSError as e:  # rank 0 alone, before any collective: this job fails
+            log.exception("%s: the videos directory cannot be made", job_id)
+            videos.store.fail(job_id, f"the output directory is not writable "
+                                      f"({e.strerror or type(e).__name__})")
+            self.metrics.video_finished(JobStatus.FAILED.value)
+            return
+        videos.running = progress
+        log.info("%s started (attempt %d): %d frames %dx%d, %d steps, %d rows", job_id,
+                 record.attempts, req.frames, req.width, req.height, req.steps, req.rows)
+
+        def on_step(k: int, seconds: float) -> Abort:
+            progress.step = k
+            self.liveness.contact()  # the step's all-to-alls needed every rank
+            self.state.step_times.observe_step(req.rows, seconds)
+            self.metrics.observe_step("video", seconds)
+            if job_id in videos.cancels:
+                return Abort.CANCELLED
+            since = self.shutdown.since
+            if since is not None and time.perf_counter() - since > self.cfg.serve.drain_timeout_s:
+                return Abort.SHUTDOWN
+            return Abort.NONE
+
+        t0 = time.perf_counter()
+        try:
+            exchange(Control(Op.VIDEO, video_wire(req)), self.env)
+            outcome = runner.lead(req, mp4_path=os.path.join(videos.output_dir, mp4_rel),
+                                  png_path=(os.path.join(videos.output_dir, png_rel)
+                                            if videos.thumbnail else None),
+                                  on_step=on_step)
+        except Exception:
+            log.exception("%s failed in the collective path; the server stops (the job is "
+                          "re-queued once at the next start)", job_id)
+            raise
+        finally:
+            videos.running = None
+            videos.cancels.discard(job_id)
+        self.liveness.contact()
+        total = time.perf_counter() - t0
+        done = len(outcome.step_s)
+        timings = {k: round(v, 4) for k, v in outcome.timings.items()}
+        timings.update(queue=round((record.started_at or 0) - record.created_at, 4),
+                       total=round(total, 4), step_s=[round(x, 4) for x in outcome.step_s])
+        store = videos.store
+        try:
+            if outcome.aborted is Abort.CANCELLED:
+                store.cancelled(job_id, f"cancelled by the client after {done} of {req.steps} "
+                                        "steps", timings=timings)
+                self.metrics.video_finished(JobStatus.CANCELLED.value)
+            elif outcome.aborted is Abort.SHUTDOWN:
+                store.requeue(job_id, f"re-queued: the server was stopped after {done} of "
+                                      f"{req.steps} steps")
+            elif outcome.error is not None or outcome.file is None:
+                store.fail(job_id, outcome.error or "no video was written", timings=timings)
+                self.metrics.video_finished(JobStatus.FAILED.value)
+            else:
+                thumb = png_rel if outcome.file.png_path else None
+                store.succeed(job_id, output=mp4_rel, thumbnail=thumb, timings=timings)
+                self.state.step_times.observe_overhead("video", max(0.0, total
+                                                                    - sum(outcome.step_s)))
+                phases = {k: v for k, v in timings.items() if isinstance(v, float)}
+                self.metrics.video_finished(JobStatus.SUCCEEDED.value, phases)
+        except Exception:  # noqa: BLE001 - rank 0 alone: the store stays as it was (running)
+            log.exception("%s: recording its end in the job store failed", job_id)
+            return
+        log.info("%s %s after %d of %d steps in %.2f s", job_id,
+                 outcome.aborted.label if outcome.aborted is not Abort.NONE
+                 else ("failed" if outcome.error else "succeeded"), done, req.steps, total)

@@ -9,6 +9,7 @@ import threading
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["Metrics", "CONTENT_TYPE"]
@@ -51,6 +52,18 @@ class Metrics:
         self._ready = Gauge("dist_attn_ready",
                             "1 when every rank answered within runtime.health_timeout_s.",
                             registry=r)
+        self._step = Histogram("dist_attn_denoise_step_seconds",
+                               "Seconds per denoise step, by kind of job (generate, video).",
+                               ["kind"], buckets=_BUCKETS, registry=r)
+        self._videos_submitted = Counter("dist_attn_video_jobs_submitted",
+                                         "Video jobs accepted (202).", registry=r)
+        self._videos_finished = Counter("dist_attn_video_jobs_finished",
+                                        "Video jobs that reached a final status, by status.",
+                                        ["status"], registry=r)
+        self._video_phase = Histogram("dist_attn_video_phase_seconds",
+                                      "Seconds per phase of a succeeded video job (text_encode, "
+                                      "denoise, decode_video, decode_audio, mux, queue, total).",
+                                      ["phase"], buckets=_BUCKETS, registry=r)
         self._lock = threading.Lock()
         self._tokens_total = 0
         self._denoise_s_total = 0.0
@@ -75,6 +88,24 @@ class Metrics:
         """Records one request dropped or aborted (``reason``: an Abort label)."""
         self._cancelled.labels(reason=reason).inc()
 
+    def observe_step(self, kind: str, seconds: float) -> None:
+        """One denoise step of a ``kind`` job took ``seconds``."""
+        self._step.labels(kind=kind).observe(seconds)
+
+    def video_submitted(self) -> None:
+        self._videos_submitted.inc()
+
+    def video_finished(self, status: str, phases: dict[str, float] | None = None) -> None:
+        """A video job reached ``status``; ``phases`` (seconds) of a succeeded one."""
+        self._videos_finished.labels(status=status).inc()
+        for phase, seconds in (phases or {}).items():
+            self._video_phase.labels(phase=phase).observe(seconds)
+
+    def watch_jobs(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Publishes ``dist_attn_video_jobs{status}`` and ``dist_attn_video_queue_depth`` from
+        ``counts()`` (the job store's counts per status) at every scrape."""
+        self.registry.register(_JobsCollector(counts))
+
     def set_ready(self, ready: bool) -> None:
         """Publishes the health verdict."""
         self._ready.set(1 if ready else 0)
@@ -82,3 +113,24 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class _JobsCollector:
+    """Reads the job store at scrape time (the store, not a counter, knows what survived a
+    restart)."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list:
+        return []  # registered unchecked: collect() reads the store at scrape time
+
+    def collect(self):
+        counts = self._counts()
+        jobs = GaugeMetricFamily("dist_attn_video_jobs", "Video jobs in the store, by status.",
+                                 labels=["status"])
+        for status, n in counts.items():
+            jobs.add_metric([status], n)
+        yield jobs
+        yield GaugeMetricFamily("dist_attn_video_queue_depth", "Video jobs waiting to run.",
+                                value=counts.get("queued", 0))

@@ -20,10 +20,13 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 __all__ = ["set_parent_death_signal", "Shutdown", "bind_listener", "is_loopback",
-           "exposure_warnings"]
+           "exposure_warnings", "API_KEY_ENV", "resolve_api_key"]
+
+#: Environment variable holding the API key (keeps the secret off the command line).
+API_KEY_ENV = "DIST_ATTN_API_KEY"
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,28 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve anywhere
         return False
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The bearer token the server requires: ``--api-key`` if given, else ``$DIST_ATTN_API_KEY``;
+    None when neither is set.
+
+    An empty value is no key (logged): ``DIST_ATTN_API_KEY=`` used to log "no API key is set"
+    and then refuse every request, as if the empty string were the key. A key with spaces or
+    non-printable characters raises ValueError: HTTP strips the spaces around a header value, so
+    no client could ever send it.
+    """
+    source, key = ("--api-key", flag) if flag is not None else (API_KEY_ENV,
+                                                                environ.get(API_KEY_ENV))
+    if key is None:
+        return None
+    if key == "":
+        log.info("%s is empty: no API key is set (every endpoint is open)", source)
+        return None
+    if not all(33 <= ord(c) <= 126 for c in key):
+        raise ValueError(f"{source}: the API key must be printable ASCII without spaces (HTTP "
+                         f"strips spaces around header values, so a client could not send it)")
+    return key
 
 
 def exposure_warnings(host: str, api_key: str | None) -> list[str]:

@@ -29,6 +29,8 @@ class Op(enum.IntEnum):
     HEARTBEAT = 1
     RUN = 2
     SHUTDOWN = 3
+    VIDEO = 4
+    """A video job: its integers (runner.video_wire) follow; the runner does the rest."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def exchange(msg: Control | None, env: DistEnv) -> Control:
     if got is None:
         values = wire.tolist()
         op = Op(values[0])
-        got = Control(op, tuple(values[1:]) if op is Op.RUN else ())
+        got = Control(op, tuple(values[1:]) if op in (Op.RUN, Op.VIDEO) else ())
     if got.op is Op.HEARTBEAT:
         dist.all_reduce(torch.ones(1, dtype=torch.int64, device=_device(env)))
     return got

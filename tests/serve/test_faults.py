@@ -48,7 +48,8 @@ def _short_request_is_served(srv, timeout: float = 30) -> None:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    with server(tmp, 2, *FLAGS, "--output-dir", str(tmp / "out")) as s:
+    # DIST_ATTN_API_KEY set but empty means no key: it used to refuse every request with 401
+    with server(tmp, 2, *FLAGS, "--output-dir", str(tmp / "out"), DIST_ATTN_API_KEY="") as s:
         s.output_dir = str(tmp / "out")
         yield s
 
@@ -165,3 +166,58 @@ def test_a_hung_peer_ends_the_job_within_the_process_group_timeout(tmp_path):
         t0 = time.monotonic()
         srv.wait_gone([pids[0]], timeout=30)
         assert time.monotonic() - t0 < 5.0 + 20  # the timeout plus teardown, not forever
+
+
+def test_sigterm_under_the_supervisor_drains_and_the_job_exits_0(tmp_path):
+    """torchrun's agent re-raises a SIGTERM as SignalException after its ranks drained, so the
+    job exited 1 with a traceback; `launch/serve.py --nproc-per-node N` runs torchrun under a
+    supervisor that passes the signal to rank 0 alone, which ends the job: exit status 0."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port, subprocess_env
+    from tests.serve._server import SERVE, Server
+
+    port = free_port()
+    log_path = str(tmp_path / "supervised.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, SERVE, "--nproc-per-node", "2", "--port",
+                                 str(port), *FLAGS], cwd=ROOT, env=subprocess_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    srv = Server(proc, port, log_path)
+    try:
+        srv.wait_healthy()
+        _short_request_is_served(srv)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, srv.log()[-3000:]
+        assert time.monotonic() - t0 < 20
+        log = srv.log()
+        for rank in (0, 1):
+            assert f"[rank {rank}] INFO dist_attn.serve.loop: shut down cleanly" in log, log[-3000:]
+        assert "SignalException" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        if proc.poll() is None:  # the agent goes with it; the ranks then get their parent-death
+            os.killpg(proc.pid, signal.SIGKILL)  # signal and leave
+
+
+def test_the_readme_timeout_example_times_out(srv):
+    """The README's `timeout_s` example was 40 steps of the default request, ~2 s on the tiny
+    model: it never timed out. The test runs the README's own line."""
+    import re
+
+    from tests.conftest import ROOT
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = [ln for ln in f if "/v1/generate" in ln and "timeout_s" in ln and "curl" in ln]
+    assert len(lines) == 1, lines
+    body = json.loads(re.search(r"-d '(\{.*?\})'", lines[0]).group(1))
+    claimed = float(re.search(r"aborted after (\d+(?:\.\d+)?) s", lines[0]).group(1))
+    assert body["timeout_s"] == claimed
+    t0 = time.monotonic()
+    status, text, _ = http("POST", srv.base + "/v1/generate", json.dumps(body).encode(),
+                           timeout=120)
+    elapsed = time.monotonic() - t0
+    assert status == 504 and "deadline" in text, (status, text)
+    assert claimed <= elapsed < claimed + 10, elapsed  # the deadline, then at most a step or two
+    _wait_for_log(srv, "aborted (deadline) after")

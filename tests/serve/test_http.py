@@ -281,3 +281,103 @@ def test_answers_are_not_held_by_nagle(app):
                 data += s.recv(65536)
             times.append(time.perf_counter() - t0)
     assert sorted(times)[10] < 0.030, sorted(times)
+
+
+def test_a_trailing_slash_is_a_404_json_not_a_redirect(app):
+    """Starlette redirected /health/ with a 307, an empty body and a Location built from the
+    client's Host header (a client can make the server point anywhere)."""
+    for raw in (b"GET /health/ HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+                _post(b'{"steps": 1}').replace(b"/v1/generate ", b"/v1/generate/ ")):
+        headers = _json_error(_exchange(app.port, raw), 404)
+        assert "location" not in headers
+    assert len(app.jobs) == 0
+
+
+def test_the_bearer_scheme_is_case_insensitive(app):
+    """RFC 9110 11.1: the auth scheme is case-insensitive; the token is not."""
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        raw = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: {scheme} {KEY}\r\n\r\n"
+        assert _parse(_exchange(app.port, raw.encode()))[0] == 200, scheme
+    raw = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY.upper()}\r\n\r\n"
+    _json_error(_exchange(app.port, raw.encode()), 401)
+    raw = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {KEY}\r\n\r\n"
+    _json_error(_exchange(app.port, raw.encode()), 401)
+
+
+def test_every_rejection_is_counted_in_the_error_metrics(app):
+    """401 (auth), 431 (head too large) and the protocol's own 400s were answered but never
+    counted; 404 and 405 neither."""
+    port = app.port
+    _json_error(_exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"), 401)
+    huge_head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20_000 + b"\r\n\r\n"
+    _json_error(_exchange(port, huge_head), 431)
+    _json_error(_exchange(port, b"\x16\x03\x01 not http\r\n\r\n"), 400)
+    _json_error(_exchange(port, _post(b"{}", "Content-Length: 2\r\n")), 400)
+    _json_error(_exchange(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n"), 404)
+    _json_error(_exchange(port, b"BREW /v1/generate HTTP/1.1\r\nHost: x\r\n\r\n"), 405)
+    samples = metric_samples(app.metrics.render().decode())
+    got = {code: samples.get(f'dist_attn_request_errors_total{{code="{code}"}}')
+           for code in ("400", "401", "404", "405", "431")}
+    assert got == {"400": 2, "401": 1, "404": 1, "405": 1, "431": 1}, got
+
+
+def test_a_client_gone_while_its_job_runs_logs_info_not_an_asyncio_error(app, caplog):
+    """The handler left the job's future unawaited; when the loop later failed the job, asyncio
+    logged 'ERROR asyncio: Future exception was never retrieved' with a traceback. A client that
+    leaves is a normal event."""
+    import gc
+    import logging
+
+    caplog.set_level(logging.INFO)
+    with socket.create_connection(("127.0.0.1", app.port), timeout=5) as s:
+        s.sendall(_post(b'{"steps": 1}'))
+        job = app.jobs.get(timeout=5)  # the loop took it: it is running, not queued
+    _wait(lambda: job.abort_reason().label == "client_gone", timeout=5)
+    job.fail(499, "client disconnected")  # what the rank-0 loop does after the abort
+    time.sleep(0.5)  # the failure reaches the HTTP thread's event loop
+    gc.collect()  # asyncio reports unretrieved exceptions when the future is collected
+    time.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [
+        (r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+    gone = [r for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert gone and all(r.levelno == logging.INFO and r.exc_info is None for r in gone)
+
+
+def test_retry_after_comes_from_measured_step_times(app):
+    """It was a mean of whole runs times the queue length (41-76 s said, ~30 s to drain); now it
+    is the measured time of the work ahead: the running job's steps left and the queued jobs."""
+    from dist_attn.serve.jobs import Job
+    from dist_attn.serve.protocol import parse_request
+
+    rows = parse_request({"steps": 4}, app.cfg).layout(app.cfg).used
+    app.step_times.observe_step(rows, 0.5)
+    app.step_times.observe_overhead("generate", 0.25)
+    app.running = Job(request=parse_request({"steps": 4}, app.cfg), rows=rows, steps_done=3)
+    answers: list[bytes] = []
+    waiting = [_submit(app.port, b'{"steps": 4}', answers) for _ in range(2)]
+    _wait(lambda: len(app.jobs) == 2)
+    headers = _json_error(_exchange(app.port, _post(b'{"steps": 4}')), 429)
+    # running: 1 step left (0.5 + 0.25); queued: 2 x (4 x 0.5 + 0.25) -> 5.25 s -> 6
+    assert headers["retry-after"] == "6", headers
+    app.running = None
+    for _ in range(2):
+        app.jobs.get(timeout=1).finish(_Done())
+    for t in waiting:
+        t.join(10)
+
+
+def test_step_times_estimate_unmeasured_lengths_from_the_nearest():
+    from dist_attn.serve.jobs import StepTimes
+
+    times = StepTimes(default_step_s=2.0)
+    assert times.step_s(100) == 2.0  # nothing measured yet
+    times.observe_step(100, 1.0)
+    times.observe_step(100, 2.0)  # EWMA, alpha 0.3
+    assert times.step_s(100) == pytest.approx(1.3)
+    times.observe_step(1000, 5.0)
+    assert times.step_s(900) == pytest.approx(4.5)  # nearest (1000), scaled by length
+    assert times.job_s(100, 3, "video", steps_done=1) == pytest.approx(2.6)  # no overhead seen
+    times.observe_overhead("video", 4.0)
+    assert times.job_s(100, 3, "video", steps_done=3) == 0.0
+    assert times.job_s(100, 3, "video") == pytest.approx(3 * 1.3 + 4.0)
+    assert StepTimes.retry_after(0.01) == 1 and StepTimes.retry_after(5.2) == 6

@@ -117,3 +117,23 @@ def test_binding_outside_loopback_warns():
     assert len(open_warnings) == 2 and "not a loopback address" in open_warnings[0]
     assert "no API key is set (--api-key or DIST_ATTN_API_KEY)" in open_warnings[1]
     assert len(exposure_warnings("0.0.0.0", "secret")) == 1
+
+
+def test_an_empty_api_key_is_no_key_and_a_key_no_client_can_send_is_refused(caplog):
+    import logging
+
+    from dist_attn.serve.http import ServerState
+    from dist_attn.serve.process import resolve_api_key
+
+    caplog.set_level(logging.INFO)
+    assert resolve_api_key(None, {}) is None
+    assert resolve_api_key(None, {"DIST_ATTN_API_KEY": ""}) is None
+    assert "DIST_ATTN_API_KEY is empty: no API key is set" in caplog.text
+    assert resolve_api_key("", {"DIST_ATTN_API_KEY": "k"}) is None  # the flag wins, even empty
+    assert resolve_api_key(None, {"DIST_ATTN_API_KEY": "k1"}) == "k1"
+    assert resolve_api_key("k2", {"DIST_ATTN_API_KEY": "k1"}) == "k2"
+    for bad in (" k", "k k", "k\t", "kä"):
+        with pytest.raises(ValueError, match=r"must be printable ASCII without spaces"):
+            resolve_api_key(bad, {})
+    with pytest.raises(ValueError, match=r"api_key='' is not a key"):
+        ServerState(cfg=None, jobs=None, metrics=None, liveness=None, api_key="")

@@ -1,0 +1,246 @@
+"""The jobs API over HTTP: ``/v1/videos``.
+
+- ``POST /v1/videos`` validates the request (:func:`dist_attn.serve.videos.parse_video_request`),
+  stores the job (committed before the answer) and answers **202** with the job and a
+  ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 503 while shutting down.
+- ``GET /v1/videos/{id}``: the job: status (queued, running, succeeded, failed, cancelled),
+  progress (step k of n, elapsed, estimated remaining, queue position), timings, errors.
+- ``GET /v1/videos/{id}/content`` streams the MP4 (``?variant=thumbnail``: the first frame's PNG);
+  409 until the job succeeded, 410 when its file is gone.
+- ``DELETE /v1/videos/{id}`` cancels a queued job at once, or a running one between denoise
+  steps (on every rank); 409 for a finished job.
+- ``GET /v1/videos?limit=&status=&before=`` lists recent jobs, newest first.
+
+Store calls run in Starlette's thread pool: a submit waits for its fsync, which must not stall
+the event loop that answers everyone else.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HttpRequest
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from dist_attn.serve.jobs import StepTimes
+from dist_attn.serve.protocol import RequestError
+from dist_attn.serve.store import JobRecord, JobStatus, JobStore
+from dist_attn.serve.videos import VideoRules, parse_video_request
+
+if TYPE_CHECKING:
+    from dist_attn.serve.http import ServerState
+
+__all__ = ["VideoProgress", "VideoJobs", "job_json", "video_routes"]
+
+_MAX_LIST = 100
+
+
+@dataclass(kw_only=True)
+class VideoProgress:
+    """The running video job, as the rank-0 loop updates it after every step."""
+
+    job_id: str
+    rows: int
+    steps: int
+    step: int = 0
+    """Steps done."""
+    started: float = field(default_factory=time.time)
+    """Unix time the run started."""
+
+
+@dataclass(kw_only=True)
+class VideoJobs:
+    """What the HTTP thread and the rank-0 loop share about video jobs."""
+
+    store: JobStore
+    rules: VideoRules
+    max_queued: int
+    output_dir: str
+    """Where the store and the videos live (files are named relative to it)."""
+    thumbnail: bool = True
+    """Write the first frame as a PNG beside each MP4."""
+    running: VideoProgress | None = None
+    cancels: set[str] = field(default_factory=set)
+    """Running jobs whose DELETE arrived (the loop votes CANCELLED at the next step)."""
+
+    def remaining_s(self, times: StepTimes) -> float:
+        """Expected seconds until the running video job is done (0 when none)."""
+        run = self.running
+        if run is None:
+            return 0.0
+        return times.job_s(run.rows, run.steps, "video", steps_done=run.step)
+
+    def backlog_s(self, times: StepTimes, queued: list[JobRecord] | None = None) -> float:
+        """Expected seconds until every queued video job is done."""
+        queued = self.store.queued() if queued is None else queued
+        return self.remaining_s(times) + sum(
+            times.job_s(j.request.rows, j.request.steps, "video") for j in queued)
+
+
+def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any]:
+    """The client's view of a job."""
+    now = time.time()
+    req = job.request
+    progress: dict[str, Any] = {"step": 0, "steps": req.steps}
+    out: dict[str, Any] = {"id": job.id, "object": "video", "status": job.status.value,
+                           "created_at": job.created_at, "started_at": job.started_at,
+                           "finished_at": job.finished_at, "request": req.to_json(),
+                           "attempts": job.attempts, "cancel_requested": job.cancel_requested,
+                           "error": job.error, "history": job.history}
+    if job.status is JobStatus.QUEUED:
+        queued = jobs.store.queued()
+        ahead = [j for j in queued if j.seq < job.seq]
+        wait = jobs.backlog_s(times, ahead)
+        own = times.job_s(req.rows, req.steps, "video")
+        out["queue_position"] = len(ahead)
+        progress.update(elapsed_s=0.0, remaining_s=round(wait + own, 3),
+                        waited_s=round(now - job.created_at, 3))
+    elif job.status is JobStatus.RUNNING:
+        run = jobs.running
+        step = run.step if run is not None and run.job_id == job.id else 0
+        progress.update(step=step, elapsed_s=round(now - (job.started_at or now), 3),
+                        remaining_s=round(times.job_s(req.rows, req.steps, "video",
+                                                      steps_done=step), 3))
+    else:
+        done = len(job.timings.get("step_s", [])) if job.timings else 0
+        progress.update(step=req.steps if job.status is JobStatus.SUCCEEDED else done,
+                        elapsed_s=round((job.finished_at or now) - (job.started_at or now), 3)
+                        if job.started_at else 0.0, remaining_s=0.0)
+    progress["fraction"] = round(progress["step"] / req.steps, 4)
+    out["progress"] = progress
+    if job.timings:
+        out["timings"] = job.timings
+    if job.status is JobStatus.SUCCEEDED:
+        out["content_url"] = f"/v1/videos/{job.id}/content"
+        if job.thumbnail:
+            out["thumbnail_url"] = f"/v1/videos/{job.id}/content?variant=thumbnail"
+    return out
+
+
+def video_routes(state: "ServerState", *, refused: Callable[[HttpRequest], Response | None],
+                 fail: Callable[..., JSONResponse],
+                 read_json: Callable[[HttpRequest], Awaitable[Any]]) -> list[Route]:
+    """The routes of :mod:`this module <dist_attn.serve.api_videos>` over ``state.videos``.
+
+    ``read_json`` returns the decoded body or a ready error Response (the limits of
+    ``/v1/generate`` apply alike).
+    """
+    jobs: VideoJobs = state.videos
+    times = state.step_times
+
+    async def submit(request: HttpRequest) -> Response:
+        denied = refused(request)
+        if denied:
+            return denied
+        payload = await read_json(request)
+        if isinstance(payload, Response):
+            return payload
+        try:
+            req = parse_video_request(payload, jobs.rules)
+        except RequestError as e:
+            return fail(e.status, str(e))
+        if state.liveness.stopping:
+            return fail(503, "server is shutting down")
+        job = await run_in_threadpool(jobs.store.submit, req, max_queued=jobs.max_queued)
+        if job is None:
+            retry = StepTimes.retry_after(await run_in_threadpool(jobs.backlog_s, times))
+            return fail(429, f"{jobs.max_queued} video jobs are waiting (jobs.max_queued)",
+                        headers={"retry-after": str(retry)})
+        state.jobs.wake()  # the rank-0 loop may be waiting for /v1/generate work
+        state.metrics.video_submitted()
+        body = await run_in_threadpool(job_json, job, jobs, times)
+        return JSONResponse(body, status_code=202, headers={"location": f"/v1/videos/{job.id}"})
+
+    async def lookup(request: HttpRequest) -> JobRecord | Response:
+        denied = refused(request)
+        if denied:
+            return denied
+        job_id = request.path_params["job_id"]
+        job = await run_in_threadpool(jobs.store.get, job_id)
+        if job is None:
+            return fail(404, f"no video job {job_id!r}")
+        return job
+
+    async def status(request: HttpRequest) -> Response:
+        job = await lookup(request)
+        if isinstance(job, Response):
+            return job
+        return JSONResponse(await run_in_threadpool(job_json, job, jobs, times))
+
+    async def content(request: HttpRequest) -> Response:
+        job = await lookup(request)
+        if isinstance(job, Response):
+            return job
+        variant = request.query_params.get("variant", "video")
+        if variant not in ("video", "thumbnail"):
+            return fail(400, f"variant={variant!r} must be 'video' or 'thumbnail'")
+        if job.status is not JobStatus.SUCCEEDED:
+            why = f": {job.error}" if job.error else ""
+            return fail(409, f"video job {job.id} is {job.status.value}{why}; its content exists "
+                             "once it succeeded")
+        name = job.output if variant == "video" else job.thumbnail
+        if name is None:
+            return fail(404, f"video job {job.id} has no {variant}")
+        path = os.path.join(jobs.output_dir, name)
+        if not os.path.isfile(path):
+            return fail(410, f"the {variant} of video job {job.id} is no longer in the output "
+                             "directory")
+        media = "video/mp4" if variant == "video" else "image/png"
+        return FileResponse(path, media_type=media,
+                            filename=f"{job.id}.{'mp4' if variant == 'video' else 'png'}")
+
+    async def cancel(request: HttpRequest) -> Response:
+        job = await lookup(request)
+        if isinstance(job, Response):
+            return job
+        if job.status.final:
+            return fail(409, f"video job {job.id} already {job.status.value}; nothing to cancel")
+        after = await run_in_threadpool(jobs.store.request_cancel, job.id)
+        assert after is not None
+        if after.status is JobStatus.RUNNING:
+            jobs.cancels.add(after.id)  # the loop stops it between denoise steps
+        elif after.status is JobStatus.CANCELLED:
+            state.metrics.video_finished(JobStatus.CANCELLED.value)
+        return JSONResponse(await run_in_threadpool(job_json, after, jobs, times))
+
+    async def listing(request: HttpRequest) -> Response:
+        denied = refused(request)
+        if denied:
+            return denied
+        q = request.query_params
+        raw = q.get("limit", "20")
+        if not raw.isdigit() or not 1 <= int(raw) <= _MAX_LIST:
+            return fail(400, f"limit={raw!r} must be an integer in [1, {_MAX_LIST}]")
+        which = q.get("status")
+        try:
+            wanted = JobStatus(which) if which is not None else None
+        except ValueError:
+            return fail(400, f"status={which!r} must be one of "
+                             f"{[s.value for s in JobStatus]}")
+        before = q.get("before")
+        before_seq = None
+        if before is not None:
+            anchor = await run_in_threadpool(jobs.store.get, before)
+            if anchor is None:
+                return fail(400, f"before={before!r} is not a video job id")
+            before_seq = anchor.seq
+        limit = int(raw)
+        found = await run_in_threadpool(jobs.store.list, limit=limit + 1, status=wanted,
+                                        before_seq=before_seq)
+
+        def render() -> list[dict[str, Any]]:
+            return [job_json(j, jobs, times) for j in found[:limit]]
+
+        return JSONResponse({"object": "list", "data": await run_in_threadpool(render),
+                             "has_more": len(found) > limit})
+
+    return [Route("/v1/videos", submit, methods=["POST"]),
+            Route("/v1/videos", listing, methods=["GET"]),
+            Route("/v1/videos/{job_id}", status, methods=["GET"]),
+            Route("/v1/videos/{job_id}", cancel, methods=["DELETE"]),
+            Route("/v1/videos/{job_id}/content", content, methods=["GET"])]

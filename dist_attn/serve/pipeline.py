@@ -1,0 +1,508 @@
+"""The MiniMax-H3 text-to-video+audio pipeline (``t2va``) as the server runs it, built from
+diffusers 0.42.1's own modular blocks (``diffusers/modular_pipelines/minimax_h3/``).
+
+Where each part runs (measured in ``benchmarks/pipeline_placement.py``; the numbers are in the
+README's "Serve H3" section):
+
+- **Text encoder (Qwen3-VL) on rank 0, its output broadcast.** The encoder is as large as the
+  DiT (H3 reads layer 50 of a 5,120-wide Qwen3-VL), so one copy instead of W saves (W - 1)
+  copies of its weights, and rank 0's copy makes the ranks agree by construction. The broadcast
+  is one [1, T, 5120] tensor (5 MB at 512 bf16 tokens): far below the encoder's own time, and the
+  other ranks would wait for an encoder of their own just as long.
+- **Transformer on every rank**, sequence-parallel through ``enable_ulysses``: every rank calls
+  it with the same full inputs and gets the same full outputs.
+- **VAE decode (video and audio) and muxing on rank 0 only.** Every rank already holds the
+  denoised latents (the transformer's outputs are gathered), so rank 0 needs no broadcast, and
+  the other ranks would only repeat the same decode and throw it away. The other ranks hold the
+  VAEs on the meta device: the layout blocks read their geometry (latent channels, compression,
+  chunking, sample rate) from them, never their weights.
+
+The denoise loop is diffusers' own loop body (``MiniMaxH3LoopDenoiser`` + ``MiniMaxH3LoopScheduler
+Step``) inside a loop of ours that, after every step, asks a hook whether to go on: rank 0 times
+the step and votes (cancel, shutdown), every rank takes part in the one all-reduce that decides,
+so all ranks stop at the same step.
+
+Adaptations, each because of a fact of diffusers or transformers that a tiny CPU run meets:
+
+- The layout blocks read the VAEs' geometry through the pipeline's properties but do not declare
+  the VAEs as components; without them they silently use the released checkpoint's numbers (24
+  latent channels, ...). :class:`ServedDenoise` declares ``vae`` and ``audio_vae``.
+- transformers' ``Qwen3VLProcessor`` cannot be built without torchvision (its video processor
+  needs it); ``t2va`` uses the processor for ``create_mm_token_type_ids`` alone, which for a text
+  prompt marks no token. Where torchvision is missing, :class:`TextOnlyQwen3VLProcessor` (a
+  ``ProcessorMixin`` over the same tokenizer, running transformers' own
+  ``create_mm_token_type_ids``) stands in, and the log says so.
+- ``fl2va`` (keyframes) is not served: it needs image upload in the API, the VAE encoder, and
+  the image processor (torchvision again); the blocks would make it cheap once those exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dist_attn.distributed import DistEnv
+from dist_attn.serve.jobs import Abort
+from dist_attn.serve.mp4 import write_mp4
+from dist_attn.serve.runner import StepHook, VideoOutcome
+from dist_attn.serve.videos import VideoRequest, VideoRules
+from dist_attn.serve.wire import agree_abort
+
+__all__ = ["H3Components", "load_components", "H3Pipeline", "H3Runner",
+           "TextOnlyQwen3VLProcessor", "ServedDenoise", "broadcast_prompt"]
+
+log = logging.getLogger(__name__)
+
+#: A denoise hook inside the pipeline: ``hook(k, n)`` after step k of n -> the verdict of every rank.
+DenoiseHook = Callable[[int, int], Abort]
+
+
+def _text_only_processor_cls() -> type:
+    from transformers.processing_utils import ProcessorMixin
+
+    class TextOnlyQwen3VLProcessor(ProcessorMixin):
+        """A processor over the tokenizer alone, for text-only ``t2va``: transformers'
+        ``create_mm_token_type_ids`` with the image/video pad ids Qwen3VLProcessor would read."""
+
+        def __init__(self, tokenizer: Any) -> None:
+            self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            self.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+            super().__init__(tokenizer)
+
+    return TextOnlyQwen3VLProcessor
+
+
+def TextOnlyQwen3VLProcessor(tokenizer: Any) -> Any:  # noqa: N802 - a class made lazily
+    """See :func:`_text_only_processor_cls` (transformers is imported on first use only)."""
+    return _text_only_processor_cls()(tokenizer)
+
+
+@dataclass(kw_only=True)
+class H3Components:
+    """What one rank holds. ``text_encoder``/``tokenizer``/``processor`` are None off rank 0;
+    ``vae``/``audio_vae`` are on the meta device off rank 0 (geometry only)."""
+
+    transformer: Any
+    scheduler: Any
+    audio_scheduler: Any
+    vae: Any
+    audio_vae: Any
+    text_encoder: Any = None
+    tokenizer: Any = None
+    processor: Any = None
+
+
+def _meta_model(cls: Any, path: str) -> Any:
+    """``cls`` built from its config on the meta device: its geometry, no weights."""
+    with torch.device("meta"):
+        return cls.from_config(cls.load_config(path))
+
+
+def load_components(checkpoint: str, *, device: torch.device, dtype: torch.dtype, rank0: bool,
+                    transformer: Any = None) -> H3Components:
+    """Loads a diffusers-format H3 directory, each component with its own ``from_pretrained``
+    (the classes' ``_keep_in_fp32_modules`` stay float32). ``transformer`` reuses a transformer
+    already built (the served DiT's) instead of loading a second copy."""
+    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio,
+                           MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel)
+
+    def sub(name: str) -> str:
+        path = os.path.join(checkpoint, name)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"--checkpoint {checkpoint}: no {name}/ directory (a "
+                                    "diffusers-format MiniMax-H3 checkpoint has transformer/, "
+                                    "scheduler/, audio_scheduler/, vae/, audio_vae/, "
+                                    "text_encoder/, tokenizer/)")
+        return path
+
+    if transformer is None:
+        transformer = MiniMaxH3Transformer3DModel.from_pretrained(sub("transformer"),
+                                                                  torch_dtype=dtype)
+        transformer = transformer.to(device).eval().requires_grad_(False)
+    comps = H3Components(
+        transformer=transformer,
+        scheduler=MiniMaxH3Scheduler.from_pretrained(sub("scheduler")),
+        audio_scheduler=MiniMaxH3Scheduler.from_pretrained(sub("audio_scheduler")),
+        vae=None, audio_vae=None)
+    if not rank0:
+        comps.vae = _meta_model(AutoencoderKLMiniMaxH3, sub("vae"))
+        comps.audio_vae = _meta_model(AutoencoderKLMiniMaxH3Audio, sub("audio_vae"))
+        return comps
+    from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
+
+    # The video VAE's decoder block stack may take the serving dtype; the audio VAE keeps its
+    # float32 modules (it degrades audibly in bf16, per its class).
+    comps.vae = AutoencoderKLMiniMaxH3.from_pretrained(sub("vae"), torch_dtype=dtype).to(
+        device).eval().requires_grad_(False)
+    comps.audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(sub("audio_vae")).to(
+        device).eval().requires_grad_(False)
+    comps.text_encoder = _load_text_encoder(Qwen3VLForConditionalGeneration, sub("text_encoder"),
+                                            dtype=dtype, device=device)
+    comps.tokenizer = Qwen2TokenizerFast.from_pretrained(sub("tokenizer"))
+    comps.processor = _load_processor(checkpoint, comps.tokenizer)
+    return comps
+
+
+#: The Qwen3-VL hidden state H3 conditions on (``MiniMaxH3ModularPipeline.text_encoder_layer``).
+H3_TEXT_LAYER = 50
+
+
+def _load_text_encoder(cls: Any, path: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+    """The text encoder with only the decoder layers H3 reads: ``hidden_states[50]`` is the
+    output of layer 50 whatever follows it, so layers 51+ are not loaded (the 64-layer, 5,120-wide
+    Qwen3-VL is ~67 GB in bf16; 51 layers ~54 GB, next to a 66 GB transformer on rank 0). One
+    layer more than 50 is kept: the pipeline refuses a stack of exactly 50 (its last state is
+    post-norm)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    full = config.text_config.num_hidden_layers
+    keep = min(full, H3_TEXT_LAYER + 1)
+    config.text_config.num_hidden_layers = keep
+    if hasattr(config.text_config, "layer_types") and config.text_config.layer_types:
+        config.text_config.layer_types = config.text_config.layer_types[:keep]
+    if keep < full:
+        log.info("text encoder: loading %d of its %d decoder layers (H3 reads hidden_states[%d])",
+                 keep, full, H3_TEXT_LAYER)
+    model = cls.from_pretrained(path, config=config, dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _load_processor(checkpoint: str, tokenizer: Any) -> Any:
+    path = os.path.join(checkpoint, "processor")
+    reason = f"{path} does not exist"
+    if os.path.isdir(path):
+        try:
+            from transformers import Qwen3VLProcessor
+
+            return Qwen3VLProcessor.from_pretrained(path)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            # Without torchvision, transformers' video-processor mapping is a placeholder and
+            # building the processor fails inside transformers.
+            reason = f"Qwen3VLProcessor could not be built ({type(e).__name__}: {e}; it needs " \
+                     "torchvision for its video processor)"
+    log.info("processor: %s; t2va uses it only to mark image/video tokens (none in a text "
+             "prompt), so a text-only processor over the same tokenizer stands in", reason)
+    return TextOnlyQwen3VLProcessor(tokenizer)
+
+
+def _served_denoise_cls() -> type:
+    """The t2va core denoise of diffusers' blocks with our loop, built lazily (diffusers and
+    transformers load on first use)."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3NoKeyframeAnchorsStep, MiniMaxH3PrepareLatentsStep, MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3SetTimestepsStep)
+    from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AfterDenoiseStep
+    from diffusers.modular_pipelines.minimax_h3.denoise import (MiniMaxH3DenoiseLoopWrapper,
+                                                                MiniMaxH3LoopDenoiser,
+                                                                MiniMaxH3LoopSchedulerStep)
+    from diffusers.modular_pipelines.modular_pipeline_utils import (ComponentSpec, InputParam,
+                                                                    OutputParam)
+
+    class ServedDenoiseLoop(MiniMaxH3DenoiseLoopWrapper):
+        """diffusers' loop body (one forward, one scheduler step per modality); after each step
+        ``step_hook(k, n)`` returns every rank's verdict, and the loop stops on a non-NONE one."""
+
+        model_name = "minimax-h3"
+        block_classes = [MiniMaxH3LoopDenoiser, MiniMaxH3LoopSchedulerStep]
+        block_names = ["denoiser", "update"]
+
+        @property
+        def loop_inputs(self) -> list:
+            return [*super().loop_inputs,
+                    InputParam(name="step_hook", required=True,
+                               description="hook(k, n) after step k of n -> Abort verdict")]
+
+        @property
+        def loop_intermediate_outputs(self) -> list:
+            return [OutputParam("aborted", description="Abort verdict that stopped the loop"),
+                    OutputParam("steps_done", type_hint=int, description="Steps that ran")]
+
+        @torch.no_grad()
+        def __call__(self, components: Any, state: Any) -> tuple[Any, Any]:
+            block_state = self.get_block_state(state)
+            n = len(block_state.timesteps)
+            block_state.aborted, block_state.steps_done = Abort.NONE, 0
+            for i, t in enumerate(block_state.timesteps):
+                components, block_state = self.loop_step(components, block_state, i=i, t=t)
+                block_state.steps_done = i + 1
+                verdict = block_state.step_hook(i + 1, n)
+                if verdict is not Abort.NONE:
+                    block_state.aborted = verdict
+                    break
+            self.set_block_state(state, block_state)
+            return components, state
+
+    class ServedDenoise(SequentialPipelineBlocks):
+        """diffusers' t2va core denoise (``MiniMaxH3CoreDenoiseStep``'s blocks) with
+        :class:`ServedDenoiseLoop`; declares the VAEs, whose geometry the layout reads."""
+
+        model_name = "minimax-h3"
+        block_classes = [MiniMaxH3NoKeyframeAnchorsStep, MiniMaxH3PrepareLayoutStep,
+                         MiniMaxH3PrepareLatentsStep, MiniMaxH3SetTimestepsStep,
+                         ServedDenoiseLoop, MiniMaxH3AfterDenoiseStep]
+        block_names = ["no_keyframe_anchors", "prepare_layout", "prepare_latents",
+                       "set_timesteps", "denoise", "after_denoise"]
+
+        @property
+        def expected_components(self) -> list:
+            return [*super().expected_components, ComponentSpec("vae", AutoencoderKLMiniMaxH3),
+                    ComponentSpec("audio_vae", AutoencoderKLMiniMaxH3Audio)]
+
+    return ServedDenoise
+
+
+def ServedDenoise() -> Any:  # noqa: N802 - a class made lazily
+    """An instance of the served t2va denoise blocks (see :func:`_served_denoise_cls`)."""
+    return _served_denoise_cls()()
+
+
+def _comm_device(env: DistEnv) -> torch.device:
+    return env.device if env.backend == "nccl" else torch.device("cpu")
+
+
+def broadcast_prompt(embeds: torch.Tensor | None, tags: torch.Tensor | None, env: DistEnv,
+                     *, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's prompt encoding on every rank: two broadcasts (the shape, then the values).
+
+    Args:
+        embeds: [1, T, D] the text encoder's hidden state (rank 0; None elsewhere).
+        tags: [T] int64 modality tags of the text rows (rank 0; None elsewhere).
+    Returns:
+        ([1, T, D] in ``dtype`` on ``device``, [T] int64 on ``device``) on every rank.
+    """
+    if not env.distributed:
+        assert embeds is not None and tags is not None
+        return embeds.to(device, dtype), tags.to(device)
+    cd = _comm_device(env)
+    shape = torch.zeros(2, dtype=torch.int64, device=cd)
+    if env.rank == 0:
+        shape[0], shape[1] = embeds.shape[1], embeds.shape[2]
+    dist.broadcast(shape, src=0)
+    t, d = (int(x) for x in shape.tolist())
+    # float32 on the wire: gloo has no bfloat16 broadcast on every build, and 5 MB is nothing
+    buf = torch.empty(1, t, d + 1, dtype=torch.float32, device=cd)
+    if env.rank == 0:
+        buf[0, :, :d] = embeds[0].to(cd, torch.float32)
+        buf[0, :, d] = tags.to(cd, torch.float32)
+    dist.broadcast(buf, src=0)
+    return buf[:, :, :d].to(device, dtype), buf[0, :, d].round().to(device, torch.int64)
+
+
+class H3Pipeline:
+    """The three parts of t2va over one rank's :class:`H3Components`: text encoding (rank 0),
+    the sequence-parallel denoise (every rank), decoding (rank 0)."""
+
+    def __init__(self, comps: H3Components, env: DistEnv, dtype: torch.dtype) -> None:
+        from diffusers.modular_pipelines.minimax_h3.decoders import (MiniMaxH3AudioDecodeStep,
+                                                                     MiniMaxH3VideoDecodeStep)
+        from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
+
+        self.comps, self.env, self.dtype = comps, env, dtype
+        self.denoise = ServedDenoise().init_pipeline()
+        self.denoise.update_components(transformer=comps.transformer, scheduler=comps.scheduler,
+                                       audio_scheduler=comps.audio_scheduler, vae=comps.vae,
+                                       audio_vae=comps.audio_vae)
+        self.text = self.decode_video = self.decode_audio = None
+        if env.rank == 0:
+            self.text = MiniMaxH3TextEncoderStep().init_pipeline()
+            self.text.update_components(text_encoder=comps.text_encoder,
+                                        tokenizer=comps.tokenizer, processor=comps.processor)
+            # the two blocks of MiniMaxH3DecodeStep, run (and timed) one by one
+            self.decode_video = MiniMaxH3VideoDecodeStep().init_pipeline()
+            self.decode_video.update_components(vae=comps.vae)
+            self.decode_audio = MiniMaxH3AudioDecodeStep().init_pipeline()
+            self.decode_audio.update_components(audio_vae=comps.audio_vae)
+
+    def rules(self, *, max_steps: int, max_rows: int, default_steps: int,
+              default_height: int | None = None, default_width: int | None = None) -> VideoRules:
+        """What this pipeline accepts, read from its components (rank 0: it needs the
+        tokenizer). Defaults: H3's 16:9 canvas unless given."""
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+        p = self.denoise
+        tok = self.comps.tokenizer
+        multiple = p.canvas_multiple
+        if default_height is None or default_width is None:
+            default_height, default_width = resolve_canvas_size(16, 9, multiple, 768, 768 * 1344)
+        return VideoRules(
+            canvas_multiple=multiple, spatial_compression=p.vae_spatial_compression_ratio,
+            patch=tuple(p.patch_size), frames_per_chunk=p.vae_frames_per_chunk,
+            latents_per_chunk=p.vae_latents_per_chunk, fps=p.fps, min_duration_s=p.min_duration,
+            max_duration_s=p.max_duration, audio_channels=p.audio_channels,
+            default_height=default_height, default_width=default_width,
+            default_frames=124, default_steps=default_steps, max_steps=max_steps,
+            max_rows=max_rows,
+            text_rows=lambda prompt: len(tok(prompt, add_special_tokens=False)["input_ids"]))
+
+    def _sync(self) -> None:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+
+    def encode(self, prompt: str | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Rank 0 encodes ``prompt``; every rank gets the result. Returns (embeds [1, T, D],
+        tags [T], seconds of the encoder on rank 0 (0 elsewhere))."""
+        embeds = tags = None
+        seconds = 0.0
+        if self.env.rank == 0:
+            t0 = time.perf_counter()
+            out = self.text(prompt=prompt, output=["prompt_embeds", "text_token_tags"])
+            embeds, tags = out["prompt_embeds"], out["text_token_tags"]
+            self._sync()
+            seconds = time.perf_counter() - t0
+        embeds, tags = broadcast_prompt(embeds, tags, self.env, dtype=self.dtype,
+                                        device=self.env.device)
+        return embeds, tags, seconds
+
+    def run_denoise(self, req: VideoRequest, embeds: torch.Tensor, tags: torch.Tensor,
+                    hook: DenoiseHook) -> dict[str, Any]:
+        """Every rank: diffusers' layout, noise, timesteps, our loop, the unpack. Returns the
+        pipeline state's ``latents``, ``audio_latents``, ``aborted``, ``steps_done``."""
+        gen = torch.Generator(device=self.env.device).manual_seed(req.seed)
+        # H3's scheduler counts grid points, the terminal 0 included: n points, n - 1 forwards.
+        # A request's steps are forwards (what progress counts), so the grid has one more.
+        return self.denoise(prompt_embeds=embeds, text_token_tags=tags, height=req.height,
+                            width=req.width, num_frames=req.frames,
+                            num_inference_steps=req.steps + 1, generator=gen, step_hook=hook,
+                            output=["latents", "audio_latents", "aborted", "steps_done"])
+
+    def run_decode(self, latents: torch.Tensor, audio_latents: torch.Tensor
+                   ) -> tuple[np.ndarray, np.ndarray, int, float, float]:
+        """Rank 0: the video and audio decode blocks. Returns (video [F, H, W, 3] float in
+        [0, 1], audio [2, N] float32, sample rate, seconds video, seconds audio)."""
+        assert self.decode_video is not None, "decoding runs on rank 0"
+        t0 = time.perf_counter()
+        videos = self.decode_video(latents=latents, output_type="np", output="videos")
+        self._sync()
+        t1 = time.perf_counter()
+        audio = self.decode_audio(audio_latents=audio_latents, output=["audio", "sampling_rate"])
+        self._sync()
+        t2 = time.perf_counter()
+        video = np.asarray(videos)[0]  # [1, F, H, W, 3] -> [F, H, W, 3]
+        wave = audio["audio"][0].float().cpu().numpy()  # [1, 2, N] -> [2, N]
+        return video, wave, int(audio["sampling_rate"]), t1 - t0, t2 - t1
+
+
+class H3Runner:
+    """:class:`dist_attn.serve.runner.VideoRunner` over :class:`H3Pipeline`."""
+
+    def __init__(self, pipe: H3Pipeline, rules: VideoRules | None) -> None:
+        self.pipe = pipe
+        self.env = pipe.env
+        self.rules = rules if rules is not None else VideoRules()
+
+    @classmethod
+    def build(cls, cfg: Any, env: DistEnv, *, dtype: torch.dtype, backend: str,
+              checkpoint: str | None, transformer: Any = None) -> "H3Runner":
+        """Loads ``checkpoint`` (or the tiny random one, built once into the cache) on every
+        rank, makes the transformer sequence-parallel, and reads the request rules."""
+        from dist_attn.serve.tiny_h3 import ensure_tiny_checkpoint
+
+        if checkpoint is None:
+            served = dict(transformer.config) if transformer is not None else None
+            keys = set(cfg.model.diffusers_config()) if transformer is not None else set()
+            checkpoint = ensure_tiny_checkpoint(
+                env, {k: v for k, v in served.items() if k in keys} if served else None)
+        comps = load_components(checkpoint, device=env.device, dtype=dtype, rank0=env.rank == 0,
+                                transformer=transformer)
+        check_fit(comps, checkpoint)
+        if env.distributed and transformer is None:
+            from dist_attn.integrations.diffusers import enable_ulysses
+
+            enable_ulysses(comps.transformer, backend=backend)
+        pipe = H3Pipeline(comps, env, dtype)
+        rules = None
+        if env.rank == 0:
+            tiny = checkpoint_is_tiny(checkpoint)
+            rules = pipe.rules(max_steps=cfg.serve.max_steps, max_rows=cfg.serve.max_tokens,
+                               default_steps=cfg.request.steps,
+                               default_height=64 if tiny else None,
+                               default_width=64 if tiny else None)
+        log.info("H3 pipeline from %s on %s (%s): text encoder and decode on rank 0, "
+                 "transformer on %d rank(s)", checkpoint, env.device,
+                 str(dtype).removeprefix("torch."), env.world_size)
+        return cls(pipe, rules)
+
+    def _hook(self, on_step: StepHook | None) -> DenoiseHook:
+        """The loop's hook: rank 0 times the step and votes; every rank joins the all-reduce
+        that decides (none after the last step)."""
+        last = [time.perf_counter()]
+        times: list[float] = []
+
+        def hook(k: int, n: int) -> Abort:
+            self.pipe._sync()
+            now = time.perf_counter()
+            times.append(now - last[0])
+            vote = on_step(k, times[-1]) if on_step is not None else Abort.NONE
+            verdict = agree_abort(vote, self.env) if k < n else Abort.NONE
+            last[0] = time.perf_counter()
+            return verdict
+
+        hook.times = times  # type: ignore[attr-defined]
+        return hook
+
+    def lead(self, req: VideoRequest, *, mp4_path: str, png_path: str | None,
+             on_step: StepHook) -> VideoOutcome:
+        pipe = self.pipe
+        embeds, tags, text_s = pipe.encode(req.prompt)
+        hook = self._hook(on_step)
+        t0 = time.perf_counter()
+        out = pipe.run_denoise(req, embeds, tags, hook)
+        denoise_s = time.perf_counter() - t0
+        outcome = VideoOutcome(aborted=out["aborted"], step_s=list(hook.times),
+                               timings={"text_encode": text_s, "denoise": denoise_s})
+        if outcome.aborted is not Abort.NONE:
+            return outcome
+        # Rank 0 alone from here: a failure fails this job, the other ranks already wait for
+        # the next control message.
+        try:
+            video, audio, rate, video_s, audio_s = pipe.run_decode(out["latents"],
+                                                                   out["audio_latents"])
+            outcome.timings.update(decode_video=video_s, decode_audio=audio_s)
+            t1 = time.perf_counter()
+            outcome.file = write_mp4(mp4_path, video, audio, fps=self.rules.fps,
+                                     sample_rate=rate, first_frame_png=png_path)
+            outcome.timings["mux"] = time.perf_counter() - t1
+        except (OSError, RuntimeError, ValueError) as e:
+            log.exception("%s: decoding or writing failed", os.path.basename(mp4_path))
+            why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+            outcome.error = f"decoding or writing the video failed ({why})"
+        return outcome
+
+    def follow(self, req: VideoRequest) -> None:
+        embeds, tags, _ = self.pipe.encode(None)
+        self.pipe.run_denoise(req, embeds, tags, self._hook(None))
+
+
+def check_fit(comps: H3Components, checkpoint: str) -> None:
+    """Raises ValueError naming each field where the transformer and the other components of
+    ``checkpoint`` disagree (the served DiT may come from another config than the checkpoint)."""
+    t = comps.transformer.config
+    pairs = [("text_dim", t.text_dim, "text_encoder hidden_size",
+              comps.text_encoder.config.text_config.hidden_size if comps.text_encoder is not None
+              else t.text_dim),
+             ("in_channels", t.in_channels, "vae latent_channels", comps.vae.config.latent_channels),
+             ("audio_in_channels", t.audio_in_channels, "audio_vae latent_channels",
+              comps.audio_vae.config.latent_channels)]
+    bad = [f"transformer {a}={x} but {b}={y}" for a, x, b, y in pairs if x != y]
+    if bad:
+        raise ValueError(f"the served DiT does not fit the pipeline of {checkpoint}: "
+                         + "; ".join(bad) + " (pass --checkpoint with a full H3 pipeline whose "
+                         "transformer/ the served config matches)")
+
+
+def checkpoint_is_tiny(path: str) -> bool:
+    """Whether ``path`` is the generated tiny checkpoint (its marker file)."""
+    from dist_attn.serve.tiny_h3 import MARKER
+
+    return os.path.isfile(os.path.join(path, MARKER))

@@ -1,0 +1,141 @@
+"""The job runner: what the rank-0 loop calls to turn one stored video job into an MP4, behind a
+small interface so that the job store and the HTTP API are testable without a model.
+
+A runner has two halves: :meth:`VideoRunner.lead` on rank 0 and :meth:`VideoRunner.follow` on
+every other rank, called after the loop broadcast the job (``Op.VIDEO``). Both run the same
+denoise steps; after each step but the last, every rank votes (one all-reduce, rank 0's vote
+decides) whether to go on, so a cancel or a shutdown stops every rank at the same step. What only
+rank 0 does (decoding, muxing, writing) fails the job alone: the outcome carries the error and the
+server serves on.
+
+Runners: :class:`dist_attn.serve.pipeline.H3Runner` (the MiniMax-H3 pipeline) and
+:class:`SyntheticRunner` (a test pattern and a tone, no model: the serving layer's own cost, for
+tests and load tests of the jobs API).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from dist_attn.distributed import DistEnv
+from dist_attn.serve.jobs import Abort
+from dist_attn.serve.mp4 import VideoFile, write_mp4
+from dist_attn.serve.protocol import WIRE_FIELDS
+from dist_attn.serve.videos import VideoRequest, VideoRules
+from dist_attn.serve.wire import agree_abort
+
+__all__ = ["StepHook", "VideoOutcome", "VideoRunner", "SyntheticRunner", "video_wire",
+           "video_from_wire"]
+
+log = logging.getLogger(__name__)
+
+#: Rank 0's hook after denoise step ``k`` (1-based) took ``seconds``: its vote to go on.
+StepHook = Callable[[int, float], Abort]
+
+
+@dataclass(kw_only=True)
+class VideoOutcome:
+    """What rank 0 learns from one run."""
+
+    aborted: Abort = Abort.NONE
+    """Why the denoise loop stopped early (NONE: it ran every step)."""
+    step_s: list[float] = field(default_factory=list)
+    """Seconds of each denoise step that ran."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase (``text_encode``, ``denoise``, ``decode_video``, ``decode_audio``,
+    ``mux``, ...), measured on rank 0."""
+    file: VideoFile | None = None
+    """The MP4 written (None when aborted or failed)."""
+    error: str | None = None
+    """A rank-0-only failure (decode, muxing, disk): this job fails, the server serves on."""
+
+
+class VideoRunner(Protocol):
+    """Runs one video job on every rank."""
+
+    rules: VideoRules
+    """What requests it accepts (checked on rank 0 before a job is stored)."""
+
+    def lead(self, req: VideoRequest, *, mp4_path: str, png_path: str | None,
+             on_step: StepHook) -> VideoOutcome:
+        """Rank 0's half: runs the job, writes ``mp4_path`` (and ``png_path``) atomically."""
+        ...
+
+    def follow(self, req: VideoRequest) -> None:
+        """Every other rank's half of the same job."""
+        ...
+
+
+def video_wire(req: VideoRequest) -> tuple[int, ...]:
+    """The integers the other ranks need, in the control message's slots (``WIRE_FIELDS``, the
+    /v1/generate request's fields, whose names a video request shares); the prompt stays on rank
+    0: its encoding is broadcast by the runner."""
+    values = {"frames": req.frames, "height": req.height, "width": req.width,
+              "steps": req.steps, "seed": req.seed}
+    missing = [name for name in WIRE_FIELDS if name not in values]
+    assert not missing, f"the control message carries {missing}, which a video job has not"
+    return tuple(values[name] for name in WIRE_FIELDS)
+
+
+def video_from_wire(values: tuple[int, ...]) -> VideoRequest:
+    """A request rebuilt on a worker rank from :func:`video_wire` (no prompt; rows unknown)."""
+    got = dict(zip(WIRE_FIELDS, values))
+    return VideoRequest(prompt="", frames=got["frames"], height=got["height"],
+                        width=got["width"], steps=got["steps"], seed=got["seed"])
+
+
+class SyntheticRunner:
+    """No model: each step sleeps ``step_s`` (every rank votes after it, as the real runner
+    does), then rank 0 writes a moving test pattern and a tone as the MP4. Its rules are
+    H3's, at a small default canvas."""
+
+    def __init__(self, env: DistEnv, *, step_s: float = 0.02, rules: VideoRules | None = None
+                 ) -> None:
+        self.env = env
+        self.step_s = step_s
+        self.rules = rules or VideoRules(default_height=64, default_width=64, default_steps=4)
+
+    def _denoise(self, steps: int, on_step: StepHook | None) -> tuple[Abort, list[float]]:
+        times: list[float] = []
+        for k in range(1, steps + 1):
+            t0 = time.perf_counter()
+            time.sleep(self.step_s)
+            times.append(time.perf_counter() - t0)
+            vote = on_step(k, times[-1]) if on_step is not None else Abort.NONE
+            if k < steps:
+                verdict = agree_abort(vote, self.env)
+                if verdict is not Abort.NONE:
+                    return verdict, times
+        return Abort.NONE, times
+
+    def lead(self, req: VideoRequest, *, mp4_path: str, png_path: str | None,
+             on_step: StepHook) -> VideoOutcome:
+        t0 = time.perf_counter()
+        aborted, times = self._denoise(req.steps, on_step)
+        out = VideoOutcome(aborted=aborted, step_s=times,
+                           timings={"denoise": time.perf_counter() - t0})
+        if aborted is not Abort.NONE:
+            return out
+        t1 = time.perf_counter()
+        y, x = np.mgrid[0:req.height, 0:req.width]
+        video = np.stack([np.stack([(x + 3 * i + req.seed) % 256, (y * 2) % 256,
+                                    np.full_like(x, 96)], -1) for i in range(req.frames)])
+        rate = 32_000
+        t = np.arange(round(req.frames / self.rules.fps * rate)) / rate
+        audio = np.stack([0.2 * np.sin(2 * np.pi * 440 * t), 0.2 * np.sin(2 * np.pi * 554 * t)])
+        try:
+            out.file = write_mp4(mp4_path, video.astype(np.uint8), audio.astype(np.float32),
+                                 fps=self.rules.fps, sample_rate=rate, first_frame_png=png_path)
+        except OSError as e:
+            log.exception("writing %s failed", mp4_path)
+            out.error = f"the video could not be written ({e.strerror or type(e).__name__})"
+        out.timings["mux"] = time.perf_counter() - t1
+        return out
+
+    def follow(self, req: VideoRequest) -> None:
+        self._denoise(req.steps, None)

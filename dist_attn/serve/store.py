@@ -1,0 +1,330 @@
+"""The job store: every video job in one SQLite file under the output directory (the standard
+library's ``sqlite3``, WAL mode, ``synchronous=FULL``).
+
+What the store promises (the server's restart semantics):
+
+- A job is in the file, committed and fsync'ed, before its 202 is sent.
+- At start (:meth:`JobStore.recover`), after a crash, ``kill -9`` or a clean stop: queued jobs
+  stay queued, in submission order; a job that was running is re-queued once, and failed with
+  its reason if it was already re-queued after a crash (a job that kills the server each time
+  must not take it down forever); a cancel that was asked for a running job is carried out;
+  finished jobs (succeeded, failed, cancelled) and their files stay listed.
+- A clean shutdown that interrupts a running job puts it back in the queue without counting an
+  attempt (:meth:`JobStore.requeue`): the job did not cause the stop.
+
+Progress (step k of n) is not written per step (an fsync per step would cost ~10% of a tiny CPU
+step); the rank-0 loop keeps it in memory and the HTTP layer merges it into the answer.
+
+One connection, shared by the HTTP thread and the rank-0 loop under a lock: each call is one
+short transaction (well under a millisecond without the fsync).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from dist_attn.serve.videos import VideoRequest
+
+__all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "STORE_NAME", "MAX_ATTEMPTS", "new_job_id"]
+
+#: The store's file name inside the output directory (WAL adds -wal and -shm beside it).
+STORE_NAME = "jobs.sqlite3"
+#: A job is started at most this many times; one more interruption while running fails it.
+MAX_ATTEMPTS = 2
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    id           TEXT NOT NULL UNIQUE,
+    status       TEXT NOT NULL CHECK (status IN
+                   ('queued', 'running', 'succeeded', 'failed', 'cancelled')),
+    request      TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    started_at   REAL,
+    finished_at  REAL,
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    cancel       INTEGER NOT NULL DEFAULT 0,
+    error        TEXT,
+    output       TEXT,
+    thumbnail    TEXT,
+    timings      TEXT,
+    history      TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
+"""
+
+
+class JobStatus(str, enum.Enum):
+    """Where a job is; the three last are final."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobRecord:
+    """One row of the store. Times are Unix seconds (``time.time()``: they survive a restart)."""
+
+    seq: int
+    """Submission order."""
+    id: str
+    status: JobStatus
+    request: VideoRequest
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    attempts: int
+    """Times the job was started (a clean-shutdown interruption gives its attempt back)."""
+    cancel_requested: bool
+    error: str | None
+    """Why it failed or was cancelled."""
+    output: str | None
+    """The MP4's file name, relative to the output directory."""
+    thumbnail: str | None
+    """The first frame's PNG, relative to the output directory."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    history: list[str] = field(default_factory=list)
+    """Events a client should know of (re-queued after a restart, ...)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Recovery:
+    """What :meth:`JobStore.recover` did at start."""
+
+    requeued: list[str]
+    """Jobs that were running and run again."""
+    failed: list[str]
+    """Jobs that were running after a re-queue already: failed."""
+    cancelled: list[str]
+    """Running jobs whose cancel had been asked: cancelled."""
+    queued: int
+    """Jobs waiting, in order, after recovery."""
+
+
+def new_job_id() -> str:
+    """``vid_`` + 24 hex digits (random: ids do not reveal how many jobs others submitted)."""
+    return f"vid_{uuid.uuid4().hex[:24]}"
+
+
+class JobStore:
+    """The SQLite job store at ``<directory>/jobs.sqlite3`` (created if absent)."""
+
+    def __init__(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.path = os.path.join(directory, STORE_NAME)
+        # isolation_level=None: autocommit; multi-statement changes use explicit BEGIN IMMEDIATE.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=30.0)
+        self._lock = threading.Lock()
+        with self._lock:
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); the "
+                                   "output directory must be on a local filesystem")
+            # FULL: every commit is on disk before it returns, so a 202 survives power loss too
+            # (NORMAL would survive a process crash only).
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ------------------------------------------------------------------ reading
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else self._record(row)
+
+    def list(self, *, limit: int = 20, status: JobStatus | None = None,
+             before_seq: int | None = None) -> list[JobRecord]:
+        """The most recent jobs first (optionally of one status, older than ``before_seq``)."""
+        where, args = [], []
+        if status is not None:
+            where.append("status = ?")
+            args.append(status.value)
+        if before_seq is not None:
+            where.append("seq < ?")
+            args.append(before_seq)
+        sql = "SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
+        return [self._record(r) for r in rows]
+
+    def queued(self) -> list[JobRecord]:
+        """The waiting jobs, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"
+                                    ).fetchall()
+        return [self._record(r) for r in rows]
+
+    def counts(self) -> dict[JobStatus, int]:
+        """Jobs per status (every status present, zeros included)."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        got = {JobStatus(s): n for s, n in rows}
+        return {s: got.get(s, 0) for s in JobStatus}
+
+    def queue_position(self, job: JobRecord) -> int:
+        """How many queued jobs are ahead of ``job``."""
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND seq < ?",
+                                    (job.seq,)).fetchone()[0]
+
+    # ------------------------------------------------------------------ transitions
+
+    def submit(self, request: VideoRequest, *, max_queued: int) -> JobRecord | None:
+        """Stores a new queued job and returns it once committed; None when ``max_queued`` jobs
+        are already waiting (checked in the same transaction)."""
+        job_id, now = new_job_id(), time.time()
+        with self._tx() as db:
+            waiting = db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
+            if waiting >= max_queued:
+                return None
+            db.execute("INSERT INTO jobs (id, status, request, created_at) VALUES (?, ?, ?, ?)",
+                       (job_id, JobStatus.QUEUED.value, json.dumps(request.to_json()), now))
+        record = self.get(job_id)
+        assert record is not None
+        return record
+
+    def start_next(self) -> JobRecord | None:
+        """Marks the oldest queued job running (one more attempt) and returns it; None if none."""
+        with self._tx() as db:
+            row = db.execute("SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1"
+                             ).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE jobs SET status = 'running', started_at = ?, "
+                       "attempts = attempts + 1 WHERE id = ?", (time.time(), row[0]))
+        return self.get(row[0])
+
+    def succeed(self, job_id: str, *, output: str, thumbnail: str | None,
+                timings: dict[str, Any]) -> None:
+        """A running job finished with its file (relative to the directory)."""
+        self._finish(job_id, JobStatus.SUCCEEDED, None, output=output, thumbnail=thumbnail,
+                     timings=timings)
+
+    def fail(self, job_id: str, reason: str, *, timings: dict[str, Any] | None = None) -> None:
+        self._finish(job_id, JobStatus.FAILED, reason, timings=timings)
+
+    def cancelled(self, job_id: str, reason: str, *, timings: dict[str, Any] | None = None
+                  ) -> None:
+        """A running job was stopped between steps because its cancel was asked."""
+        self._finish(job_id, JobStatus.CANCELLED, reason, timings=timings)
+
+    def _finish(self, job_id: str, status: JobStatus, error: str | None, *,
+                output: str | None = None, thumbnail: str | None = None,
+                timings: dict[str, Any] | None = None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET status = ?, finished_at = ?, error = ?, output = ?, "
+                       "thumbnail = ?, timings = ? WHERE id = ?",
+                       (status.value, time.time(), error, output, thumbnail,
+                        json.dumps(timings or {}), job_id))
+
+    def request_cancel(self, job_id: str) -> JobRecord | None:
+        """DELETE: a queued job is cancelled at once; a running one is marked (the loop stops it
+        between denoise steps); a finished one is left as it is. Returns the job after the
+        change, or None for an unknown id."""
+        with self._tx() as db:
+            row = db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                return None
+            if row[0] == JobStatus.QUEUED.value:
+                db.execute("UPDATE jobs SET status = 'cancelled', cancel = 1, finished_at = ?, "
+                           "error = 'cancelled by the client while queued' WHERE id = ?",
+                           (time.time(), job_id))
+            elif row[0] == JobStatus.RUNNING.value:
+                db.execute("UPDATE jobs SET cancel = 1 WHERE id = ?", (job_id,))
+        return self.get(job_id)
+
+    def requeue(self, job_id: str, note: str) -> None:
+        """A clean shutdown interrupted the running job: back to the queue, its attempt given back
+        (it keeps its place: the queue is ordered by submission)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET status = 'queued', started_at = NULL, "
+                       "attempts = MAX(attempts - 1, 0), history = json_insert(history, '$[#]', ?) "
+                       "WHERE id = ? AND status = 'running'", (note, job_id))
+
+    def recover(self) -> Recovery:
+        """At start: the restart semantics of the module docstring, in one transaction."""
+        requeued, failed, cancelled = [], [], []
+        now = time.time()
+        with self._tx() as db:
+            rows = db.execute("SELECT id, attempts, cancel FROM jobs WHERE status = 'running' "
+                              "ORDER BY seq").fetchall()
+            for job_id, attempts, cancel in rows:
+                if cancel:
+                    db.execute("UPDATE jobs SET status = 'cancelled', finished_at = ?, error = "
+                               "'cancelled by the client; the server stopped while it ran' "
+                               "WHERE id = ?", (now, job_id))
+                    cancelled.append(job_id)
+                elif attempts >= MAX_ATTEMPTS:
+                    db.execute("UPDATE jobs SET status = 'failed', finished_at = ?, error = ? "
+                               "WHERE id = ?",
+                               (now, f"the server stopped while this job ran, {attempts} times "
+                                     f"(it is started at most {MAX_ATTEMPTS} times)", job_id))
+                    failed.append(job_id)
+                else:
+                    db.execute("UPDATE jobs SET status = 'queued', started_at = NULL, history = "
+                               "json_insert(history, '$[#]', ?) WHERE id = ?",
+                               ("re-queued: the server stopped while this job ran", job_id))
+                    requeued.append(job_id)
+            queued = db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
+        return Recovery(requeued=requeued, failed=failed, cancelled=cancelled, queued=queued)
+
+    # ------------------------------------------------------------------ plumbing
+
+    class _Tx:
+        def __init__(self, store: "JobStore") -> None:
+            self.store = store
+
+        def __enter__(self) -> sqlite3.Connection:
+            self.store._lock.acquire()
+            # IMMEDIATE takes the write lock up front: read-then-write needs no retry.
+            self.store._db.execute("BEGIN IMMEDIATE")
+            return self.store._db
+
+        def __exit__(self, exc_type, *_: Any) -> None:
+            try:
+                self.store._db.execute("ROLLBACK" if exc_type else "COMMIT")
+            finally:
+                self.store._lock.release()
+
+    def _tx(self) -> "JobStore._Tx":
+        return JobStore._Tx(self)
+
+    _COLUMNS = ("seq", "id", "status", "request", "created_at", "started_at", "finished_at",
+                "attempts", "cancel", "error", "output", "thumbnail", "timings", "history")
+
+    def _record(self, row: tuple) -> JobRecord:
+        d = dict(zip(self._COLUMNS, row))
+        return JobRecord(seq=d["seq"], id=d["id"], status=JobStatus(d["status"]),
+                         request=VideoRequest.from_json(json.loads(d["request"])),
+                         created_at=d["created_at"], started_at=d["started_at"],
+                         finished_at=d["finished_at"], attempts=d["attempts"],
+                         cancel_requested=bool(d["cancel"]), error=d["error"],
+                         output=d["output"], thumbnail=d["thumbnail"],
+                         timings=json.loads(d["timings"]) if d["timings"] else {},
+                         history=json.loads(d["history"]))
+
+    def __iter__(self) -> Iterator[JobRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs ORDER BY seq").fetchall()
+        return iter([self._record(r) for r in rows])

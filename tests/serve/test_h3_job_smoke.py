@@ -1,0 +1,34 @@
+"""benchmarks/serve_h3_gpu.py --smoke on CPU: the script that goes to the (scarce) H200 runs the
+server's own job path end to end and writes a complete result, so it cannot fail there for a
+reason a CPU run would have shown."""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("av")
+
+from tests.conftest import ROOT, subprocess_env  # noqa: E402
+
+
+def test_h3_job_benchmark_smoke(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "benchmarks.serve_h3_gpu", "--smoke", "--out",
+                          str(tmp_path)], cwd=ROOT, env=subprocess_env(CUDA_VISIBLE_DEVICES=""),
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    [path] = glob.glob(str(tmp_path / "serve-h3-job_cpu_*.json"))
+    with open(path) as f:
+        data = json.load(f)
+    phases = {r["phase"]: r for r in data["summary"]}
+    for name in ("text_encode", "denoise", "decode_video", "decode_audio", "mux"):
+        assert phases[name]["s"] > 0, name
+    total = phases["total (one job)"]["s"]
+    assert 0 < phases["outside the transformer's steps"]["share"] < 1
+    assert sum(phases[n]["s"] for n in ("text_encode", "denoise", "decode_video",
+                                        "decode_audio", "mux")) <= total * 1.01
+    assert [len(r["step_s"]) for r in data["rows"]] == [3, 3, 3]  # warm-up + 2 jobs, 3 steps

@@ -1,0 +1,230 @@
+"""The jobs API in one process: uvicorn + the Starlette app on loopback, the SQLite store in
+tmp_path, and the rank-0 loop's own video code (``_Rank0._run_video``) with the synthetic runner
+on a single rank, driven by the test. No model, no torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("av")
+
+from dist_attn.distributed import DistEnv  # noqa: E402
+from dist_attn.serve.api_videos import VideoJobs  # noqa: E402
+from dist_attn.serve.config import apply_overrides, load_config  # noqa: E402
+from dist_attn.serve.http import HttpServer  # noqa: E402
+from dist_attn.serve.loop import _Rank0  # noqa: E402
+from dist_attn.serve.mp4 import probe_mp4  # noqa: E402
+from dist_attn.serve.process import bind_listener  # noqa: E402
+from dist_attn.serve.runner import SyntheticRunner  # noqa: E402
+from dist_attn.serve.store import JobStatus, JobStore  # noqa: E402
+from dist_attn.serve.videos import VideoRules  # noqa: E402
+
+from tests.serve._server import metric_samples  # noqa: E402
+
+RULES = VideoRules(default_height=64, default_width=64, default_steps=3, max_steps=50)
+GOOD = {"prompt": "a red fox in snow", "frames": 124, "height": 32, "width": 64, "steps": 3,
+        "seed": 7}
+
+
+class _Api:
+    def __init__(self, tmp_path, *, max_queued: int = 3, step_s: float = 0.01) -> None:
+        cfg = apply_overrides(load_config(None), {"serve.queue_size": 2})
+        env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
+                      backend=None)
+        self.dir = str(tmp_path / "out")
+        self.store = JobStore(self.dir)
+        self.runner = SyntheticRunner(env, step_s=step_s, rules=RULES)
+        self.videos = VideoJobs(store=self.store, rules=RULES, max_queued=max_queued,
+                                output_dir=self.dir)
+        self.rank0 = _Rank0(cfg, env, None, {"model": "synthetic"}, None, self.runner,
+                            self.videos)
+        self.sock = bind_listener("127.0.0.1", 0, 128)
+        self.server = HttpServer(self.rank0.state, self.sock)
+        self.server.start()
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def call(self, method: str, path: str, body: dict | bytes | None = None
+             ) -> tuple[int, dict | bytes, dict]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        req = urllib.request.Request(self.base + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=20) as r:
+                raw, status, headers = r.read(), r.status, dict(r.headers)
+        except urllib.error.HTTPError as e:
+            raw, status, headers = e.read(), e.code, dict(e.headers)
+        is_json = headers.get("content-type", "").startswith("application/json")
+        return status, json.loads(raw) if is_json else raw, headers
+
+    def run_next(self) -> None:
+        """Plays the rank-0 loop once: the oldest queued job runs to its end."""
+        record = self.store.start_next()
+        assert record is not None
+        self.rank0._run_video(record)
+
+    def close(self) -> None:
+        self.server.stop()
+        self.sock.close()
+
+
+@pytest.fixture
+def api(tmp_path):
+    a = _Api(tmp_path)
+    yield a
+    a.close()
+
+
+def test_submit_poll_download(api):
+    status, job, headers = api.call("POST", "/v1/videos", GOOD)
+    assert status == 202 and job["status"] == "queued" and job["id"].startswith("vid_")
+    assert headers["location"] == f"/v1/videos/{job['id']}"
+    # in the store (another connection sees it committed) by the time the 202 arrived
+    db = sqlite3.connect(os.path.join(api.dir, "jobs.sqlite3"))
+    assert db.execute("SELECT status FROM jobs WHERE id = ?", (job["id"],)).fetchone() == ("queued",)
+    assert job["queue_position"] == 0 and job["progress"]["remaining_s"] > 0
+    assert job["request"]["rows"] == 5 + 414 + 37 * 2  # 5 words + 2 x 207 audio + 37 frames x 2
+    assert api.call("GET", f"/v1/videos/{job['id']}/content")[0] == 409  # not yet
+    api.run_next()
+    status, done, _ = api.call("GET", f"/v1/videos/{job['id']}")
+    assert status == 200 and done["status"] == "succeeded", done
+    assert done["progress"]["step"] == 3 and done["progress"]["fraction"] == 1.0
+    assert len(done["timings"]["step_s"]) == 3 and done["timings"]["total"] > 0
+    status, mp4, headers = api.call("GET", done["content_url"])
+    assert status == 200 and headers["content-type"] == "video/mp4"
+    path = os.path.join(api.dir, "dl.mp4")
+    with open(path, "wb") as f:
+        f.write(mp4)
+    back = probe_mp4(path)
+    assert (back.frames, back.width, back.height, back.fps) == (124, 64, 32, 24.0)
+    assert back.sample_rate == 32_000 and back.audio_channels == 2
+    status, png, headers = api.call("GET", done["thumbnail_url"])
+    assert status == 200 and headers["content-type"] == "image/png" and png[:4] == b"\x89PNG"
+    status, listing, _ = api.call("GET", "/v1/videos?limit=5")
+    assert status == 200 and [j["id"] for j in listing["data"]] == [job["id"]]
+    samples = metric_samples(api.rank0.metrics.render().decode())
+    assert samples['dist_attn_video_jobs{status="succeeded"}'] == 1
+    assert samples["dist_attn_video_queue_depth"] == 0
+    assert samples['dist_attn_denoise_step_seconds_count{kind="video"}'] == 3
+    assert samples['dist_attn_video_jobs_finished_total{status="succeeded"}'] == 1
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"frames": 124}, 400, "prompt=None must be a non-empty string"),
+    ({**GOOD, "frames": 130}, 400, "frames=130 must be 17 * n + 5"),
+    ({**GOOD, "frames": 107}, 400, "frames=107 gives 4.46 s"),
+    ({**GOOD, "height": 48}, 400, "height=48 must be a positive multiple of 32"),
+    ({"prompt": "x", "height": 64}, 400, "height and width must be given together"),
+    ({**GOOD, "guidance": 7.5}, 400, "guidance=7.5 is not supported: MiniMax-H3 is "
+                                     "guidance-distilled"),
+    ({**GOOD, "negative_prompt": "blurry"}, 400, "negative_prompt='blurry' is not supported"),
+    ({**GOOD, "steps": 51}, 413, "steps=51 exceeds serve.max_steps=50"),
+    ({**GOOD, "height": 1024, "width": 1344}, 413, "height*width=1376256 exceeds"),
+    ({**GOOD, "width": 320}, 400, "width/height=320/32 must be within [0.25, 4]"),
+    ({**GOOD, "fps": 30}, 400, "unknown field(s) ['fps']"),
+    ({**GOOD, "seed": -1}, 400, "seed=-1 must be in [0, 2**63)"),
+])
+def test_bad_requests_name_the_field_value_and_rule(api, body, status, needle):
+    got, answer, _ = api.call("POST", "/v1/videos", body)
+    assert got == status and needle in answer["error"]["message"], answer
+    assert api.store.counts()[JobStatus.QUEUED] == 0
+
+
+def test_defaults_and_accepted_no_ops(api):
+    status, job, _ = api.call("POST", "/v1/videos", {"prompt": "sea", "guidance": 1,
+                                                     "negative_prompt": ""})
+    assert status == 202
+    req = job["request"]
+    assert (req["height"], req["width"], req["frames"], req["steps"]) == (64, 64, 124, 3)
+    assert 0 <= req["seed"] < 2**63  # chosen, and reported
+
+
+def test_queue_cap_answers_429_with_retry_after_from_measured_steps(api):
+    api.rank0.state.step_times.observe_step(493, 2.0)  # the rows of GOOD
+    for _ in range(3):
+        assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    status, answer, headers = api.call("POST", "/v1/videos", GOOD)
+    assert status == 429 and "jobs.max_queued" in answer["error"]["message"]
+    assert headers["retry-after"] == "18"  # 3 queued x 3 steps x 2.0 s
+
+
+def test_cancel_queued_and_running_and_finished(api):
+    a = api.call("POST", "/v1/videos", GOOD)[1]
+    b = api.call("POST", "/v1/videos", {**GOOD, "steps": 40})[1]
+    status, cancelled, _ = api.call("DELETE", f"/v1/videos/{a['id']}")
+    assert status == 200 and cancelled["status"] == "cancelled"
+    assert api.call("DELETE", f"/v1/videos/{a['id']}")[0] == 409  # already final
+    assert api.call("DELETE", "/v1/videos/vid_nope")[0] == 404
+    api.runner.step_s = 0.05
+    t = threading.Thread(target=api.run_next)
+    t.start()
+    deadline = time.monotonic() + 10
+    while api.call("GET", f"/v1/videos/{b['id']}")[1]["progress"]["step"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    status, marked, _ = api.call("DELETE", f"/v1/videos/{b['id']}")
+    assert status == 200 and marked["status"] == "running" and marked["cancel_requested"]
+    t.join(10)
+    gone = api.call("GET", f"/v1/videos/{b['id']}")[1]
+    assert gone["status"] == "cancelled" and "after" in gone["error"], gone
+    assert gone["progress"]["step"] < 40
+    assert not os.path.exists(os.path.join(api.dir, "videos", f"{b['id']}.mp4"))
+    assert api.call("GET", f"/v1/videos/{b['id']}/content")[0] == 409
+
+
+def test_listing_filters_and_pages(api):
+    ids = [api.call("POST", "/v1/videos", GOOD)[1]["id"] for _ in range(3)]
+    api.run_next()
+    page = api.call("GET", "/v1/videos?limit=2")[1]
+    assert [j["id"] for j in page["data"]] == ids[::-1][:2] and page["has_more"]
+    rest = api.call("GET", f"/v1/videos?limit=2&before={ids[1]}")[1]
+    assert [j["id"] for j in rest["data"]] == [ids[0]] and not rest["has_more"]
+    done = api.call("GET", "/v1/videos?status=succeeded")[1]
+    assert [j["id"] for j in done["data"]] == [ids[0]]
+    for query, needle in (("limit=0", "limit='0'"), ("status=done", "status='done'"),
+                          ("before=vid_x", "before='vid_x'")):
+        status, answer, _ = api.call("GET", f"/v1/videos?{query}")
+        assert status == 400 and needle in answer["error"]["message"]
+
+
+def test_a_file_removed_from_disk_is_410_not_500(api):
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+    api.run_next()
+    os.remove(os.path.join(api.dir, "videos", f"{job['id']}.mp4"))
+    status, answer, _ = api.call("GET", f"/v1/videos/{job['id']}/content")
+    assert status == 410 and "no longer in the output directory" in answer["error"]["message"]
+
+
+def test_disk_errors_fail_the_job_alone(api, monkeypatch):
+    """Rank-0-only failures (the directory, the MP4 write) fail that job; the next one runs."""
+    import dist_attn.serve.runner as runner_module
+
+    first = api.call("POST", "/v1/videos", GOOD)[1]
+    with open(os.path.join(api.dir, "videos"), "w") as f:  # a file where the directory goes
+        f.write("in the way")
+    api.run_next()
+    failed = api.call("GET", f"/v1/videos/{first['id']}")[1]
+    assert failed["status"] == "failed" and "not writable" in failed["error"], failed
+    os.remove(os.path.join(api.dir, "videos"))
+
+    def full_disk(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    second = api.call("POST", "/v1/videos", GOOD)[1]
+    monkeypatch.setattr(runner_module, "write_mp4", full_disk)
+    api.run_next()
+    failed = api.call("GET", f"/v1/videos/{second['id']}")[1]
+    assert failed["status"] == "failed" and "No space left" in failed["error"], failed
+    assert api.dir not in failed["error"]  # no server paths in answers
+    monkeypatch.undo()
+    third = api.call("POST", "/v1/videos", GOOD)[1]
+    api.run_next()
+    assert api.call("GET", f"/v1/videos/{third['id']}")[1]["status"] == "succeeded"
