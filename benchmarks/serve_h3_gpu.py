@@ -72,8 +72,10 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype):
         torch.manual_seed(0)
         transformer = _cast_like_from_pretrained(MiniMaxH3Transformer3DModel(num_layers=layers),
                                                  dtype)
-        vae = _cast_like_from_pretrained(AutoencoderKLMiniMaxH3(), dtype)
-        audio_vae = AutoencoderKLMiniMaxH3Audio().float()  # its class keeps it all fp32
+        # fp32 like the audio VAE: in bf16 its decoder got fp32 activations at proj_in (H200, 2026-12-03)
+        vae = AutoencoderKLMiniMaxH3().float()
+        # the class default has no latents statistics (the release ships 32 per-channel floats each)
+        audio_vae = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32).float()
         text_encoder = Qwen3VLForConditionalGeneration._from_config(te_cfg, dtype=dtype)
     built_s = time.perf_counter() - t0
     comps = H3Components(transformer=transformer.eval().requires_grad_(False),

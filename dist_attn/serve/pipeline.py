@@ -371,7 +371,7 @@ class H3Pipeline:
         gen = torch.Generator(device=self.env.device).manual_seed(req.seed)
         # H3's scheduler counts grid points, the terminal 0 included: n points, n - 1 forwards.
         # A request's steps are forwards (what progress counts), so the grid has one more.
-        return self.denoise(prompt_embeds=embeds, text_token_tags=tags, height=req.height,
+        return self.denoise(prompt_embeds=embeds, text_token_tags=tags.cpu(), height=req.height,
                             width=req.width, num_frames=req.frames,
                             num_inference_steps=req.steps + 1, generator=gen, step_hook=hook,
                             output=["latents", "audio_latents", "aborted", "steps_done"])
@@ -381,6 +381,10 @@ class H3Pipeline:
         """Rank 0: the video and audio decode blocks. Returns (video [F, H, W, 3] float in
         [0, 1], audio [2, N] float32, sample rate, seconds video, seconds audio)."""
         assert self.decode_video is not None, "decoding runs on rank 0"
+        # the denoise loop keeps latents in float32; the VAEs may be bf16 (seen on the H200 with
+        # the real configs: "expected mat1 and mat2 to have the same dtype")
+        latents = latents.to(self.decode_video.vae.dtype)
+        audio_latents = audio_latents.to(self.decode_audio.audio_vae.dtype)
         t0 = time.perf_counter()
         videos = self.decode_video(latents=latents, output_type="np", output="videos")
         self._sync()

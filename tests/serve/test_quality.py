@@ -158,7 +158,8 @@ def test_auto_under_lossless_chooses_an_exact_kernel(monkeypatch):
     from dist_attn.serve.config import load_config
 
     class Runnable8bit(AttentionBackend):
-        name, exact = "sage8", False
+        # accuracy_verified: "auto" chooses only verified 8-bit kernels (registry.auto_refusal)
+        name, exact, accuracy_verified = "sage8", False, True
 
         def unsupported_reason(self, q):
             return None
