@@ -2,7 +2,7 @@
 at a fixed rate for a fixed time while the jobs run, with the server's memory sampled throughout.
 
     python -m benchmarks.serve_soak                  # CPU, 4 ranks, 50 jobs, 200 polls/s, 60 s
-    python -m benchmarks.serve_soak --smoke          # CI: 2 ranks, 8 jobs, 50 polls/s, 6 s
+    python -m benchmarks.serve_soak --smoke          # CI: 2 ranks, 4 jobs, 50 polls/s, 3 s
 
 Starts ``launch/serve.py --nproc-per-node N`` (torchrun under the supervisor; the tiny H3
 pipeline unless ``--video-runner`` says otherwise) on a free loopback port with a fresh output directory, and measures:
@@ -117,7 +117,7 @@ def main() -> int:
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args()
     if args.smoke:
-        args.nproc, args.jobs, args.poll_rate, args.seconds = 2, 8, 50.0, 6.0
+        args.nproc, args.jobs, args.poll_rate, args.seconds = 2, 4, 50.0, 3.0
         args.poll_threads, args.steps = 4, 2
     out_dir = tempfile.mkdtemp(prefix="dist_attn_soak_")
     port = _free_port()

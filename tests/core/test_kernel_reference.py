@@ -112,9 +112,9 @@ def test_padded_rows_never_overlap():
 
 def _vmean_data(T, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(T, 2, 128, generator=g) for _ in range(3))
-    v += torch.rand(2, 128, generator=g) * 2.0  # per-channel means U(0, 2), as real V has
-    rows = torch.randperm(T, generator=g)[:64]
+    q, k, v = (torch.randn(T, 1, 128, generator=g) for _ in range(3))
+    v += torch.rand(1, 128, generator=g) * 2.0  # per-channel means U(0, 2), as real V has
+    rows = torch.randperm(T, generator=g)[:32]
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     s = q[rows].double().transpose(0, 1) @ k.double().permute(1, 2, 0) / math.sqrt(128)
     ref = (torch.softmax(s, -1) @ v.double().transpose(0, 1)).transpose(0, 1)
@@ -137,13 +137,12 @@ def test_running_mma_sum_drifts_with_v_channel_means():
     q, k, v, rows, ref = _vmean_data(16384)
     err = {}
     for acc in ("running", "block", "exact"):
-        out, _ = reference.sage8_reference(q, k, v, pv_accum=acc, smooth_v=False, rows=rows)
+        out, _ = reference.sage8_reference(q, k, v, pv_accum=acc, rows=rows)
         err[acc] = _rel(out, ref)
     assert err["running"] >= 4 * err["block"], err
     assert err["block"] <= 1.2 * err["exact"] + 1e-4, err
     assert err["block"] <= 4e-3, err
-    default, _ = reference.sage8_reference(q, k, v, rows=rows)  # what the kernels ship
-    assert torch.equal(default, reference.sage8_reference(q, k, v, pv_accum="block", rows=rows)[0])
+    assert reference.attention.__kwdefaults__["pv_accum"] == "block"  # what the kernels ship
 
 
 def test_v_smoothing_is_exact_in_the_mean():
