@@ -31,15 +31,18 @@ def _last_json(stdout: str) -> dict:
 # --------------------------------------------------------------------------- --once
 
 
-def test_once_on_4_ranks_matches_a_single_rank(tmp_path):
+def test_once_on_3_ranks_matches_a_single_rank(tmp_path):
+    # 3 ranks: the 274 rows are padded (to 276) and the tiny config's heads split unevenly, as
+    # at 4; a 4-rank server runs in test_server_under_torchrun (each rank imports diffusers:
+    # ~8 s of CI's 2 cores)
     args = ["--once", "--steps", "2", "--seed", "5"]
-    dist_run = run(torchrun(4, *args, "--output-dir", str(tmp_path / "w4")), STARTUP_S)
+    dist_run = run(torchrun(3, *args, "--output-dir", str(tmp_path / "w4")), STARTUP_S)
     assert dist_run.returncode == 0, dist_run.stderr[-3000:]
     single = run([sys.executable, SERVE, *args, "--output-dir", str(tmp_path / "w1")],
                   STARTUP_S)
     assert single.returncode == 0, single.stderr[-3000:]
     r4, r1 = _last_json(dist_run.stdout), _last_json(single.stdout)
-    assert r4["world_size"] == 4 and r1["world_size"] == 1
+    assert r4["world_size"] == 3 and r1["world_size"] == 1
     # H3's packing of the tiny default (22 frames at 128 x 192): 32 text + 74 audio + 168 video
     rows = {"used": 274, "text": 32, "audio": 74, "video": 168, "frames": 22, "latent_shape": [7, 8, 12]}
     assert r4["tokens"] == {**rows, "total": 276} and r1["tokens"] == {**rows, "total": 274}
@@ -62,7 +65,8 @@ def test_once_on_4_ranks_matches_a_single_rank(tmp_path):
 # --------------------------------------------------------------------------- HTTP server
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks only: every other serving test runs 2 (a rank imports diffusers, ~8 s of CI's 2 cores)
+@pytest.mark.parametrize("world", [4])
 def test_server_under_torchrun(tmp_path, world):
     with server(tmp_path, world, "--log-all-ranks") as srv:
         base = srv.base
