@@ -135,15 +135,15 @@ def test_h3_model_smoke(tmp_path):
 
     h3_model.main(["--smoke", "--out", str(tmp_path), "--device", "cpu",
                    "--paths", "ulysses:sdpa,ulysses:fa3,diffusers:native",
-                   "--compiled-paths", "ulysses:sdpa", "--overhead-backends", "sdpa",
-                   "--serve-backends", "sdpa"])
+                   "--modes", "eager", "--overhead-backends", "sdpa", "--serve-backends", "sdpa"])
+    # (the compiled rows cost ~40 s of inductor C++ builds on CI's 2 cores; they ran on the H200:
+    # benchmarks/results/h3-model_h200_2026-12-03.md)
     data = _check_result(tmp_path, "h3-model")
     ok = {(r["section"], r["path"], r["mode"]) for r in data["rows"] if r.get("status") == "ok"}
     for want in [("block", "none", "eager"), ("block", "ulysses:sdpa", "eager"),
                  ("model", "ulysses:sdpa", "eager"), ("model", "diffusers:native", "eager"),
                  ("refiner", "diffusers:native", "eager"), ("serve", "ulysses:sdpa", "eager"),
-                 ("overhead", "ulysses:sdpa vs direct:sdpa", "eager"),
-                 ("block", "ulysses:sdpa", "compiled"), ("model", "ulysses:sdpa", "compiled")]:
+                 ("overhead", "ulysses:sdpa vs direct:sdpa", "eager")]:
         assert want in ok, want
     fa3 = [r for r in data["rows"] if r["path"] == "ulysses:fa3"]
     assert fa3 and all(r["status"] == "unavailable" and "fa3" in r["reason"] for r in fa3)
