@@ -10,7 +10,12 @@ from __future__ import annotations
 import os
 import socket
 
-import pytest
+# One intra-op thread in the pytest workers too (before anything imports torch): CI has 2 cores
+# shared by 2 workers and the rank subprocesses they start; idle OpenMP threads spinning on top
+# of those cost CPU the ranks need.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 #: The repository root (where configs/, launch/ and benchmarks/ live).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
