@@ -20,8 +20,8 @@ fa3_fp8                FA3 FP8 (fa3-fwd wheel), per-head e4m3 quantization in   
 fa3_fp8_prequant       FA3 FP8 on operands quantized outside the timed region    total
 variant:<b>:<v>        sage8 / sage8_triton dense with a non-default config:     total
                        v = v2-running (the v2 kernel: P V summed inside the FP8
-                       MMA across the whole row), pv-first / add-magic (Gluon
-                       loop orderings, attn_gluon.GluonConfig)
+                       MMA across the whole row), pv-first, stages2 (Gluon loop
+                       orderings, attn_gluon.GluonConfig)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
@@ -258,7 +258,7 @@ def _dense(name: str, rows: str):
 
 #: variant name -> launch-config overrides (a variant whose fields the kernel's config lacks is skipped)
 _SAGE8_VARIANTS = {"v2-running": {"pv_accum": "running"}, "pv-first": {"pv_first": True},
-                   "add-magic": {"add_magic": True}}
+                   "stages2": {"stages": 2}}
 
 
 def _sage8_variant(backend: str, variant: str):

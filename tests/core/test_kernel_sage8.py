@@ -286,6 +286,18 @@ def test_balance_helps_outliers(impl):
 # --------------------------------------------------------------------------------------- CPU (interp)
 
 
+@pytest.mark.parametrize("over, needle", [({"pv_first": True, "pingpong": True}, "pingpong=True"),
+                                          ({"pv_accum": "fp32"}, "pv_accum='fp32'")])
+def test_gluon_config_refuses_what_cannot_run(over, needle):
+    """A launch config that would deadlock (P V first has no turn hand-over) or names no
+    accumulation scheme is refused when it is made, not at the first launch."""
+    pytest.importorskip("triton")
+    from dist_attn.kernels.sage8.attn_gluon import GluonConfig
+
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("=", "=")):
+        GluonConfig(**over)
+
+
 def test_unsupported_reason_cpu():
     q = torch.empty((2, 3, 128), dtype=torch.bfloat16)
     if os.environ.get("TRITON_INTERPRET") != "1":

@@ -89,6 +89,13 @@ class GluonConfig:
     pv_first: bool = False
     add_magic: bool = True
 
+    def __post_init__(self):
+        pv_block(self.pv_accum)  # raises on an unknown value
+        if self.pv_first and self.pingpong:
+            # the pv_first loop has no turn hand-over: the other warpgroup would wait forever
+            raise ValueError("GluonConfig(pv_first=True, pingpong=True): the P-V-first loop does not take "
+                             "turns; set one of them")
+
 
 @gluon.jit
 def _seg_bounds(cu, seg, used, T, DENSE: gl.constexpr):
