@@ -167,9 +167,9 @@ def run(args, writer, budget, cfg, dev, dtype) -> None:
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
     # ---- block and model per path: every path eager, then the compiled ones
-    modes = [m for m in args.modes.split(",") if m]
+    modes = _names(args.modes)
     for mode in modes:
-        chosen = args.paths.split(",") if mode == "eager" else args.compiled_paths.split(",")
+        chosen = _names(args.paths if mode == "eager" else args.compiled_paths)
         for path in ["none"] + [c for c in chosen if c != "none"]:
             row_b = {"section": "block", "path": path, "mode": mode}
             row_m = {"section": "model", "path": path, "mode": mode}
@@ -236,7 +236,7 @@ def _refiner(model, inputs, dev, args, budget, rows) -> None:
 
 def _overhead(paths, model, inputs, dev, args, budget, rows) -> None:
     """enable_ulysses vs the same kernel from diffusers' processor, A/B interleaved."""
-    for backend in args.overhead_backends.split(","):
+    for backend in _names(args.overhead_backends):
         row = {"section": "overhead", "path": f"ulysses:{backend} vs direct:{backend}", "mode": "eager"}
         if budget.expired(reserve_s=args.reserve_s):
             row.update(status="skipped", reason=_SKIPPED)
@@ -273,7 +273,7 @@ def _serve(cfg, dev, dtype, args, budget, rows) -> None:
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
     model = None
-    for backend in args.serve_backends.split(","):
+    for backend in _names(args.serve_backends):
         for compiled in ([False, True] if args.serve_compile else [False]):
             row = {"section": "serve", "path": f"ulysses:{backend}", "mode": "compiled" if compiled else "eager",
                    "layers": cfg.model.num_layers, "steps": args.serve_steps}
@@ -304,6 +304,11 @@ def _serve(cfg, dev, dtype, args, budget, rows) -> None:
     del model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _names(arg: str) -> list[str]:
+    """A comma-separated option as a list; an empty option (``--serve-backends ""``) skips its section."""
+    return [n for n in arg.split(",") if n]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,10 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     writer = ResultWriter(theme=THEME, args=args, device=dev,
                           title="The real H3 (diffusers' MiniMaxH3Transformer3DModel) on one GPU, W = 1",
                           config={"config_file": os.path.relpath(path, _REPO), "model": cfg.to_dict()["model"],
-                                  "dtype": str(dtype), "world": 1, "paths": args.paths.split(","),
-                                  "modes": args.modes.split(","), "layers": args.layers,
+                                  "dtype": str(dtype), "world": 1, "paths": _names(args.paths),
+                                  "modes": _names(args.modes), "layers": args.layers,
                                   "serve": {"layers": args.serve_layers, "steps": args.serve_steps,
-                                            "backends": args.serve_backends.split(",")},
+                                            "backends": _names(args.serve_backends)},
                                   "compile": "compile_repeated_blocks(fullgraph=True)"})
     writer.note("Own init (nn.Linear's kaiming-uniform), blocks bf16 with the class's fp32 modules "
                 "(proj_in, audio_proj_in, time_embedder, rope, proj_out, audio_proj_out). 'ulysses:*' "
