@@ -258,7 +258,7 @@ def _dense(name: str, rows: str):
 
 #: variant name -> launch-config overrides (a variant whose fields the kernel's config lacks is skipped)
 _SAGE8_VARIANTS = {"v2-running": {"pv_accum": "running"}, "pv-first": {"pv_first": True},
-                   "stages2": {"stages": 2}}
+                   "stages2": {"stages": 2}, "3stages-2cta": {"num_stages": 3, "maxnreg": None}}
 
 
 def _sage8_variant(backend: str, variant: str):
