@@ -191,8 +191,9 @@ def _split(q, k, v, impl, cfg, quant_cfg):
     lay = launch.dense_layout(B, T)
     scale = 1 / math.sqrt(D)
     kb = launch.key_block(impl, cfg)
-    pre = _bench(lambda: quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg))
-    qz = quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg)
+    vo = launch.v_order(impl)
+    pre = _bench(lambda: quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg, v_order=vo))
+    qz = quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg, v_order=vo)
     out = torch.empty_like(q)
     if impl == "gluon":
         from dist_attn.kernels.sage8.attn_gluon import attention

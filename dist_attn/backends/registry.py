@@ -28,11 +28,11 @@ logger = logging.getLogger(__name__)
 _REGISTRY: dict[str, AttentionBackend] = {}
 # "auto" tries these in order and takes the first that can run and that auto_refusal admits.
 # Accuracy-verified 8-bit kernels first, the faster one first: on an H200 at h3-ref the Triton loop
-# at 3 CTAs per SM ran 13.35 / 53.9 / 6.87 ms at 14 / 56 / 7 heads against the Gluon loop's
-# 13.94 / 56.4 / 7.05 in the same run (1.29x cuDNN at 14 heads), with bit-identical numerics between
-# the two configs and the same accuracy (within 1.2x of SageAttention 2's error everywhere
-# measured); then the exact ones, FA3 before torch SDPA (1.12x cuDNN). "sage" (the sageattention
-# package) declares no verified accuracy, so auto passes it over.
+# (3 CTAs per SM, P handed to the P V wgmma in V's "mma" key order) ran 13.00 / 53.0 / 6.60 ms at
+# 14 / 56 / 7 heads against the Gluon loop's 13.94 / 56.1 / 7.06 in the same run (1.29x cuDNN), at
+# the same accuracy (within 1.2x of SageAttention 2's error everywhere measured); then the exact
+# ones, FA3 before torch SDPA (1.12x cuDNN). "sage" (the sageattention package) declares no
+# verified accuracy, so auto passes it over.
 _AUTO_ORDER = ("sage8_triton", "sage8", "sage", "fa3", "sdpa")
 _AUTO_LOGGED: set[tuple] = set()
 

@@ -156,3 +156,19 @@ def test_v_smoothing_is_exact_in_the_mean():
     assert (out - v.double()).abs().max().item() <= 1e-6
     rq = reference.quantize(q, k, v, 0.125, smooth_v=True)
     assert (rq.v8.float() == 0).all() and torch.allclose(rq.vmean, v[0].float())
+
+
+def test_mma_key_order_renames_columns_inside_each_thread():
+    """V's "mma" key order is what lets the Triton loop hand P from the scores' accumulator to the
+    P V wgmma without shuffles: for every lane t of a quad, the keys at the columns its A operand
+    reads (4 t + 0..3 of each 16) are exactly the columns it holds in the accumulator (8 i + 2 t +
+    0..1). A wrong order here makes the interpreter test's output garbage (rel-L2 0.97, checked)."""
+    perm = numerics.mma_key_order(128)
+    assert sorted(perm.tolist()) == list(range(128))
+    for t in range(4):
+        held = {8 * i + 2 * t + e for i in range(16) for e in range(2)}
+        read = {16 * h + 4 * t + x for h in range(8) for x in range(4)}
+        assert {perm[c].item() for c in read} == held, t
+    assert perm[:16].tolist() == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    with pytest.raises(ValueError, match="n=48 must be a multiple of MMA_K_STEP=32"):
+        numerics.mma_key_order(48)

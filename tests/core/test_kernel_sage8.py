@@ -286,6 +286,17 @@ def test_balance_helps_outliers(impl):
 # --------------------------------------------------------------------------------------- CPU (interp)
 
 
+def test_quantize_refuses_an_unknown_v_order():
+    pytest.importorskip("triton")
+    from dist_attn.kernels.sage8 import launch
+    from dist_attn.kernels.sage8.quant import quantize
+
+    q = torch.zeros((1, 128, 2, 64), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"v_order='natural' is not one of \('keys', 'mma'\)"):
+        quantize(q, q, q, launch.dense_layout(1, 128), 0.125, kblock=128, v_order="natural")
+    assert (launch.v_order("triton"), launch.v_order("gluon")) == ("mma", "keys")
+
+
 @pytest.mark.parametrize("over, needle", [({"pv_first": True, "pingpong": True}, "pingpong=True"),
                                           ({"pv_accum": "fp32"}, "pv_accum='fp32'")])
 def test_gluon_config_refuses_what_cannot_run(over, needle):

@@ -50,7 +50,7 @@ from dist_attn.kernels.sage8 import numerics
 from dist_attn.kernels.sage8.attn_triton import lse_args, pv_block
 from dist_attn.kernels.sage8.quant import Quantized, seg_strides
 
-__all__ = ["GluonConfig", "attention", "BLOCK_M", "BLOCK_N"]
+__all__ = ["GluonConfig", "V_ORDER", "attention", "BLOCK_M", "BLOCK_N"]
 
 #: query rows per consumer warpgroup (one m64 wgmma) and keys per block; a CTA covers 2 * BLOCK_M
 #: = PAD rows, so its tiles never leave a segment's padded rows.
@@ -61,6 +61,8 @@ _MAGIC_I = gl.constexpr(numerics.MAGIC_I)
 _MAGIC_F = gl.constexpr(numerics.MAGIC_F)
 _LOG2_PSCALE = gl.constexpr(numerics.LOG2_PSCALE)
 _LN2 = gl.constexpr(math.log(2.0))
+#: the order of V's keys this loop reads (numerics.V_KEY_ORDERS)
+V_ORDER = "keys"
 
 
 @dataclass(frozen=True)
@@ -387,7 +389,7 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
               softmax_scale: float, cfg: GluonConfig):
     """Launches the warp-specialized kernel on ``qz``; same contract as :func:`attn_triton.attention`."""
     lay = qz.layout
-    assert qz.kblock == BLOCK_N and 2 * BLOCK_M == numerics.PAD
+    assert qz.kblock == BLOCK_N and 2 * BLOCK_M == numerics.PAD and qz.v_order == V_ORDER
     H, R, D = qz.qi8.shape
     q_desc, k_desc, v_desc = descriptors(qz)
     lse_arg, sl = lse_args(lse, lay.dense, qz.qscale)

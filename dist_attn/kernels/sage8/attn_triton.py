@@ -1,7 +1,9 @@
 """The Sage8 attention kernel in plain Triton (backend ``"sage8_triton"``; imports triton).
 
 One program = BM query rows of one (segment, head): INT8 Q K^T -> int32 on the tensor cores,
-online softmax in exp2 with fp32 statistics, P -> FP8 e4m3, FP8 P V of each key block into a fresh
+online softmax in exp2 with fp32 statistics, P -> FP8 e4m3 with its columns renamed into V's
+"mma" key order (numerics.V_KEY_ORDERS: no shuffles to reach the wgmma's register A operand),
+FP8 P V of each key block into a fresh
 MMA accumulator, added into the fp32 output with one FFMA per element (``pv_accum="block"``: the
 FP8 MMA keeps only ~13 bits of its sum, so a sum run inside it over the whole sequence drifts,
 benchmarks/KERNEL_NOTES.md v3), V's channel scales applied once to the output.
@@ -26,13 +28,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dist_attn.kernels.sage8 import numerics
 from dist_attn.kernels.sage8.quant import Quantized, seg_bounds, seg_strides, to_fp8
 
-__all__ = ["TritonConfig", "attention", "epilogue_lse", "exp2_ftz", "lse_args", "pv_block"]
+__all__ = ["TritonConfig", "V_ORDER", "attention", "epilogue_lse", "exp2_ftz", "lse_args", "pv_block"]
 
 _PAD = tl.constexpr(numerics.PAD)
 _MAGIC_I = tl.constexpr(numerics.MAGIC_I)
 _MAGIC_F = tl.constexpr(numerics.MAGIC_F)
 _LOG2_PSCALE = tl.constexpr(numerics.LOG2_PSCALE)
 _LN2 = tl.constexpr(math.log(2.0))
+#: the order of V's keys this loop reads (numerics.V_KEY_ORDERS)
+V_ORDER = "mma"
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,18 @@ def exp2_ftz(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _mma_key_columns(p, BN: tl.constexpr):
+    """P's columns in V's "mma" key order (numerics.V_KEY_ORDERS): column 16 h + 8 j + 2 t + e of
+    each 32 moves to 16 h + 4 t + 2 j + e. In the scores' accumulator layout that is a renaming
+    inside each thread, so the layout change to the P V wgmma's A operand needs no shuffles
+    (steady loop 565 SASS instructions instead of 613; 16 SHFL and 16 PRMT fewer per block)."""
+    BM: tl.constexpr = p.shape[0]
+    x = tl.reshape(p, [BM, BN // 32, 2, 2, 4, 2])  # [m, group, h, j, t, e]
+    x = tl.permute(x, (0, 1, 2, 4, 3, 5))  # [m, group, h, t, j, e]
+    return tl.reshape(x, [BM, BN])
+
+
+@triton.jit
 def _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, lim,
                D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FAST_EXP: tl.constexpr,
                PV_BLOCK: tl.constexpr, INTERP: tl.constexpr):
@@ -89,11 +105,12 @@ def _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, lim,
     p = exp2_ftz(f * rs[:, None] - bias[:, None], FAST_EXP)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    p8 = to_fp8(_mma_key_columns(p, BN), INTERP)  # V's keys are stored in the same order
     if PV_BLOCK:
         # a fresh MMA accumulator per block (use_acc=False: no zero fill), promoted with one FFMA
-        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, INTERP), tl.trans(vt))
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
     else:
-        acc = tl.dot(to_fp8(p, INTERP), tl.trans(vt), acc * alpha[:, None])
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -168,7 +185,7 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
     what the benchmarks report)."""
     lay = qz.layout
     BM, BN = cfg.block_m, cfg.block_n
-    assert numerics.PAD % BM == 0 and BN == qz.kblock and numerics.PAD % BN == 0
+    assert numerics.PAD % BM == 0 and BN == qz.kblock and numerics.PAD % BN == 0 and qz.v_order == V_ORDER
     H, R, D = qz.qi8.shape
     q_desc = TensorDescriptor.from_tensor(qz.qi8.view(H * R, D), [BM, D])
     k_desc = TensorDescriptor.from_tensor(qz.ki8.view(H * R, D), [BN, D])

@@ -6,7 +6,7 @@ import torch
 
 from dist_attn.kernels.sage8.quant import PackedLayout, QuantConfig, quantize
 
-__all__ = ["dense_layout", "varlen_layout", "forward", "default_config", "key_block"]
+__all__ = ["dense_layout", "varlen_layout", "forward", "default_config", "key_block", "v_order"]
 
 
 def dense_layout(batch: int, rows: int) -> PackedLayout:
@@ -37,6 +37,15 @@ def key_block(impl: str, config) -> int:
     return config.block_n
 
 
+def v_order(impl: str) -> str:
+    """The order of V's keys that ``impl``'s attention loop reads (``numerics.V_KEY_ORDERS``)."""
+    if impl == "gluon":
+        from dist_attn.kernels.sage8.attn_gluon import V_ORDER
+        return V_ORDER
+    from dist_attn.kernels.sage8.attn_triton import V_ORDER
+    return V_ORDER
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
             layout: PackedLayout, softmax_scale: float, impl: str, config=None,
             quant_config: QuantConfig | None = None, interpret: bool = False) -> None:
@@ -44,7 +53,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     varlen); lse: ``[B, H, T]`` float32 or None."""
     cfg = default_config(impl) if config is None else config
     qz = quantize(q, k, v, layout, softmax_scale, kblock=key_block(impl, cfg),
-                  config=QuantConfig() if quant_config is None else quant_config, interpret=interpret)
+                  config=QuantConfig() if quant_config is None else quant_config, interpret=interpret,
+                  v_order=v_order(impl))
     if impl == "gluon":
         from dist_attn.kernels.sage8.attn_gluon import attention
         attention(qz, q, out, lse, softmax_scale, cfg)

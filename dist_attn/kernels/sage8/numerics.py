@@ -6,7 +6,7 @@ Importing this module costs torch only (no triton).
 from __future__ import annotations
 
 __all__ = ["PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "MMA_ACC_BITS", "MMA_K_STEP",
-           "padded_rows"]
+           "V_KEY_ORDERS", "mma_key_order", "padded_rows"]
 
 #: Row alignment of every segment in the quantized buffers, a multiple of every block size: every
 #: tile starts aligned (TMA boxes and 16-byte loads need no masks) and never spans two segments.
@@ -33,6 +33,28 @@ MAGIC_F = 12582912.0
 MMA_ACC_BITS = 13
 #: keys reduced by one 8-bit wgmma instruction (K of m64nNk32).
 MMA_K_STEP = 32
+
+
+#: How V's keys are laid out along the rows of the quantized V^T buffer. "keys": key r at column r.
+#: "mma": within every MMA_K_STEP-key group, key 16 h + 8 j + 2 t + e sits at column
+#: 16 h + 4 t + 2 j + e. In the scores' wgmma accumulator a thread holds columns 8 j + 2 t + e (t =
+#: its lane within a quad); the 8-bit A operand of the P V wgmma wants columns 4 t + 0..3 of each
+#: 16. With V stored in "mma" order, P goes from the one layout to the other by renaming columns
+#: inside each thread (``attn_triton``): no shuffles between lanes. The Gluon loop reads "keys".
+V_KEY_ORDERS = ("keys", "mma")
+
+
+def mma_key_order(n: int):
+    """``perm`` (a LongTensor of ``n`` entries, ``n`` a multiple of MMA_K_STEP) with
+    ``perm[column] = key`` for V's "mma" order (see V_KEY_ORDERS): ``vt[..., perm]`` in "keys" order
+    is the same buffer in "mma" order."""
+    import torch
+
+    if n % MMA_K_STEP:
+        raise ValueError(f"n={n} must be a multiple of MMA_K_STEP={MMA_K_STEP}")
+    col = torch.arange(n)
+    t, j = (col >> 2) & 3, (col >> 1) & 1
+    return (col & ~15) | (j << 3) | (t << 1) | (col & 1)
 
 
 def padded_rows(total: int, nseg: int, dense: bool) -> int:

@@ -11,7 +11,8 @@ Two passes read the caller's Q, K, V (any strides with a contiguous last dim) an
    blocks in separate programs): Q -> INT8 with one scale per row (``softmax_scale * log2(e)``
    folded in); K minus its per-(segment, head) channel mean -> INT8 with one scale per block;
    V -> FP8 e4m3 with one scale per channel, stored transposed (``[H, D, R]``) because Hopper's
-   8-bit wgmma needs its B operand K-major.
+   8-bit wgmma needs its B operand K-major, its keys in the order the attention loop reads them
+   (``numerics.V_KEY_ORDERS``).
 
 Padding rows of a segment's last block are written as zeros in every buffer.
 """
@@ -83,6 +84,7 @@ class Quantized:
     vscale: torch.Tensor  # [nseg, H, D] fp32: max |V| / 448 per channel (1 for all-zero channels)
     ksum: torch.Tensor    # [nseg, H, D] fp32: sum of K per channel (mean = ksum / length)
     kblock: int
+    v_order: str = "keys"  # how vt8's columns hold the keys: one of numerics.V_KEY_ORDERS
 
 
 @triton.jit
@@ -172,7 +174,7 @@ def _stats_kernel(Q, K, V, Pstat, cu, used, T, H, NCHUNK, ROWS_PER,
 def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, NKB, qk_scale,
                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                   D: tl.constexpr, BN: tl.constexpr, QTILE: tl.constexpr, DENSE: tl.constexpr,
-                  BALANCE: tl.constexpr, INTERP: tl.constexpr):
+                  BALANCE: tl.constexpr, INTERP: tl.constexpr, V_MMA: tl.constexpr):
     """Program j < NKB: Q rows of block j to INT8; program NKB + j: K and V of block j."""
     pid = tl.program_id(0)
     seg = tl.program_id(1)
@@ -216,6 +218,10 @@ def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, NKB, 
         tl.store(Ks + h64 * (R // BN) + pst // BN + j, ksc)
         vsc = tl.load(Stat + sidx + 2 * H * D)
         v = _load_rows(V + seg64 * svb + h64 * svh, src, svt, offs_d, valid)
+        if V_MMA:
+            # numerics.V_KEY_ORDERS "mma": key 16 h + 8 j + 2 t + e of each 32 to column
+            # 16 h + 4 t + 2 j + e (dst is a multiple of 32 plus the key's offset)
+            dst = (dst & -16) | (((dst >> 1) & 3) << 2) | (((dst >> 3) & 1) << 1) | (dst & 1)
         # transposed store: [BN, D] tile -> Vt8[h, d, row]
         tl.store(Vt8 + h64 * D * R + offs_d[None, :] * R + dst[:, None], to_fp8(v / vsc[None, :], INTERP))
 
@@ -250,8 +256,12 @@ def _finish_stats(pstat: torch.Tensor, lengths: torch.Tensor, balance: bool) -> 
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, softmax_scale: float,
-             *, kblock: int, config: QuantConfig = QuantConfig(), interpret: bool = False) -> Quantized:
-    """Both launches of the pre-pass. q/k/v: ``[B, T, H, D]`` views (B = 1 for varlen)."""
+             *, kblock: int, config: QuantConfig = QuantConfig(), interpret: bool = False,
+             v_order: str = "keys") -> Quantized:
+    """Both launches of the pre-pass. q/k/v: ``[B, T, H, D]`` views (B = 1 for varlen); ``v_order``
+    one of ``numerics.V_KEY_ORDERS`` (what the attention loop that follows reads)."""
+    if v_order not in numerics.V_KEY_ORDERS:
+        raise ValueError(f"v_order={v_order!r} is not one of {numerics.V_KEY_ORDERS}")
     balance, tile, warps = config.balance, config.tile, config.warps
     B, T, H, D = q.shape
     R = layout.rows
@@ -279,9 +289,9 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLa
     _quant_kernel[(2 * nkb, nseg, H)](
         q, k, v, qi8, qsc, ki8, ksc, vt8, stat, cu, layout.used, T, H, R, nkb, softmax_scale * math.log2(math.e),
         *sq, *sk, *sv, D=D, BN=kblock, QTILE=tile, DENSE=layout.dense, BALANCE=balance, INTERP=interpret,
-        num_warps=warps)
+        V_MMA=v_order == "mma", num_warps=warps)
     return Quantized(layout=layout, qi8=qi8, qscale=qsc, ki8=ki8, kscale=ksc, vt8=vt8,
-                     vscale=stat[:, 2].contiguous(), ksum=ksum, kblock=kblock)
+                     vscale=stat[:, 2].contiguous(), ksum=ksum, kblock=kblock, v_order=v_order)
 
 
 def seg_strides(t: torch.Tensor, dense: bool) -> tuple[int, int, int]:
