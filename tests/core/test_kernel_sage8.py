@@ -358,6 +358,15 @@ _INTERP_SCRIPT = textwrap.dedent(
     z = torch.zeros(1, 40, 1, 64, dtype=torch.bfloat16)
     assert (sage8_dense(z, z, z) == 0).all()
 
+    # the pre-pass stores V in "mma" key order exactly as numerics.mma_key_order says
+    from dist_attn.kernels.sage8 import launch, numerics
+    from dist_attn.kernels.sage8.quant import quantize
+    lay = launch.dense_layout(1, 200)
+    x = torch.randn(1, 200, 2, 128).to(torch.bfloat16)
+    plain, mma = (quantize(x, x, x, lay, 0.1, kblock=128, interpret=True, v_order=o).vt8[..., :256].float()
+                  for o in ("keys", "mma"))  # the two written key blocks (the buffer's spare PAD is not)
+    assert torch.equal(mma, plain[..., numerics.mma_key_order(256)]) and not torch.equal(mma, plain)
+
     # the torch reference of the scheme, LSE included, and balancing on a key-outlier input
     from dist_attn.kernels.sage8 import reference
     from dist_attn.kernels.sage8.quant import QuantConfig

@@ -44,9 +44,8 @@ class TritonConfig:
     """Launch parameters; the defaults are the fastest measured on the H200 (KERNEL_NOTES.md).
 
     ``num_stages=2`` with ``maxnreg=168`` lets three CTAs share an SM (72 KB of shared memory and
-    168 x 128 registers each; ptxas spills 16 bytes outside the loop): 13.35 ms at 38,016 x 14 x
-    128 against 14.03 with 3 stages at 2 CTAs per SM (241 registers) in the same run, the output
-    bit-identical.
+    168 x 128 registers each, no spills): 13.35 ms at 38,016 x 14 x 128 against 14.03 with 3
+    stages at 2 CTAs per SM (241 registers) in the same run, the output bit-identical.
 
     ``pv_accum``: "block" adds each key block's P V into fp32 registers; "running" accumulates the
     whole row inside the MMA (v1/v2's kernel, kept to measure against: 0.37 rel-L2 at 38k rows
