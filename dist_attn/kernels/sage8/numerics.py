@@ -5,6 +5,8 @@ Importing this module costs torch only (no triton).
 
 from __future__ import annotations
 
+import torch
+
 __all__ = ["PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "MMA_ACC_BITS", "MMA_K_STEP",
            "V_KEY_ORDERS", "mma_key_order", "padded_rows"]
 
@@ -44,12 +46,10 @@ MMA_K_STEP = 32
 V_KEY_ORDERS = ("keys", "mma")
 
 
-def mma_key_order(n: int):
+def mma_key_order(n: int) -> torch.Tensor:
     """``perm`` (a LongTensor of ``n`` entries, ``n`` a multiple of MMA_K_STEP) with
     ``perm[column] = key`` for V's "mma" order (see V_KEY_ORDERS): ``vt[..., perm]`` in "keys" order
     is the same buffer in "mma" order."""
-    import torch
-
     if n % MMA_K_STEP:
         raise ValueError(f"n={n} must be a multiple of MMA_K_STEP={MMA_K_STEP}")
     col = torch.arange(n)
