@@ -15,13 +15,21 @@ sage_dense             sageattention.core.sageattn, NHD, K = a scratch clone    
 sage_varlen            sageattention.core.sageattn_varlen at (0, used, total)    used (37,980)
 sage2_direct           SageAttention 2's sm90 kernel (built from source),        total
                        sageattn_qk_int8_pv_fp8_cuda_sm90, per_warp, fp32+fp32
+sage2_quant            sage2_direct's quantization alone (K mean, per_warp INT8,  total
+                       V padded and per-channel FP8): timed, no output
+sage2_attn             sage2_direct's sm90 kernel alone, operands quantized       total
+                       outside the timed region
+quant:<b>              sage8 / sage8_triton's pre-pass alone (quant.quantize)     total
+attn:<b>               sage8 / sage8_triton's attention loop alone, operands      total
+                       quantized outside the timed region
 fa3_fp8                FA3 FP8 (fa3-fwd wheel), per-head e4m3 quantization in    total
                        plain torch counted in the time
 fa3_fp8_prequant       FA3 FP8 on operands quantized outside the timed region    total
 variant:<b>:<v>        sage8 / sage8_triton dense with a non-default config:     total
                        v = v2-running (the v2 kernel: P V summed inside the FP8
                        MMA across the whole row), pv-first, stages2 (Gluon loop
-                       orderings, attn_gluon.GluonConfig)
+                       orderings, attn_gluon.GluonConfig), 3stages-2cta
+                       (sage8_triton's launch before 3 CTAs per SM)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
@@ -50,6 +58,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -94,6 +103,9 @@ class KernelSpec:
     padded: bool  # output rows [used, total) belong to the padding segment
     build: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Layout], Callable[[], torch.Tensor]]
     what: str
+    #: "whole" (returns the attention output) or one launch of a kernel alone ("quant", "attn"):
+    #: timed only, never compared with float64
+    part: str = "whole"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +192,68 @@ def _sage2_direct(q, k, v, lay):
     return run
 
 
+def _sage2_part(part: str):
+    """SageAttention 2's two stages apart, with the arguments its ``sageattn_qk_int8_pv_fp8_cuda_sm90``
+    passes them (NHD, per_warp, K smoothed, V padded to 128 keys): "quant" is its quantization
+    alone, "attn" its sm90 kernel on operands quantized outside the timed region."""
+    def build(q, k, v, lay):
+        _sage2_direct(q, k, v, lay)  # raises Unavailable with the reason where it cannot run
+        from sageattention import sm90_compile
+        from sageattention.quant import per_channel_fp8, per_warp_int8
+
+        qb, kb, vb = q[None], k[None], v[None]
+
+        def quant():
+            km = kb.mean(dim=1, keepdim=True)
+            qi8, qs, ki8, ks = per_warp_int8(qb, kb, km, tensor_layout="NHD", BLKQ=64, WARPQ=16, BLKK=128)
+            pad = (-vb.shape[1]) % 128
+            vp = torch.cat([vb, vb.new_zeros(1, pad, *vb.shape[2:])], dim=1) if pad else vb
+            v8, vs, _ = per_channel_fp8(vp, tensor_layout="NHD", smooth_v=False)
+            return qi8, qs, ki8, ks, v8, vs
+        if part == "quant":
+            quant()
+            return quant
+        qi8, qs, ki8, ks, v8, vs = quant()
+        out = torch.empty_like(qb)
+
+        def run():
+            # layout 0 = NHD, not causal, granularity 2 = per_warp, no LSE
+            sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+                qi8, ki8, v8, out, qs, ks, vs, 0, 0, 2, lay.scale, 0)
+            return out[0]
+        run()
+        return run
+    return build
+
+
+def _sage8_part(backend: str, part: str):
+    """sage8's two launches apart, default configs: "quant" is the pre-pass alone, "attn" the
+    attention loop on operands quantized outside the timed region."""
+    def build(q, k, v, lay):
+        from dist_attn.kernels.sage8 import launch
+        from dist_attn.kernels.sage8.quant import quantize
+
+        be = _backend_or_raise(backend, q)
+        cfg = launch.default_config(be.impl)
+        qb, kb, vb = q[None], k[None], v[None]
+        layout = launch.dense_layout(1, q.shape[0])
+
+        def quant():
+            return quantize(qb, kb, vb, layout, lay.scale, kblock=launch.key_block(be.impl, cfg),
+                            v_order=launch.v_order(be.impl))
+        if part == "quant":
+            quant()
+            return quant
+        qz, out, loop = quant(), torch.empty_like(qb), launch.attention_loop(be.impl)
+
+        def run():
+            loop(qz, qb, out, None, lay.scale, cfg)
+            return out[0]
+        run()
+        return run
+    return build
+
+
 def _fa3_fp8(prequant: bool):
     """FA3's FP8 forward with one scale per (batch, head) for each of q, k, v (what SGLang's FP8
     path does); ``prequant`` leaves the quantization out of the timed call."""
@@ -256,6 +330,7 @@ def _dense(name: str, rows: str):
     return build
 
 
+_PARTS = {"quant": "its quantization alone", "attn": "its attention kernel alone on pre-quantized operands"}
 #: variant name -> launch-config overrides (a variant whose fields the kernel's config lacks is skipped)
 _SAGE8_VARIANTS = {"v2-running": {"pv_accum": "running"}, "pv-first": {"pv_first": True},
                    "stages2": {"stages": 2}, "3stages-2cta": {"num_stages": 3, "maxnreg": None}}
@@ -299,6 +374,12 @@ def kernel_specs() -> list[KernelSpec]:
         KernelSpec("fa3_fp8_prequant", "total", False, _fa3_fp8(prequant=True),
                    "FA3 FP8 on pre-quantized operands (quantization not counted)"),
     ]
+    for part in ("quant", "attn"):
+        specs.append(KernelSpec(f"sage2_{part}", "total", False, _sage2_part(part),
+                                f"SageAttention 2 sm90, {_PARTS[part]}", part=part))
+        for n in ("sage8", "sage8_triton"):
+            specs.append(KernelSpec(f"{part}:{n}", "total", False, _sage8_part(n, part),
+                                    f"{n}, {_PARTS[part]}", part=part))
     for n in ("sage8", "sage8_triton"):
         for variant in _SAGE8_VARIANTS:
             specs.append(KernelSpec(f"variant:{n}:{variant}", "total", False, _sage8_variant(n, variant),
@@ -342,6 +423,7 @@ def _reference_f64(q, k, v, rows: int, scale: float) -> torch.Tensor:
 
 
 def measure_errors(specs, args, device, dtype, writer: ResultWriter, budget: Budget) -> None:
+    specs = [s for s in specs if s.part == "whole"]  # a quantization alone has no output to compare
     total = args.err_seq
     used = max(1, total - (args.seq - args.used)) if args.used < args.seq else total
     lay = _layout(total, used, args.head_dim, device)
@@ -390,6 +472,9 @@ def measure_errors(specs, args, device, dtype, writer: ResultWriter, budget: Bud
 
 
 def measure_speed(specs, args, device, dtype, writer: ResultWriter, budget: Budget) -> None:
+    """Per head count: every kernel built once, then ``--rounds`` rounds of every kernel in turn
+    (interleaved, so that clock drift during the run hits all kernels alike); a row's median is the
+    median of its rounds' medians."""
     for heads in args.heads:
         w = args.ref_heads / heads if args.ref_heads % heads == 0 else None
         lay = _layout(args.seq, args.used, args.head_dim, device)
@@ -400,27 +485,46 @@ def measure_speed(specs, args, device, dtype, writer: ResultWriter, budget: Budg
                 writer.rows.append({"section": "speed", "kernel": spec.name, "heads": heads,
                                     "status": "error", "reason": describe_exception(exc)})
             continue
+        rows, fns, rounds = [], {}, {}
         for spec in specs:
             n = lay.total if spec.n_kind == "total" else lay.used
             row = {"section": "speed", "kernel": spec.name, "what": spec.what, "heads": heads,
                    "W": int(w) if w else None, "head_dim": args.head_dim, "rows_total": lay.total,
-                   "rows_used": lay.used, "N": n, "N_kind": spec.n_kind}
+                   "rows_used": lay.used, "N": n, "N_kind": spec.n_kind, "part": spec.part}
+            rows.append(row)
             if budget.expired():
                 row.update(status="skipped", reason=_BUDGET_REASON)
-                writer.rows.append(row)
                 continue
             try:
-                fn = spec.build(q, k, v, lay)
-                t = time_fn(fn, device=device, iters=args.iters, warmup=args.warmup, budget=budget)
-                row.update(status="ok", **t.as_dict(),
-                           tflops=attention_tflops(n, heads, args.head_dim, t.median_ms))
+                fns[spec.name] = spec.build(q, k, v, lay)
             except Unavailable as exc:
                 row.update(status="unavailable", reason=str(exc))
             except Exception as exc:  # noqa: BLE001
                 row.update(status="error", reason=describe_exception(exc))
-            fn = None
+        for _ in range(max(1, args.rounds)):
+            for spec, row in zip(specs, rows):
+                if spec.name not in fns or row.get("status") == "error":
+                    continue
+                if budget.expired() and spec.name not in rounds:
+                    row.update(status="skipped", reason=_BUDGET_REASON)
+                    continue
+                try:
+                    t = time_fn(fns[spec.name], device=device, iters=args.iters, warmup=args.warmup,
+                                budget=budget)
+                    rounds.setdefault(spec.name, []).append(t)
+                except Exception as exc:  # noqa: BLE001
+                    row.update(status="error", reason=describe_exception(exc))
+        for spec, row in zip(specs, rows):
+            ts = rounds.get(spec.name)
+            if ts and row.get("status") != "error":
+                med = statistics.median(t.median_ms for t in ts)
+                row.update(status="ok", median_ms=med, min_ms=min(t.min_ms for t in ts),
+                           max_ms=max(t.max_ms for t in ts), iters=sum(t.iters for t in ts),
+                           timing=ts[0].method, rounds=len(ts), round_ms=[t.median_ms for t in ts],
+                           tflops=attention_tflops(row["N"], heads, args.head_dim, med))
             writer.rows.append(row)
-            writer.save(sections(writer))
+        fns = None
+        writer.save(sections(writer))
         del q, k, v
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -464,7 +568,8 @@ def sections(writer: ResultWriter) -> list[tuple[str, str]]:
          "the same heads. W = 56 / heads.\n\n" + markdown_table(speed, [
              ("kernel", "kernel", ""), ("heads", "heads", "d"), ("W", "W", ""), ("N", "N", "d"),
              ("status", "status", ""), ("median_ms", "median ms", ".3f"), ("min_ms", "min ms", ".3f"),
-             ("iters", "iters", "d"), ("tflops", "TFLOP/s-eq", ".1f"), ("vs_cudnn", "vs cuDNN", ".3f"),
+             ("iters", "iters", "d"), ("rounds", "rounds", "d"), ("tflops", "TFLOP/s-eq", ".1f"),
+             ("vs_cudnn", "vs cuDNN", ".3f"),
              ("reason", "reason", "")])),
         ("Bridge overhead", "overhead % = (bridge:<b> median / dense_used:<b> median - 1) x 100, the "
          "dense call on exactly rows [0, used) being the baseline. Target: <= 1%.\n\n" + markdown_table(
@@ -536,6 +641,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     p.add_argument("--err-seq", type=int, default=None, help="rows of the error shape (default 4096)")
     p.add_argument("--err-heads", type=int, default=None, help="heads of the error shape (default 4)")
     p.add_argument("--no-error", action="store_true", help="skip the error section")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleaved rounds of every kernel per head count; the median of the rounds' "
+                        "medians is reported (default 1)")
     add_common_args(p, iters=20, warmup=3, budget_s=0)
     args = p.parse_args(argv)
 
@@ -571,7 +679,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         "workload": "h3-ref per rank" if not smoke else "smoke (tiny)", "seq": args.seq, "used": args.used,
         "cu_seqlens": [0, args.used, args.seq], "heads": args.heads, "ref_heads": args.ref_heads,
         "head_dim": args.head_dim, "dtype": str(dtype), "causal": False, "iters": args.iters,
-        "warmup": args.warmup, "err_seq": args.err_seq, "err_heads": args.err_heads,
+        "warmup": args.warmup, "rounds": args.rounds, "err_seq": args.err_seq, "err_heads": args.err_heads,
         "kernels": [s.name for s in specs], "kernel_patterns": patterns, "device": str(device),
         "registered_backends": list(da_backends.available_backends()), "auto_resolves_to": auto,
         "budget_s": args.budget_s, "smoke": smoke,

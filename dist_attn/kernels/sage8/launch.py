@@ -6,7 +6,7 @@ import torch
 
 from dist_attn.kernels.sage8.quant import PackedLayout, QuantConfig, quantize
 
-__all__ = ["dense_layout", "varlen_layout", "forward", "default_config", "key_block", "v_order"]
+__all__ = ["attention_loop", "dense_layout", "varlen_layout", "forward", "default_config", "key_block", "v_order"]
 
 
 def dense_layout(batch: int, rows: int) -> PackedLayout:
@@ -46,6 +46,16 @@ def v_order(impl: str) -> str:
     return V_ORDER
 
 
+def attention_loop(impl: str):
+    """``impl``'s attention launch: ``fn(qz, q, out, lse, softmax_scale, config)`` on operands that
+    :func:`quant.quantize` made for it."""
+    if impl == "gluon":
+        from dist_attn.kernels.sage8.attn_gluon import attention
+        return attention
+    from dist_attn.kernels.sage8.attn_triton import attention
+    return attention
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
             layout: PackedLayout, softmax_scale: float, impl: str, config=None,
             quant_config: QuantConfig | None = None, interpret: bool = False) -> None:
@@ -55,9 +65,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     qz = quantize(q, k, v, layout, softmax_scale, kblock=key_block(impl, cfg),
                   config=QuantConfig() if quant_config is None else quant_config, interpret=interpret,
                   v_order=v_order(impl))
-    if impl == "gluon":
-        from dist_attn.kernels.sage8.attn_gluon import attention
-        attention(qz, q, out, lse, softmax_scale, cfg)
-    else:
+    if interpret and impl != "gluon":
         from dist_attn.kernels.sage8.attn_triton import attention
-        attention(qz, q, out, lse, softmax_scale, cfg, interpret=interpret)
+        attention(qz, q, out, lse, softmax_scale, cfg, interpret=True)
+    else:
+        attention_loop(impl)(qz, q, out, lse, softmax_scale, cfg)

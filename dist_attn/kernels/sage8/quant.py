@@ -4,9 +4,9 @@ Two passes read the caller's Q, K, V (any strides with a contiguous last dim) an
 8-bit operands of the attention kernels into a padded row space (:func:`numerics.padded_rows`):
 
 1. ``_stats_kernel`` reads K and V (and Q when balancing) once, in chunks of rows, and writes
-   per-chunk channel statistics: sum, max and min of K, max |V| (max |Q|). Torch reduces them over
-   the chunks (a few KB; deterministic, no float atomics) into the K mean, V's channel scales and
-   the balancing factors.
+   per-chunk channel statistics: sum K, max |V| (and max K, min K, max |Q| when balancing);
+   ``_finish_kernel`` reduces them over the chunks (a few KB; fixed order, no float atomics) into
+   K's channel mean, V's channel scales and the balancing factors.
 2. ``_quant_kernel`` reads Q, K, V once more, one block of rows per program (Q blocks and K/V
    blocks in separate programs): Q -> INT8 with one scale per row (``softmax_scale * log2(e)``
    folded in); K minus its per-(segment, head) channel mean -> INT8 with one scale per block;
@@ -32,8 +32,11 @@ __all__ = ["PackedLayout", "QuantConfig", "Quantized", "quantize", "seg_bounds",
 
 _PAD = tl.constexpr(numerics.PAD)
 _I8MAX = tl.constexpr(numerics.INT8_MAX)
+_FP8MAX = tl.constexpr(numerics.FP8_MAX)
 #: kernel 1 gets about this many programs (enough to fill 132 SMs several times over)
 _STATS_PROGRAMS = 1024
+#: chunks of partial statistics the finishing kernel reads per step
+_FINISH_CHUNKS = 16
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,14 @@ class QuantConfig:
     """Options of the pre-pass.
 
     ``balance``: per-channel Q/K balancing before INT8 (see :func:`reference.quantize`); costs one
-    more read of Q. ``tile`` rows per step of the statistics pass and of Q's quantization,
-    ``warps`` per program.
+    more read of Q. ``tile`` rows per step of Q's quantization, ``stats_tile`` rows per step of the
+    statistics pass (its partials are ``[stats_tile, D]`` registers per statistic), ``warps`` per
+    program.
     """
 
     balance: bool = False
     tile: int = 64
+    stats_tile: int = 32
     warps: int = 4
 
 
@@ -133,7 +138,8 @@ def _load_rows(base, src, stride, offs_d, valid):
 def _stats_kernel(Q, K, V, Pstat, cu, used, T, H, NCHUNK, ROWS_PER,
                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                   D: tl.constexpr, TILE: tl.constexpr, DENSE: tl.constexpr, BALANCE: tl.constexpr):
-    """Per-chunk channel statistics: sum K, max K, min K, max |V| (and max |Q| when balancing)."""
+    """Per-chunk channel statistics: sum K and max |V| (max K, min K and max |Q| when balancing;
+    those slots of ``Pstat`` are left unwritten otherwise)."""
     chunk = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -146,28 +152,33 @@ def _stats_kernel(Q, K, V, Pstat, cu, used, T, H, NCHUNK, ROWS_PER,
     qb = Q + seg64 * sqb + h64 * sqh
     kb = K + seg64 * skb + h64 * skh
     vb = V + seg64 * svb + h64 * svh
-    ksum = tl.zeros([D], dtype=tl.float32)
-    kmax = tl.full([D], float("-inf"), dtype=tl.float32)
-    kmin = tl.full([D], float("inf"), dtype=tl.float32)
-    vmax = tl.zeros([D], dtype=tl.float32)
-    qmax = tl.zeros([D], dtype=tl.float32)
+    # elementwise partials over the chunk's tiles, reduced across rows once at the end (a reduction
+    # per tile crosses warps through shared memory, a barrier each time). K's max and min and Q's
+    # max |Q| feed only the balancing factors.
+    ksum = tl.zeros([TILE, D], dtype=tl.float32)
+    vmax = tl.zeros([TILE, D], dtype=tl.float32)
+    if BALANCE:
+        kmax = tl.full([TILE, D], float("-inf"), dtype=tl.float32)
+        kmin = tl.full([TILE, D], float("inf"), dtype=tl.float32)
+        qmax = tl.zeros([TILE, D], dtype=tl.float32)
     for r in range(r0, r1, TILE):
         rows = r + tl.arange(0, TILE)
         valid = (rows < r1)[:, None]
         src = (lo + rows).to(tl.int64)[:, None]
         k = _load_rows(kb, src, skt, offs_d, valid)
-        ksum += tl.sum(k, axis=0)
-        kmax = tl.maximum(kmax, tl.max(tl.where(valid, k, float("-inf")), axis=0))
-        kmin = tl.minimum(kmin, tl.min(tl.where(valid, k, float("inf")), axis=0))
-        vmax = tl.maximum(vmax, tl.max(tl.abs(_load_rows(vb, src, svt, offs_d, valid)), axis=0))
+        ksum += k
+        vmax = tl.maximum(vmax, tl.abs(_load_rows(vb, src, svt, offs_d, valid)))
         if BALANCE:
-            qmax = tl.maximum(qmax, tl.max(tl.abs(_load_rows(qb, src, sqt, offs_d, valid)), axis=0))
+            kmax = tl.maximum(kmax, tl.where(valid, k, float("-inf")))
+            kmin = tl.minimum(kmin, tl.where(valid, k, float("inf")))
+            qmax = tl.maximum(qmax, tl.abs(_load_rows(qb, src, sqt, offs_d, valid)))
     base = Pstat + (seg64 * NCHUNK + chunk) * 5 * H * D + h * D + offs_d
-    tl.store(base, ksum)
-    tl.store(base + H * D, kmax)
-    tl.store(base + 2 * H * D, kmin)
-    tl.store(base + 3 * H * D, vmax)
-    tl.store(base + 4 * H * D, qmax)
+    tl.store(base, tl.sum(ksum, axis=0))
+    tl.store(base + 3 * H * D, tl.max(vmax, axis=0))
+    if BALANCE:
+        tl.store(base + H * D, tl.max(kmax, axis=0))
+        tl.store(base + 2 * H * D, tl.min(kmin, axis=0))
+        tl.store(base + 4 * H * D, tl.max(qmax, axis=0))
 
 
 @triton.jit
@@ -217,12 +228,17 @@ def _quant_kernel(Q, K, V, Qi8, Qs, Ki8, Ks, Vt8, Stat, cu, used, T, H, R, NKB, 
         tl.store(Ki8 + h64 * R * D + dst[:, None] * D + offs_d[None, :], _round_i8(kc / ksc))
         tl.store(Ks + h64 * (R // BN) + pst // BN + j, ksc)
         vsc = tl.load(Stat + sidx + 2 * H * D)
-        v = _load_rows(V + seg64 * svb + h64 * svh, src, svt, offs_d, valid)
         if V_MMA:
-            # numerics.V_KEY_ORDERS "mma": key 16 h + 8 j + 2 t + e of each 32 to column
-            # 16 h + 4 t + 2 j + e (dst is a multiple of 32 plus the key's offset)
-            dst = (dst & -16) | (((dst >> 1) & 3) << 2) | (((dst >> 3) & 1) << 1) | (dst & 1)
-        # transposed store: [BN, D] tile -> Vt8[h, d, row]
+            # numerics.V_KEY_ORDERS "mma": column 16 h + 4 t + 2 j + e of each 16 holds key
+            # 16 h + 8 j + 2 t + e (numerics.mma_key_order). The rows are gathered in that order so
+            # that the transposed store below stays contiguous along the keys (16-byte stores; a
+            # scattered store compiles to one byte per instruction).
+            c = tl.arange(0, BN)
+            rows = j * BN + ((c & -16) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1))
+            valid = (rows < L)[:, None]
+            src = (lo + rows).to(tl.int64)[:, None]
+        v = _load_rows(V + seg64 * svb + h64 * svh, src, svt, offs_d, valid)
+        # transposed store: [BN, D] tile -> Vt8[h, d, column]
         tl.store(Vt8 + h64 * D * R + offs_d[None, :] * R + dst[:, None], to_fp8(v / vsc[None, :], INTERP))
 
 
@@ -236,23 +252,48 @@ def _stats_grid(max_seqlen: int, nseg: int, heads: int) -> tuple[int, int]:
     return nchunk, rows_per
 
 
-def _finish_stats(pstat: torch.Tensor, lengths: torch.Tensor, balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[nseg, NCHUNK, 5, H, D] partial stats -> (Stat [nseg, 4, H, D], ksum [nseg, H, D]); torch ops
-    on a few KB, deterministic."""
-    ksum = pstat[:, :, 0].sum(dim=1)
-    mean = ksum / lengths.clamp_min(1).to(torch.float32)[:, None, None]
-    vmax = pstat[:, :, 3].amax(dim=1)
-    vsc = torch.where(vmax > 0, vmax / numerics.FP8_MAX, torch.ones_like(vmax))
-    one = torch.ones_like(mean)
-    kbal = qbal = one
-    if balance:
+@triton.jit
+def _finish_kernel(Pstat, Stat, Ksum, Vscale, cu, used, T, H, NCHUNK,
+                   D: tl.constexpr, CT: tl.constexpr, DENSE: tl.constexpr, BALANCE: tl.constexpr):
+    """One (segment, head): the chunks' partial statistics -> K's channel mean and sum, V's channel
+    scales and the balancing factors (Stat[seg, :, h] = mean K, 1 / s, V scale, s; s = 1 unless
+    balancing). Chunks are added in a fixed order: deterministic."""
+    seg = tl.program_id(0)
+    h = tl.program_id(1)
+    lo, L, pst = seg_bounds(cu, seg, used, T, DENSE)
+    offs_d = tl.arange(0, D)
+    seg64 = seg.to(tl.int64)
+    ksum = tl.zeros([D], dtype=tl.float32)
+    vmax = tl.zeros([D], dtype=tl.float32)
+    kmax = tl.full([D], float("-inf"), dtype=tl.float32)
+    kmin = tl.full([D], float("inf"), dtype=tl.float32)
+    qmax = tl.zeros([D], dtype=tl.float32)
+    for c0 in range(0, NCHUNK, CT):
+        ch = c0 + tl.arange(0, CT)
+        ok = (ch < NCHUNK)[:, None]
+        base = Pstat + ((seg64 * NCHUNK + ch) * 5 * H + h)[:, None] * D + offs_d[None, :]
+        ksum += tl.sum(tl.load(base, mask=ok, other=0.0), axis=0)
+        vmax = tl.maximum(vmax, tl.max(tl.load(base + 3 * H * D, mask=ok, other=0.0), axis=0))
+        if BALANCE:
+            kmax = tl.maximum(kmax, tl.max(tl.load(base + H * D, mask=ok, other=float("-inf")), axis=0))
+            kmin = tl.minimum(kmin, tl.min(tl.load(base + 2 * H * D, mask=ok, other=float("inf")), axis=0))
+            qmax = tl.maximum(qmax, tl.max(tl.load(base + 4 * H * D, mask=ok, other=0.0), axis=0))
+    mean = ksum / tl.maximum(L, 1).to(tl.float32)
+    # an all-zero V channel would get scale 0 and 0/0 = NaN: use 1 (the channel quantizes to zeros)
+    vsc = tl.where(vmax > 0, vmax / _FP8MAX, 1.0)
+    s = tl.full([D], 1.0, dtype=tl.float32)
+    if BALANCE:
         # s = sqrt(amax|K - mean| / amax|Q|) per channel; Q is multiplied by s, centred K divided
-        kamax = torch.maximum(pstat[:, :, 1].amax(dim=1) - mean, mean - pstat[:, :, 2].amin(dim=1))
-        qamax = pstat[:, :, 4].amax(dim=1)
-        ok = (kamax > 0) & (qamax > 0)
-        s = torch.where(ok, (kamax / torch.where(ok, qamax, one)).sqrt(), one)
-        qbal, kbal = s, 1.0 / s
-    return torch.stack([mean, kbal, vsc, qbal], dim=1), ksum
+        kamax = tl.maximum(kmax - mean, mean - kmin)
+        good = (kamax > 0) & (qmax > 0)
+        s = tl.where(good, tl.sqrt(kamax / tl.where(good, qmax, 1.0)), 1.0)
+    out = Stat + (seg64 * 4 * H + h) * D + offs_d
+    tl.store(out, mean)
+    tl.store(out + H * D, 1.0 / s)
+    tl.store(out + 2 * H * D, vsc)
+    tl.store(out + 3 * H * D, s)
+    tl.store(Ksum + (seg64 * H + h) * D + offs_d, ksum)
+    tl.store(Vscale + (seg64 * H + h) * D + offs_d, vsc)
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, softmax_scale: float,
@@ -278,20 +319,19 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLa
     sq, sk, sv = (seg_strides(t, layout.dense) for t in (q, k, v))
     _stats_kernel[(nchunk, nseg, H)](
         q, k, v, pstat, cu, layout.used, T, H, nchunk, rows_per, *sq, *sk, *sv,
-        D=D, TILE=tile, DENSE=layout.dense, BALANCE=balance, num_warps=warps)
-    if layout.dense:
-        lengths = torch.full((nseg,), T, dtype=torch.int64, device=dev)
-    else:
-        bounds = layout.cu.clamp(max=layout.used).to(torch.int64)
-        lengths = bounds[1:] - bounds[:-1]
-    stat, ksum = _finish_stats(pstat, lengths, balance)
+        D=D, TILE=config.stats_tile, DENSE=layout.dense, BALANCE=balance, num_warps=warps)
+    stat = torch.empty((nseg, 4, H, D), dtype=torch.float32, device=dev)
+    ksum = torch.empty((nseg, H, D), dtype=torch.float32, device=dev)
+    vscale = torch.empty((nseg, H, D), dtype=torch.float32, device=dev)
+    _finish_kernel[(nseg, H)](pstat, stat, ksum, vscale, cu, layout.used, T, H, nchunk, D=D, CT=_FINISH_CHUNKS,
+                              DENSE=layout.dense, BALANCE=balance, num_warps=4)
     nkb = triton.cdiv(layout.max_seqlen, kblock)
     _quant_kernel[(2 * nkb, nseg, H)](
         q, k, v, qi8, qsc, ki8, ksc, vt8, stat, cu, layout.used, T, H, R, nkb, softmax_scale * math.log2(math.e),
         *sq, *sk, *sv, D=D, BN=kblock, QTILE=tile, DENSE=layout.dense, BALANCE=balance, INTERP=interpret,
         V_MMA=v_order == "mma", num_warps=warps)
     return Quantized(layout=layout, qi8=qi8, qscale=qsc, ki8=ki8, kscale=ksc, vt8=vt8,
-                     vscale=stat[:, 2].contiguous(), ksum=ksum, kblock=kblock, v_order=v_order)
+                     vscale=vscale, ksum=ksum, kblock=kblock, v_order=v_order)
 
 
 def seg_strides(t: torch.Tensor, dense: bool) -> tuple[int, int, int]:

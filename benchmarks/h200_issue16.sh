@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Tracker issue 16, the last part (speed beside SageAttention 2), on ONE H200 in one device call:
+# starts the SageAttention 2 build (setsid, ~4.5 min), meanwhile the GPU tests, a pre-pass check and
+# the accuracy benchmark with the shipped kernels; then, built, SageAttention 2 beside sage8 at 14, 56
+# and 7 heads in interleaved rounds, whole calls and each half (quantization / attention) apart.
+#
+#   bash benchmarks/h200_issue16.sh            # ~8 min
+#   bash benchmarks/h200_issue16.sh speed      # the side-by-side part only (build already there)
+#
+# Needs .whl2/ (sageattention 1.0.6, fa3-fwd 0.0.3, diffusers 0.42.1, importlib_metadata) and
+# .third_party/SageAttention-2.2.0-src.tar.gz, both carried (../shared/third_party/README.md).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+OUTD=${OUT:-benchmarks/results}
+TAG=${TAG:-2026-12-04b}
+mkdir -p "$OUTD"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/*.whl \
+    2>&1 | tail -2
+SA2=$PWD/.sa2build/SageAttention
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+sa2_ready() { ls "$SA2"/sageattention/_qattn_sm90*.so >/dev/null 2>&1; }
+if ! sa2_ready && [ ! -d "$SA2" ]; then
+  mkdir -p .sa2build/meta/sageattention-2.2.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: sageattention\nVersion: 2.2.0\n' \
+      > .sa2build/meta/sageattention-2.2.0.dist-info/METADATA
+  tar -xzf .third_party/SageAttention-2.2.0-src.tar.gz -C .sa2build
+  (cd "$SA2" && setsid nohup env TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 EXT_PARALLEL=4 NVCC_APPEND_FLAGS="--threads=4" \
+      python3 setup.py build_ext --inplace > ../build.log 2>&1 &)
+  echo "SageAttention 2 build started $(date +%T)"
+fi
+if [ "${1:-all}" = all ]; then
+  timeout 240 python3 -m pytest tests/core/test_gpu_core.py tests/core/test_gpu_fa3.py tests/core/test_kernel_sage8.py \
+      tests/core/test_kernel_accuracy.py -rs -q -s -p no:cacheprovider 2>&1 | tee "$OUTD/gpu-tests_h200_$TAG.log" \
+      | grep -E "\[accuracy\]|FAIL|Error|passed|failed" | tail -40
+  [ -f benchmarks/_dev_prepass.py ] && timeout 120 python3 -m benchmarks._dev_prepass "$OUTD/prepass_h200_$TAG.json"
+  timeout 200 python3 -m benchmarks.accuracy --out "$OUTD" --theme "accuracy-final" --budget-s 180 \
+      --kernels sdpa,fa3,sage8,sage8_triton --drift-backends fa3,sage8_triton 2>&1 | tail -45
+fi
+for i in $(seq 1 90); do sa2_ready && break; sleep 4; done
+export PYTHONPATH=$SA2:$PWD/.sa2build/meta:$PYTHONPATH  # 2.x before the 1.0.6 wheel
+if sa2_ready; then
+  echo "SageAttention 2 built $(date +%T)"
+  CUOBJ=$(python3 -c "import triton, os; print(os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump'))")
+  "$CUOBJ" -res-usage "$SA2"/sageattention/_qattn_sm90*.so 2>/dev/null | grep -A1 "inst_buf" | grep -E "REG|Function" \
+      | head -8 > "$OUTD/sa2-res-usage_h200_$TAG.txt"
+  cat "$OUTD/sa2-res-usage_h200_$TAG.txt" | cut -c1-200
+else
+  echo "SageAttention 2 NOT built:"; tail -20 .sa2build/build.log
+fi
+timeout 280 python3 -m benchmarks.kernels --out "$OUTD" --theme "kernels-side" --heads 14,56,7 --no-error \
+    --iters 20 --warmup 3 --rounds 3 --budget-s 260 \
+    --kernels "sdpa_cudnn,sage2_direct,dense:sage8_triton,dense:sage8,sage2_quant,quant:sage8_triton,sage2_attn,attn:sage8_triton,fa3_fp8_prequant" \
+    2>&1 | tail -30
