@@ -4,7 +4,8 @@
 # the accuracy benchmark with the shipped kernels; then, built, SageAttention 2 beside sage8 at 14, 56
 # and 7 heads in interleaved rounds, whole calls and each half (quantization / attention) apart.
 #
-#   bash benchmarks/h200_issue16.sh            # ~8 min
+#   bash benchmarks/h200_issue16.sh            # ~8 min (ACC=0: without the accuracy benchmark;
+#                                              # EXTRA='pattern,': more kernels in the speed part)
 #   bash benchmarks/h200_issue16.sh speed      # the side-by-side part only (build already there)
 #
 # Needs .whl2/ (sageattention 1.0.6, fa3-fwd 0.0.3, diffusers 0.42.1, importlib_metadata) and
@@ -36,7 +37,7 @@ if [ "${1:-all}" = all ]; then
       tests/core/test_kernel_accuracy.py -rs -q -s -p no:cacheprovider 2>&1 | tee "$OUTD/gpu-tests_h200_$TAG.log" \
       | grep -E "\[accuracy\]|FAIL|Error|passed|failed" | tail -40
   [ -f benchmarks/_dev_prepass.py ] && timeout 120 python3 -m benchmarks._dev_prepass "$OUTD/prepass_h200_$TAG.json"
-  timeout 200 python3 -m benchmarks.accuracy --out "$OUTD" --theme "accuracy-final" --budget-s 180 \
+  [ "${ACC:-1}" = 1 ] && timeout 200 python3 -m benchmarks.accuracy --out "$OUTD" --theme "accuracy-final" --budget-s 180 \
       --kernels sdpa,fa3,sage8,sage8_triton --drift-backends fa3,sage8_triton 2>&1 | tail -45
 fi
 for i in $(seq 1 90); do sa2_ready && break; sleep 4; done
@@ -44,13 +45,12 @@ export PYTHONPATH=$SA2:$PWD/.sa2build/meta:$PYTHONPATH  # 2.x before the 1.0.6 w
 if sa2_ready; then
   echo "SageAttention 2 built $(date +%T)"
   CUOBJ=$(python3 -c "import triton, os; print(os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump'))")
-  "$CUOBJ" -res-usage "$SA2"/sageattention/_qattn_sm90*.so 2>/dev/null | grep -A1 "inst_buf" | grep -E "REG|Function" \
-      | head -8 > "$OUTD/sa2-res-usage_h200_$TAG.txt"
-  cat "$OUTD/sa2-res-usage_h200_$TAG.txt" | cut -c1-200
+  "$CUOBJ" -res-usage "$SA2"/sageattention/_qattn_sm90*.so 2>/dev/null | grep -A1 "attn_kernel" | grep -E "REG|Function" \
+      | head -8 | cut -c1-200
 else
   echo "SageAttention 2 NOT built:"; tail -20 .sa2build/build.log
 fi
 timeout 280 python3 -m benchmarks.kernels --out "$OUTD" --theme "kernels-side" --heads 14,56,7 --no-error \
     --iters 20 --warmup 3 --rounds 3 --budget-s 260 \
-    --kernels "sdpa_cudnn,sage2_direct,dense:sage8_triton,dense:sage8,sage2_quant,quant:sage8_triton,sage2_attn,attn:sage8_triton,fa3_fp8_prequant" \
+    --kernels "sdpa_cudnn,sage2_direct,dense:sage8_triton,dense:sage8,sage2_quant,quant:sage8_triton,sage2_attn,attn:sage8_triton,${EXTRA:-}fa3_fp8_prequant" \
     2>&1 | tail -30

@@ -309,6 +309,17 @@ def test_gluon_config_refuses_what_cannot_run(over, needle):
         GluonConfig(**over)
 
 
+@pytest.mark.parametrize("over, needle", [({"pv_accum": "fp32"}, "pv_accum='fp32'"),
+                                          ({"kscale_load": "lazy"}, "kscale_load='lazy'")])
+def test_triton_config_refuses_unknown_options(over, needle):
+    pytest.importorskip("triton")
+    from dist_attn.kernels.sage8.attn_triton import TritonConfig
+
+    with pytest.raises(ValueError, match=needle):
+        TritonConfig(**over)
+    assert TritonConfig().kscale_load == "direct"
+
+
 def test_unsupported_reason_cpu():
     q = torch.empty((2, 3, 128), dtype=torch.bfloat16)
     if os.environ.get("TRITON_INTERPRET") != "1":

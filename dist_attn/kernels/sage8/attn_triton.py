@@ -28,7 +28,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dist_attn.kernels.sage8 import numerics
 from dist_attn.kernels.sage8.quant import Quantized, seg_bounds, seg_strides, to_fp8
 
-__all__ = ["TritonConfig", "V_ORDER", "attention", "epilogue_lse", "exp2_ftz", "lse_args", "pv_block"]
+__all__ = ["TritonConfig", "V_ORDER", "attention", "epilogue_lse", "exp2_ftz", "kscale_direct", "lse_args",
+           "pv_block"]
 
 _PAD = tl.constexpr(numerics.PAD)
 _MAGIC_I = tl.constexpr(numerics.MAGIC_I)
@@ -50,6 +51,10 @@ class TritonConfig:
     ``pv_accum``: "block" adds each key block's P V into fp32 registers; "running" accumulates the
     whole row inside the MMA (v1/v2's kernel, kept to measure against: 0.37 rel-L2 at 38k rows
     when V has channel means).
+
+    ``kscale_load``: how each key block's INT8 scale is read: "direct" (one load per block, see
+    :func:`_times_kscale`) or "pipelined" (a plain ``tl.load``, which Triton turns into a cp.async ring;
+    kept to measure against). The interpreter always takes the plain load.
     """
 
     block_m: int = 64
@@ -58,6 +63,12 @@ class TritonConfig:
     num_stages: int = 2
     maxnreg: int | None = 168
     pv_accum: Literal["block", "running"] = "block"
+    kscale_load: Literal["direct", "pipelined"] = "direct"
+
+    def __post_init__(self):
+        # refused when the config is made, not at the first launch
+        pv_block(self.pv_accum)
+        kscale_direct(self.kscale_load)
 
 
 @triton.jit
@@ -69,6 +80,23 @@ def exp2_ftz(x, FAST: tl.constexpr):
                                          is_pure=True, pack=1)
     else:
         return tl.math.exp2(x)
+
+
+@triton.jit
+def _times_kscale(like, ptr, DIRECT: tl.constexpr):
+    """``like`` ([BM]) times the key block's INT8 scale at ``ptr``.
+
+    A plain ``tl.load`` here is software-pipelined by Triton into a cp.async ring with its own
+    shared-memory slot and barrier waits: 37 of the steady loop's 577 SASS instructions per block.
+    ``DIRECT``: one plain load (the same 4 bytes for every thread, an L1 hit after the first), which
+    ptxas issues just before the QK MMA whose wait hides its latency (553 instructions)."""
+    if DIRECT:
+        rs = like * tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l",
+                                              [ptr + tl.zeros_like(like).to(tl.int32)], dtype=tl.float32,
+                                              is_pure=True, pack=1)
+    else:
+        rs = like * tl.load(ptr)
+    return rs
 
 
 @triton.jit
@@ -86,13 +114,13 @@ def _mma_key_columns(p, BN: tl.constexpr):
 @triton.jit
 def _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, lim,
                D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FAST_EXP: tl.constexpr,
-               PV_BLOCK: tl.constexpr, INTERP: tl.constexpr):
+               PV_BLOCK: tl.constexpr, INTERP: tl.constexpr, KS_DIRECT: tl.constexpr):
     """Key block j of the segment starting at padded row pst: s = Q K^T (int32) -> online softmax
     -> acc = acc * alpha + P8 @ V8 (fp32)."""
     k = k_desc.load([h * R + pst + j * BN, 0])   # Ki8 viewed as [H * R, D]
     vt = v_desc.load([h * D, pst + j * BN])      # Vt8 viewed as [H * D, R]
     s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)  # [BM, BN] int32, exact
-    rs = qs * tl.load(ks_ptr + j)  # [BM]: q scale * k scale * softmax_scale * log2(e)
+    rs = _times_kscale(qs, ks_ptr + j, KS_DIRECT)  # [BM]: q scale * k scale * softmax_scale * log2(e)
     # the compiler folds this add into the wgmma accumulator init (MOV 0x4b400000 in SASS)
     f = (s + _MAGIC_I).to(tl.float32, bitcast=True)  # 12582912 + s, exactly
     if MASK:
@@ -131,7 +159,7 @@ def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, 
                  sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
                  WITH_LSE: tl.constexpr, FAST_EXP: tl.constexpr, PV_BLOCK: tl.constexpr,
-                 INTERP: tl.constexpr):
+                 INTERP: tl.constexpr, KS_DIRECT: tl.constexpr):
     mb = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -153,10 +181,10 @@ def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, 
     # steady state: full key blocks, no per-element mask
     for j in range(0, n_full):
         acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, BN,
-                                   D, BN, False, FAST_EXP, PV_BLOCK, INTERP)
+                                   D, BN, False, FAST_EXP, PV_BLOCK, INTERP, KS_DIRECT)
     if lim > 0:
         acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, n_full, lim,
-                                   D, BN, True, FAST_EXP, PV_BLOCK, INTERP)
+                                   D, BN, True, FAST_EXP, PV_BLOCK, INTERP, KS_DIRECT)
     vsc = tl.load(Vscale + (seg.to(tl.int64) * H + h) * D + offs_d)
     o = acc * (1.0 / l_i)[:, None] * vsc[None, :]
     rows = mb * BM + offs_m
@@ -198,8 +226,8 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
         q_desc, k_desc, v_desc, qz.qscale, qz.kscale, qz.vscale, out, q, qz.ksum, lse_arg, cu,
         lay.used, lay.total, H, R, *so, *sq, *sl, softmax_scale * math.log2(math.e),
         D=D, BM=BM, BN=BN, DENSE=lay.dense, WITH_LSE=lse is not None, FAST_EXP=not interpret,
-        PV_BLOCK=pv_block(cfg.pv_accum), INTERP=interpret, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **extra)
+        PV_BLOCK=pv_block(cfg.pv_accum), INTERP=interpret, KS_DIRECT=kscale_direct(cfg.kscale_load) and not interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
 def pv_block(pv_accum: str) -> bool:
@@ -208,3 +236,9 @@ def pv_block(pv_accum: str) -> bool:
         raise ValueError(f"pv_accum={pv_accum!r} is not one of 'block', 'running'")
     return pv_accum == "block"
 
+
+def kscale_direct(kscale_load: str) -> bool:
+    """Whether ``kscale_load`` (a launch config's field) is the "direct" load of :func:`_times_kscale`."""
+    if kscale_load not in ("direct", "pipelined"):
+        raise ValueError(f"kscale_load={kscale_load!r} is not one of 'direct', 'pipelined'")
+    return kscale_load == "direct"

@@ -72,7 +72,7 @@ class QuantConfig:
 
     balance: bool = False
     tile: int = 64
-    stats_tile: int = 32
+    stats_tile: int = 16
     warps: int = 4
 
 
