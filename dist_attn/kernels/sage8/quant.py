@@ -36,7 +36,7 @@ _FP8MAX = tl.constexpr(numerics.FP8_MAX)
 #: kernel 1 gets about this many programs (enough to fill 132 SMs several times over)
 _STATS_PROGRAMS = 1024
 #: chunks of partial statistics the finishing kernel reads per step
-_FINISH_CHUNKS = 16
+_FINISH_CHUNKS = 64
 
 
 @dataclass(frozen=True)
