@@ -30,8 +30,7 @@ variant:<b>:<v>        sage8 / sage8_triton dense with a non-default config:    
                        MMA across the whole row), pv-first, stages2 (Gluon loop
                        orderings, attn_gluon.GluonConfig), 3stages-2cta
                        (sage8_triton's launch before 3 CTAs per SM),
-                       kscale-pipelined (its K-scale load before the direct one),
-                       unroll1 (one key block per turn of its loop)
+                       kscale-pipelined (its K-scale load before the direct one)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
@@ -336,7 +335,7 @@ _PARTS = {"quant": "its quantization alone", "attn": "its attention kernel alone
 #: variant name -> launch-config overrides (a variant whose fields the kernel's config lacks is skipped)
 _SAGE8_VARIANTS = {"v2-running": {"pv_accum": "running"}, "pv-first": {"pv_first": True},
                    "stages2": {"stages": 2}, "3stages-2cta": {"num_stages": 3, "maxnreg": None},
-                   "kscale-pipelined": {"kscale_load": "pipelined"}, "unroll1": {"unroll": 1}}
+                   "kscale-pipelined": {"kscale_load": "pipelined"}}
 
 
 def _sage8_variant(backend: str, variant: str):

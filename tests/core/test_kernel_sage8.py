@@ -310,8 +310,7 @@ def test_gluon_config_refuses_what_cannot_run(over, needle):
 
 
 @pytest.mark.parametrize("over, needle", [({"pv_accum": "fp32"}, "pv_accum='fp32'"),
-                                          ({"kscale_load": "lazy"}, "kscale_load='lazy'"),
-                                          ({"unroll": 3}, "unroll=3")])
+                                          ({"kscale_load": "lazy"}, "kscale_load='lazy'")])
 def test_triton_config_refuses_unknown_options(over, needle):
     pytest.importorskip("triton")
     from dist_attn.kernels.sage8.attn_triton import TritonConfig

@@ -55,10 +55,6 @@ class TritonConfig:
     ``kscale_load``: how each key block's INT8 scale is read: "direct" (one load per block, see
     :func:`_times_kscale`) or "pipelined" (a plain ``tl.load``, which Triton turns into a cp.async ring;
     kept to measure against). The interpreter always takes the plain load.
-
-    ``unroll``: key blocks per turn of the steady loop. Two blocks per turn share one turn's TMA
-    bookkeeping and barriers: 1067 SASS instructions per two blocks against 553 per block, 168
-    registers, no spills (compiled offline).
     """
 
     block_m: int = 64
@@ -68,14 +64,11 @@ class TritonConfig:
     maxnreg: int | None = 168
     pv_accum: Literal["block", "running"] = "block"
     kscale_load: Literal["direct", "pipelined"] = "direct"
-    unroll: int = 2
 
     def __post_init__(self):
         # refused when the config is made, not at the first launch
         pv_block(self.pv_accum)
         kscale_direct(self.kscale_load)
-        if self.unroll not in (1, 2, 4):
-            raise ValueError(f"unroll={self.unroll!r} is not one of 1, 2, 4")
 
 
 @triton.jit
@@ -166,7 +159,7 @@ def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, 
                  sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
                  WITH_LSE: tl.constexpr, FAST_EXP: tl.constexpr, PV_BLOCK: tl.constexpr,
-                 INTERP: tl.constexpr, KS_DIRECT: tl.constexpr, UNROLL: tl.constexpr):
+                 INTERP: tl.constexpr, KS_DIRECT: tl.constexpr):
     mb = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -186,7 +179,7 @@ def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, 
     n_full = L // BN
     lim = L - n_full * BN
     # steady state: full key blocks, no per-element mask
-    for j in tl.range(0, n_full, loop_unroll_factor=UNROLL):
+    for j in range(0, n_full):
         acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qs, k_desc, v_desc, ks_ptr, h, R, pst, j, BN,
                                    D, BN, False, FAST_EXP, PV_BLOCK, INTERP, KS_DIRECT)
     if lim > 0:
@@ -234,7 +227,7 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
         lay.used, lay.total, H, R, *so, *sq, *sl, softmax_scale * math.log2(math.e),
         D=D, BM=BM, BN=BN, DENSE=lay.dense, WITH_LSE=lse is not None, FAST_EXP=not interpret,
         PV_BLOCK=pv_block(cfg.pv_accum), INTERP=interpret, KS_DIRECT=kscale_direct(cfg.kscale_load) and not interpret,
-        UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
 def pv_block(pv_accum: str) -> bool:
