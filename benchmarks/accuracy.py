@@ -23,8 +23,9 @@ with attention computed in float64 on the same device from the same bf16 inputs.
 
 Kernels: ``sdpa`` (dist_attn's torch SDPA backend), ``fa3`` (FA3 bf16), ``sage`` (sageattention:
 1.0.6 from PyPI, or 2.x when built), ``sage2_direct`` (SageAttention 2's sm90 kernel,
-``sageattn_qk_int8_pv_fp8_cuda_sm90``, per_warp, fp32+fp32, when importable), ``sage8`` and
-``sage8_triton`` (what the backends run: each key block's P V added into fp32 registers), their
+``sageattn_qk_int8_pv_fp8_cuda_sm90``, per_warp, fp32+fp32, when importable), ``sage8`` (the Triton
+loop) and ``sage8_gluon`` (the Gluon loop), what the backends run (each key block's P V added into
+fp32 registers), their
 ``:v2-running`` variants (v2's kernel: the P V sum kept inside the FP8 MMA accumulator across the
 whole row). Every dist_attn kernel runs through the varlen bridge (``dist_attn.sage_varlen``).
 """
@@ -193,8 +194,8 @@ def kernels(smoke: bool) -> dict[str, Callable]:
     if smoke:
         return ks
     ks.update({"fa3": _bridge("fa3"), "sage": _bridge("sage"), "sage2_direct": _sage2_direct,
-               "sage8": _bridge("sage8"), "sage8_triton": _bridge("sage8_triton")})
-    for impl, name in (("gluon", "sage8"), ("triton", "sage8_triton")):
+               "sage8": _bridge("sage8"), "sage8_gluon": _bridge("sage8_gluon")})
+    for impl, name in (("triton", "sage8"), ("gluon", "sage8_gluon")):
         ks[f"{name}:v2-running"] = _sage8_variant(impl, "running")
     return ks
 
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     p.add_argument("--drift-layers", type=int, default=8, help="blocks of the latent-drift run (0 = skip it)")
     p.add_argument("--drift-steps", type=int, default=3, help="model evaluations of the latent-drift run")
     p.add_argument("--drift-backends", type=lambda s: [x for x in s.split(",") if x],
-                   default=["fa3", "sage8", "sage8_triton"], help="backends of the latent-drift run (+ sdpa)")
+                   default=["fa3", "sage8", "sage8_gluon"], help="backends of the latent-drift run (+ sdpa)")
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args(argv)
     if args.rows is None:
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
               "kernels": list(kernels(args.smoke)), "smoke": args.smoke, "dtype": "bfloat16"}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,
                           title="Attention accuracy vs float64 (real H3 activations, V channel means, segments)")
-    writer.note("sage8 = the Gluon kernel, sage8_triton = the Triton kernel, both adding each key block's P V "
+    writer.note("sage8 = the Triton loop, sage8_gluon = the Gluon loop, both adding each key block's P V "
                 "into fp32 registers; ':v2-running' = the kernel before (P V summed inside the FP8 MMA "
                 "accumulator across the whole row).")
     budget = Budget(args.budget_s)

@@ -36,9 +36,8 @@ if [ "${1:-all}" = all ]; then
   timeout 240 python3 -m pytest tests/core/test_gpu_core.py tests/core/test_gpu_fa3.py tests/core/test_kernel_sage8.py \
       tests/core/test_kernel_accuracy.py -rs -q -s -p no:cacheprovider 2>&1 | tee "$OUTD/gpu-tests_h200_$TAG.log" \
       | grep -E "\[accuracy\]|FAIL|Error|passed|failed" | tail -40
-  [ -f benchmarks/_dev_prepass.py ] && timeout 120 python3 -m benchmarks._dev_prepass "$OUTD/prepass_h200_$TAG.json"
   [ "${ACC:-1}" = 1 ] && timeout 200 python3 -m benchmarks.accuracy --out "$OUTD" --theme "accuracy-final" --budget-s 180 \
-      --kernels sdpa,fa3,sage8,sage8_triton --drift-backends fa3,sage8_triton 2>&1 | tail -45
+      --kernels sdpa,fa3,sage8,sage8_gluon --drift-backends fa3,sage8 2>&1 | tail -45
 fi
 for i in $(seq 1 90); do sa2_ready && break; sleep 4; done
 export PYTHONPATH=$SA2:$PWD/.sa2build/meta:$PYTHONPATH  # 2.x before the 1.0.6 wheel
@@ -52,5 +51,5 @@ else
 fi
 timeout 280 python3 -m benchmarks.kernels --out "$OUTD" --theme "kernels-side" --heads 14,56,7 --no-error \
     --iters 20 --warmup 3 --rounds 3 --budget-s 260 \
-    --kernels "sdpa_cudnn,sage2_direct,dense:sage8_triton,dense:sage8,sage2_quant,quant:sage8_triton,sage2_attn,attn:sage8_triton,${EXTRA:-}fa3_fp8_prequant" \
+    --kernels "sdpa_cudnn,sage2_direct,dense:sage8,dense:sage8_gluon,sage2_quant,quant:sage8,sage2_attn,attn:sage8,${EXTRA:-}fa3_fp8_prequant" \
     2>&1 | tail -30

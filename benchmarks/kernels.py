@@ -19,17 +19,17 @@ sage2_quant            sage2_direct's quantization alone (K mean, per_warp INT8,
                        V padded and per-channel FP8): timed, no output
 sage2_attn             sage2_direct's sm90 kernel alone, operands quantized       total
                        outside the timed region
-quant:<b>              sage8 / sage8_triton's pre-pass alone (quant.quantize)     total
-attn:<b>               sage8 / sage8_triton's attention loop alone, operands      total
+quant:<b>              sage8 / sage8_gluon's pre-pass alone (quant.quantize)      total
+attn:<b>               sage8 / sage8_gluon's attention loop alone, operands       total
                        quantized outside the timed region
 fa3_fp8                FA3 FP8 (fa3-fwd wheel), per-head e4m3 quantization in    total
                        plain torch counted in the time
 fa3_fp8_prequant       FA3 FP8 on operands quantized outside the timed region    total
-variant:<b>:<v>        sage8 / sage8_triton dense with a non-default config:     total
+variant:<b>:<v>        sage8 / sage8_gluon dense with a non-default config:      total
                        v = v2-running (the v2 kernel: P V summed inside the FP8
                        MMA across the whole row), pv-first, stages2 (Gluon loop
                        orderings, attn_gluon.GluonConfig), 3stages-2cta
-                       (sage8_triton's launch before 3 CTAs per SM),
+                       (the Triton loop's launch before 3 CTAs per SM),
                        kscale-pipelined (its K-scale load before the direct one)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
@@ -37,7 +37,7 @@ dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline
 =====================  ========================================================  ==============
 
 ``<backend>`` is every name of ``dist_attn.backends.available_backends()`` except "auto"
-(sdpa, sage, sage8 and its second kernel sage8_triton or sage8_gluon, fa3 = FA3 bf16, ...).
+(sdpa, sage, sage8 = the Triton loop, sage8_gluon = the Gluon loop, fa3 = FA3 bf16, ...).
 TFLOP/s-equivalent = 4 * N^2 * heads * D / time.
 
 The bridge overhead row is ``bridge:<b> / dense_used:<b> - 1`` at the same heads: what the
@@ -379,10 +379,10 @@ def kernel_specs() -> list[KernelSpec]:
     for part in ("quant", "attn"):
         specs.append(KernelSpec(f"sage2_{part}", "total", False, _sage2_part(part),
                                 f"SageAttention 2 sm90, {_PARTS[part]}", part=part))
-        for n in ("sage8", "sage8_triton"):
+        for n in ("sage8", "sage8_gluon"):
             specs.append(KernelSpec(f"{part}:{n}", "total", False, _sage8_part(n, part),
                                     f"{n}, {_PARTS[part]}", part=part))
-    for n in ("sage8", "sage8_triton"):
+    for n in ("sage8", "sage8_gluon"):
         for variant in _SAGE8_VARIANTS:
             specs.append(KernelSpec(f"variant:{n}:{variant}", "total", False, _sage8_variant(n, variant),
                                     f"{n} dense, {variant}"))

@@ -234,7 +234,7 @@ class UlyssesSageAttention(nn.Module):
         mesh: 2-D ``DeviceMesh`` with dims ``("ring", "ulysses")`` for Ulysses x Ring (see
             :mod:`dist_attn.mesh` for which rows each rank holds); not together with ``group``.
         group: process group of the Ulysses ranks (None = default group).
-        backend: ``"auto"``, ``"sage8"``, ``"sage8_triton"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
+        backend: ``"auto"``, ``"sage8"``, ``"sage8_gluon"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
             another registered name.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         buffers: staging pool shared by layers (None = the process-wide pool).

@@ -181,7 +181,7 @@ def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=No
             device-to-host synchronisation happens (it is trusted: not compared with the device
             tensor, which would need that synchronisation).
         valid_len: rows ``>= valid_len`` are padding (see above).
-        backend: ``"auto"``, ``"sage8"``, ``"sage8_triton"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
+        backend: ``"auto"``, ``"sage8"``, ``"sage8_gluon"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
             another registered name.
         softmax_scale: defaults to ``1 / sqrt(D)``.
 

@@ -1,10 +1,10 @@
 """Dense attention kernels behind one small interface, and the registry that names them.
 
 Registered at import: ``"sdpa"`` (torch SDPA, exact), ``"sage"`` (the sageattention package),
-``"sage8"`` and ``"sage8_triton"`` (dist_attn's INT8-QK / FP8-PV kernel for Hopper, its Gluon and
-its Triton loop; need triton at call time),
+``"sage8"`` and ``"sage8_gluon"`` (dist_attn's INT8-QK / FP8-PV kernel for Hopper, its Triton and
+its Gluon loop; need triton at call time),
 ``"fa3"`` (FlashAttention-3 on Hopper, exact, when importable).
-``"auto"`` picks the first of sage8_triton, sage8, sage, fa3, sdpa that can run and is accurate
+``"auto"`` picks the first of sage8, sage8_gluon, sage, fa3, sdpa that can run and is accurate
 (exact, or 8-bit with ``accuracy_verified``: :func:`auto_refusal`) and logs what it chose.
 """
 

@@ -27,13 +27,12 @@ logger = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, AttentionBackend] = {}
 # "auto" tries these in order and takes the first that can run and that auto_refusal admits.
-# Accuracy-verified 8-bit kernels first, the faster one first: on an H200 at h3-ref the Triton loop
-# (3 CTAs per SM, P handed to the P V wgmma in V's "mma" key order) ran 13.00 / 53.0 / 6.60 ms at
-# 14 / 56 / 7 heads against the Gluon loop's 13.94 / 56.1 / 7.06 in the same run (1.29x cuDNN), at
-# the same accuracy (within 1.2x of SageAttention 2's error everywhere measured); then the exact
-# ones, FA3 before torch SDPA (1.12x cuDNN). "sage" (the sageattention package) declares no
-# verified accuracy, so auto passes it over.
-_AUTO_ORDER = ("sage8_triton", "sage8", "sage", "fa3", "sdpa")
+# Accuracy-verified 8-bit kernels first, the faster one first: "sage8" (the Triton loop) ran
+# 12.62 / 50.82 / 6.42 ms at 14 / 56 / 7 heads on an H200 at h3-ref, SageAttention 2 12.76 / 52.05 /
+# 6.46 and "sage8_gluon" 13.90 / 55.11 / 6.97 in the same run, at the same accuracy (within 1.2x of
+# SageAttention 2's error everywhere measured); then the exact ones, FA3 before torch SDPA (1.12x
+# cuDNN). "sage" (the sageattention package) declares no verified accuracy, so auto passes it over.
+_AUTO_ORDER = ("sage8", "sage8_gluon", "sage", "fa3", "sdpa")
 _AUTO_LOGGED: set[tuple] = set()
 
 
@@ -97,7 +96,7 @@ def resolve_backend(name: str, q: torch.Tensor, *, exact_only: bool = False,
     """The backend that will run for ``backend=name`` on tensors like ``q``.
 
     An explicit name that cannot run raises :class:`BackendUnavailableError` saying why and how
-    to fix it (no silent fallback). ``"auto"`` takes the first runnable of sage8, sage8_triton, sage, fa3, sdpa
+    to fix it (no silent fallback). ``"auto"`` takes the first runnable of sage8, sage8_gluon, sage, fa3, sdpa
     (then any other registered backend) that :func:`auto_refusal` admits, and logs its choice
     (and what it skipped, with why) once per (device type, dtype, head_dim, constraints).
 

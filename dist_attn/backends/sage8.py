@@ -18,8 +18,10 @@ from dist_attn.kernels.sage8 import ops
 
 __all__ = ["Sage8Backend", "SAGE8_IMPL"]
 
-#: the kernel behind the name "sage8"
-SAGE8_IMPL = "gluon"
+#: the kernel behind the name "sage8": the Triton loop since 2026-12-04 (beside SageAttention 2 in
+#: one run on an H200, 12.62 / 50.82 / 6.42 ms at 14 / 56 / 7 heads against the Gluon loop's
+#: 13.90 / 55.11 / 6.97 and SageAttention 2's 12.76 / 52.05 / 6.46; benchmarks/KERNEL_NOTES.md)
+SAGE8_IMPL = "triton"
 
 
 class Sage8Backend(AttentionBackend):

@@ -53,7 +53,7 @@ REL_NORMAL = 4.5e-2
 #: 0.006 (SageAttention 2: 0.0059, sage8: 0.0052): benchmarks/accuracy.py, KERNEL_NOTES.md v3.
 REL_H3 = 9.5e-3
 
-_IMPLS = [("sage8", "gluon"), ("sage8_triton", "triton")]
+_IMPLS = [("sage8", "triton"), ("sage8_gluon", "gluon")]
 
 
 def _verified_8bit() -> list[str]:

@@ -404,7 +404,7 @@ def test_registered_sage8_is_refused_under_a_ring():
     from dist_attn.backends import BackendUnavailableError, get_backend
     from dist_attn.ring import check_ring_backend
 
-    for name in ("sage8", "sage8_triton"):
+    for name in ("sage8", "sage8_gluon"):
         with pytest.raises(BackendUnavailableError, match="equal length"):
             check_ring_backend(get_backend(name), requested=name, ring_size=2)
 

@@ -53,7 +53,7 @@ def _interpreting() -> bool:
 
 def _gluon_missing() -> str | None:
     if importlib.util.find_spec("triton.experimental.gluon") is None:
-        return "this triton has no Gluon (triton.experimental.gluon): use impl='triton' / backend 'sage8_triton'"
+        return "this triton has no Gluon (triton.experimental.gluon): use impl='triton' / backend 'sage8'"
     return None
 
 

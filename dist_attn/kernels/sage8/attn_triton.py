@@ -1,4 +1,4 @@
-"""The Sage8 attention kernel in plain Triton (backend ``"sage8_triton"``; imports triton).
+"""The Sage8 attention kernel in plain Triton (backend ``"sage8"``; imports triton).
 
 One program = BM query rows of one (segment, head): INT8 Q K^T -> int32 on the tensor cores,
 online softmax in exp2 with fp32 statistics, P -> FP8 e4m3 with its columns renamed into V's
