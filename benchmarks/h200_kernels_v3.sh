@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Backend names as of 2026-12-03: 'sage8' was the Gluon loop, 'sage8_triton' the Triton loop; since
+# 2026-12-04 'sage8' is the Triton loop and the Gluon loop is 'sage8_gluon' (sage8_triton matches nothing).
 # The sage8 v3 checks on ONE H200, in two back-to-back device calls (the machine keeps ignored
 # build outputs while it stays warm):
 #

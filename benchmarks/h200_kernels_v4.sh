@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Backend names as of 2026-12-03: 'sage8' was the Gluon loop, 'sage8_triton' the Triton loop; since
+# 2026-12-04 'sage8' is the Triton loop and the Gluon loop is 'sage8_gluon' (sage8_triton matches nothing).
 # The sage8 v4 checks (tracker issue 16) on ONE H200, in back-to-back device calls (the machine keeps
 # ignored build outputs while it stays warm, ~30 s). On 2026-12-03 they measured the P V split
 # experiment (two N = D/2 wgmmas, since removed: KERNEL_NOTES.md v4); run now, they measure v3.

@@ -231,21 +231,22 @@ def _sage8_part(backend: str, part: str):
     """sage8's two launches apart, default configs: "quant" is the pre-pass alone, "attn" the
     attention loop on operands quantized outside the timed region."""
     def build(q, k, v, lay):
-        from dist_attn.kernels.sage8 import launch
+        from dist_attn.kernels.sage8 import api, launch
         from dist_attn.kernels.sage8.quant import quantize
 
         be = _backend_or_raise(backend, q)
         cfg = launch.default_config(be.impl)
         qb, kb, vb = q[None], k[None], v[None]
         layout = launch.dense_layout(1, q.shape[0])
+        interp = api.interpreting()  # what the backend's own call does on a CPU under the interpreter
 
         def quant():
             return quantize(qb, kb, vb, layout, lay.scale, kblock=launch.key_block(be.impl, cfg),
-                            v_order=launch.v_order(be.impl))
+                            v_order=launch.v_order(be.impl), interpret=interp)
         if part == "quant":
             quant()
             return quant
-        qz, out, loop = quant(), torch.empty_like(qb), launch.attention_loop(be.impl)
+        qz, out, loop = quant(), torch.empty_like(qb), launch.attention_loop(be.impl, interpret=interp)
 
         def run():
             loop(qz, qb, out, None, lay.scale, cfg)
@@ -476,7 +477,8 @@ def measure_errors(specs, args, device, dtype, writer: ResultWriter, budget: Bud
 def measure_speed(specs, args, device, dtype, writer: ResultWriter, budget: Budget) -> None:
     """Per head count: every kernel built once, then ``--rounds`` rounds of every kernel in turn
     (interleaved, so that clock drift during the run hits all kernels alike); a row's median is the
-    median of its rounds' medians."""
+    median of its rounds' medians. A spent ``--budget-s`` stops before the next round (rows say how
+    many rounds they got); quantization-only and attention-only rows get no TFLOP/s."""
     for heads in args.heads:
         w = args.ref_heads / heads if args.ref_heads % heads == 0 else None
         lay = _layout(args.seq, args.used, args.head_dim, device)
@@ -494,6 +496,7 @@ def measure_speed(specs, args, device, dtype, writer: ResultWriter, budget: Budg
                    "W": int(w) if w else None, "head_dim": args.head_dim, "rows_total": lay.total,
                    "rows_used": lay.used, "N": n, "N_kind": spec.n_kind, "part": spec.part}
             rows.append(row)
+            writer.rows.append(row)  # updated in place after every round, saved each time
             if budget.expired():
                 row.update(status="skipped", reason=_BUDGET_REASON)
                 continue
@@ -503,28 +506,31 @@ def measure_speed(specs, args, device, dtype, writer: ResultWriter, budget: Budg
                 row.update(status="unavailable", reason=str(exc))
             except Exception as exc:  # noqa: BLE001
                 row.update(status="error", reason=describe_exception(exc))
-        for _ in range(max(1, args.rounds)):
+        for _ in range(args.rounds):
+            if budget.expired():
+                break  # a round cut short would weigh as much as a full one in the median
             for spec, row in zip(specs, rows):
                 if spec.name not in fns or row.get("status") == "error":
                     continue
-                if budget.expired() and spec.name not in rounds:
-                    row.update(status="skipped", reason=_BUDGET_REASON)
-                    continue
+                if budget.expired():
+                    break
                 try:
-                    t = time_fn(fns[spec.name], device=device, iters=args.iters, warmup=args.warmup,
-                                budget=budget)
+                    t = time_fn(fns[spec.name], device=device, iters=args.iters, warmup=args.warmup)
                     rounds.setdefault(spec.name, []).append(t)
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", reason=describe_exception(exc))
+                    continue
+                ts = rounds[spec.name]
+                med = statistics.median(x.median_ms for x in ts)
+                row.update(status="ok", median_ms=med, min_ms=min(x.min_ms for x in ts),
+                           max_ms=max(x.max_ms for x in ts), iters=sum(x.iters for x in ts),
+                           timing=ts[0].method, rounds=len(ts), round_ms=[x.median_ms for x in ts],
+                           tflops=(attention_tflops(row["N"], heads, args.head_dim, med)
+                                   if spec.part == "whole" else None))
+            writer.save(sections(writer))
         for spec, row in zip(specs, rows):
-            ts = rounds.get(spec.name)
-            if ts and row.get("status") != "error":
-                med = statistics.median(t.median_ms for t in ts)
-                row.update(status="ok", median_ms=med, min_ms=min(t.min_ms for t in ts),
-                           max_ms=max(t.max_ms for t in ts), iters=sum(t.iters for t in ts),
-                           timing=ts[0].method, rounds=len(ts), round_ms=[t.median_ms for t in ts],
-                           tflops=attention_tflops(row["N"], heads, args.head_dim, med))
-            writer.rows.append(row)
+            if spec.name in fns and "status" not in row:
+                row.update(status="skipped", reason=_BUDGET_REASON)
         fns = None
         writer.save(sections(writer))
         del q, k, v
@@ -539,7 +545,7 @@ def _derive(writer: ResultWriter) -> None:
     by = {(r["kernel"], r["heads"]): r for r in speed}
     for r in speed:
         ref = by.get(("sdpa_cudnn", r["heads"]))
-        if ref and ref.get("tflops") and r.get("tflops"):
+        if ref and ref.get("tflops") and r.get("tflops") and r.get("part", "whole") == "whole":
             r["vs_cudnn"] = r["tflops"] / ref["tflops"]
     writer.payload["rows"] = [r for r in writer.rows if r.get("section") != "overhead"]
     for r in speed:
@@ -660,6 +666,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         args.ref_heads = max(args.heads) if smoke else H3_REF["heads"]
     if smoke and args.iters == 20:
         args.iters, args.warmup = 3, 1
+    if args.rounds < 1:
+        p.error(f"--rounds={args.rounds} must be at least 1")
     if not 0 < args.used <= args.seq:
         p.error(f"--used={args.used} must lie in (0, --seq={args.seq}]")
     device = torch.device("cuda" if (args.device == "cuda" or (args.device == "auto" and not smoke

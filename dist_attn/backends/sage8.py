@@ -1,9 +1,9 @@
 """``"sage8"``: dist_attn's own INT8-QK / FP8-PV kernels for Hopper (:mod:`dist_attn.kernels.sage8`).
 
-Two attention loops share one quantization pre-pass: the warp-specialized Gluon kernel and the
-plain Triton kernel. ``"sage8"`` runs the faster one as measured on the H200
-(benchmarks/KERNEL_NOTES.md); the other stays registered under its own name (``"sage8_triton"``
-or ``"sage8_gluon"``). Calls go through ``torch.library`` custom ops, so ``torch.compile`` traces
+Two attention loops share one quantization pre-pass: the plain Triton kernel and the
+warp-specialized Gluon kernel. ``"sage8"`` runs the faster one as measured on the H200
+(benchmarks/KERNEL_NOTES.md: the Triton loop since 2026-12-04); the other stays registered under
+its own name (``"sage8_gluon"``). Calls go through ``torch.library`` custom ops, so ``torch.compile`` traces
 through them. Importing this module never imports triton: the kernels load on their first call,
 and :meth:`Sage8Backend.unsupported_reason` says when triton, Gluon or a Hopper GPU is missing.
 """

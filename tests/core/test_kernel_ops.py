@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -49,4 +51,5 @@ def test_both_kernels_registered():
     # dense_lse exists (tested on the GPU), but only for equal q/k lengths: no ring support
     assert not be.supports_lse and not be.exact
     q = torch.empty(1, 4, 2, 128, dtype=torch.bfloat16)
-    assert be.unsupported_reason(q) is not None  # CPU: needs a Hopper GPU
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the Triton loop runs on a CPU under the interpreter
+        assert be.unsupported_reason(q) is not None  # CPU: needs a Hopper GPU

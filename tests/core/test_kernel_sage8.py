@@ -320,6 +320,15 @@ def test_triton_config_refuses_unknown_options(over, needle):
     assert TritonConfig().kscale_load == "direct"
 
 
+@pytest.mark.parametrize("field", ["tile", "stats_tile", "warps"])
+def test_quant_config_refuses_a_tile_that_is_not_a_power_of_two(field):
+    pytest.importorskip("triton")
+    from dist_attn.kernels.sage8.quant import QuantConfig
+
+    with pytest.raises(ValueError, match=f"QuantConfig.{field}=24 must be a power of two"):
+        QuantConfig(**{field: 24})
+
+
 def test_unsupported_reason_cpu():
     q = torch.empty((2, 3, 128), dtype=torch.bfloat16)
     if os.environ.get("TRITON_INTERPRET") != "1":

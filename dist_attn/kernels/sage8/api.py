@@ -32,6 +32,7 @@ __all__ = [
     "IMPLS",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
+    "interpreting",
     "sage8_dense",
     "sage8_varlen",
     "unsupported_reason",
@@ -47,7 +48,8 @@ IMPLS = ("gluon", "triton")
 DEFAULT_IMPL = "triton"
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs under its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -88,7 +90,7 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
             return (f"sage8 is tuned for Hopper (compute capability 9.0) and uses its FP8/INT8 wgmma; "
                     f"this GPU is {cc[0]}.{cc[1]}: use another attention backend.")
         return None
-    if q.device.type == "cpu" and _interpreting():
+    if q.device.type == "cpu" and interpreting():
         if impl == "gluon":
             return ("the Gluon kernel does not run under Triton's interpreter (warp specialization, "
                     "TMA and wgmma have no CPU emulation): use impl='triton' on the CPU.")
@@ -173,7 +175,7 @@ def sage8_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         from dist_attn.kernels.sage8 import launch
         layout = launch.dense_layout(B, T)
         launch.forward(q, k, v, out, lse, layout=layout, softmax_scale=_scale(softmax_scale, D), impl=impl,
-                       config=config, quant_config=quant_config, interpret=_interpreting())
+                       config=config, quant_config=quant_config, interpret=interpreting())
     return (out, lse) if return_lse else out
 
 
@@ -230,6 +232,6 @@ def sage8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         launch.forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
                        None if lse is None else lse.unsqueeze(0), layout=layout,
                        softmax_scale=_scale(softmax_scale, D), impl=impl, config=config,
-                       quant_config=quant_config, interpret=_interpreting())
+                       quant_config=quant_config, interpret=interpreting())
     return (out, lse) if return_lse else out
 

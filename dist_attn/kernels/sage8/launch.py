@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dist_attn.kernels.sage8.quant import PackedLayout, QuantConfig, quantize
@@ -46,14 +48,14 @@ def v_order(impl: str) -> str:
     return V_ORDER
 
 
-def attention_loop(impl: str):
+def attention_loop(impl: str, *, interpret: bool = False):
     """``impl``'s attention launch: ``fn(qz, q, out, lse, softmax_scale, config)`` on operands that
-    :func:`quant.quantize` made for it."""
+    :func:`quant.quantize` made for it; ``interpret``: the Triton loop under Triton's interpreter."""
     if impl == "gluon":
         from dist_attn.kernels.sage8.attn_gluon import attention
         return attention
     from dist_attn.kernels.sage8.attn_triton import attention
-    return attention
+    return functools.partial(attention, interpret=interpret)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
@@ -65,8 +67,4 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     qz = quantize(q, k, v, layout, softmax_scale, kblock=key_block(impl, cfg),
                   config=QuantConfig() if quant_config is None else quant_config, interpret=interpret,
                   v_order=v_order(impl))
-    if interpret and impl != "gluon":
-        from dist_attn.kernels.sage8.attn_triton import attention
-        attention(qz, q, out, lse, softmax_scale, cfg, interpret=True)
-    else:
-        attention_loop(impl)(qz, q, out, lse, softmax_scale, cfg)
+    attention_loop(impl, interpret=interpret)(qz, q, out, lse, softmax_scale, cfg)

@@ -75,6 +75,13 @@ class QuantConfig:
     stats_tile: int = 16
     warps: int = 4
 
+    def __post_init__(self):
+        # refused when the config is made, not when Triton fails to compile a block shape
+        for name in ("tile", "stats_tile", "warps"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 1 or val & (val - 1):
+                raise ValueError(f"QuantConfig.{name}={val!r} must be a power of two")
+
 
 @dataclass(frozen=True)
 class Quantized:
