@@ -12,26 +12,12 @@
 # .third_party/SageAttention-2.2.0-src.tar.gz, both carried (../shared/third_party/README.md).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+. benchmarks/h200_env.sh
 OUTD=${OUT:-benchmarks/results}
 TAG=${TAG:-2026-12-04b}
 mkdir -p "$OUTD"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/*.whl \
-    2>&1 | tail -2
-SA2=$PWD/.sa2build/SageAttention
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-sa2_ready() { ls "$SA2"/sageattention/_qattn_sm90*.so >/dev/null 2>&1; }
-if ! sa2_ready && [ ! -d "$SA2" ]; then
-  mkdir -p .sa2build/meta/sageattention-2.2.0.dist-info
-  printf 'Metadata-Version: 2.1\nName: sageattention\nVersion: 2.2.0\n' \
-      > .sa2build/meta/sageattention-2.2.0.dist-info/METADATA
-  tar -xzf .third_party/SageAttention-2.2.0-src.tar.gz -C .sa2build
-  (cd "$SA2" && setsid nohup env TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 EXT_PARALLEL=4 NVCC_APPEND_FLAGS="--threads=4" \
-      python3 setup.py build_ext --inplace > ../build.log 2>&1 &)
-  echo "SageAttention 2 build started $(date +%T)"
-fi
+h200_setup .whl2
+sa2_ready || [ -d "$SA2" ] || sa2_start setsid
 if [ "${1:-all}" = all ]; then
   timeout 240 python3 -m pytest tests/core/test_gpu_core.py tests/core/test_gpu_fa3.py tests/core/test_kernel_sage8.py \
       tests/core/test_kernel_accuracy.py -rs -q -s -p no:cacheprovider 2>&1 | tee "$OUTD/gpu-tests_h200_$TAG.log" \
@@ -40,7 +26,7 @@ if [ "${1:-all}" = all ]; then
       --kernels sdpa,fa3,sage8,sage8_gluon --drift-backends fa3,sage8 2>&1 | tail -45
 fi
 for i in $(seq 1 90); do sa2_ready && break; sleep 4; done
-export PYTHONPATH=$SA2:$PWD/.sa2build/meta:$PYTHONPATH  # 2.x before the 1.0.6 wheel
+sa2_path  # 2.x before the 1.0.6 wheel
 if sa2_ready; then
   echo "SageAttention 2 built $(date +%T)"
   CUOBJ=$(python3 -c "import triton, os; print(os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump'))")

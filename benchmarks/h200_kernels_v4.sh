@@ -16,26 +16,10 @@
 # SageAttention 2 is built into .sa2build/ (git-ignored, never carried, so a second call finds it).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+. benchmarks/h200_env.sh
 OUTD=${OUT:-benchmarks/results}
 mkdir -p "$OUTD"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    2>&1 | tail -2
-SA2=$PWD/.sa2build/SageAttention
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-
-sa2_ready() { ls "$SA2"/sageattention/_qattn_sm90*.so >/dev/null 2>&1; }
-sa2_start() {  # $1 = setsid (outlives this call) or empty
-  rm -rf .sa2build && mkdir -p .sa2build/meta/sageattention-2.2.0.dist-info
-  printf 'Metadata-Version: 2.1\nName: sageattention\nVersion: 2.2.0\n' \
-      > .sa2build/meta/sageattention-2.2.0.dist-info/METADATA
-  tar -xzf .third_party/SageAttention-2.2.0-src.tar.gz -C .sa2build
-  (cd "$SA2" && ${1:-} nohup env TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 EXT_PARALLEL=4 NVCC_APPEND_FLAGS="--threads=4" \
-      python3 setup.py build_ext --inplace > ../build.log 2>&1 &)
-  echo "SageAttention 2 build started"
-}
+h200_setup .whl
 KERN='sdpa_cudnn,fa3_fp8_prequant,dense:sage8,dense:sage8_triton,variant:sage8:*'
 
 if [ "${1:-part1}" = part1 ]; then
@@ -58,7 +42,7 @@ elif [ "$1" = ncu ]; then
 else
   sa2_ready || ls "$SA2" >/dev/null 2>&1 || sa2_start ""
   for i in $(seq 1 70); do sa2_ready && break; sleep 5; done
-  export PYTHONPATH=$SA2:$PWD/.sa2build/meta:$PYTHONPATH  # 2.x before the 1.0.6 wheel
+  sa2_path  # 2.x before the 1.0.6 wheel
   sa2_ready && echo "SageAttention 2 built" || { echo "SageAttention 2 NOT built:"; tail -20 .sa2build/build.log; }
   timeout 230 python3 -m benchmarks.kernels --out "$OUTD" --theme kernels-v4-sa2 --heads 14,56,7 --no-error \
       --iters 20 --warmup 3 --budget-s 210 --kernels "sage2_direct,$KERN" 2>&1 | tail -40

@@ -232,7 +232,6 @@ def _sage8_part(backend: str, part: str):
     attention loop on operands quantized outside the timed region."""
     def build(q, k, v, lay):
         from dist_attn.kernels.sage8 import api, launch
-        from dist_attn.kernels.sage8.quant import quantize
 
         be = _backend_or_raise(backend, q)
         cfg = launch.default_config(be.impl)
@@ -241,8 +240,8 @@ def _sage8_part(backend: str, part: str):
         interp = api.interpreting()  # what the backend's own call does on a CPU under the interpreter
 
         def quant():
-            return quantize(qb, kb, vb, layout, lay.scale, kblock=launch.key_block(be.impl, cfg),
-                            v_order=launch.v_order(be.impl), interpret=interp)
+            return launch.prepare(qb, kb, vb, layout=layout, softmax_scale=lay.scale, impl=be.impl, config=cfg,
+                                  interpret=interp)
         if part == "quant":
             quant()
             return quant

@@ -186,21 +186,17 @@ def _sass(kern, save_to: str | None = None) -> dict:
 def _split(q, k, v, impl, cfg, quant_cfg):
     """(pre-pass ms, attention-only ms, compiled attention kernel) at these inputs."""
     from dist_attn.kernels.sage8 import launch
-    from dist_attn.kernels.sage8.quant import quantize
     B, T, H, _ = q.shape
-    lay = launch.dense_layout(B, T)
     scale = 1 / math.sqrt(D)
-    kb = launch.key_block(impl, cfg)
-    vo = launch.v_order(impl)
-    pre = _bench(lambda: quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg, v_order=vo))
-    qz = quantize(q, k, v, lay, scale, kblock=kb, config=quant_cfg, v_order=vo)
-    out = torch.empty_like(q)
-    if impl == "gluon":
-        from dist_attn.kernels.sage8.attn_gluon import attention
-        run = lambda: attention(qz, q, out, None, scale, cfg)  # noqa: E731
-    else:
-        from dist_attn.kernels.sage8.attn_triton import attention
-        run = lambda: attention(qz, q, out, None, scale, cfg)  # noqa: E731
+
+    def prepare():
+        return launch.prepare(q, k, v, layout=launch.dense_layout(B, T), softmax_scale=scale, impl=impl,
+                              config=cfg, quant_config=quant_cfg)
+    pre = _bench(prepare)
+    qz, out, loop = prepare(), torch.empty_like(q), launch.attention_loop(impl)
+
+    def run():
+        return loop(qz, q, out, None, scale, cfg)
     kern = run()
     return pre, _bench(run), kern
 

@@ -6,9 +6,10 @@ import functools
 
 import torch
 
-from dist_attn.kernels.sage8.quant import PackedLayout, QuantConfig, quantize
+from dist_attn.kernels.sage8.quant import PackedLayout, QuantConfig, Quantized, quantize
 
-__all__ = ["attention_loop", "dense_layout", "varlen_layout", "forward", "default_config", "key_block", "v_order"]
+__all__ = ["attention_loop", "dense_layout", "varlen_layout", "forward", "default_config", "key_block", "prepare",
+           "v_order"]
 
 
 def dense_layout(batch: int, rows: int) -> PackedLayout:
@@ -22,40 +23,44 @@ def varlen_layout(cu_seqlens: torch.Tensor, total: int, used: int, max_seqlen: i
                         max_seqlen=max_seqlen, cu=cu_seqlens)
 
 
+def _loop(impl: str):
+    """The module of ``impl``'s attention loop (importing it imports triton)."""
+    if impl == "gluon":
+        from dist_attn.kernels.sage8 import attn_gluon
+        return attn_gluon
+    from dist_attn.kernels.sage8 import attn_triton
+    return attn_triton
+
+
 def default_config(impl: str):
     """The measured default launch config of ``impl``."""
-    if impl == "gluon":
-        from dist_attn.kernels.sage8.attn_gluon import GluonConfig
-        return GluonConfig()
-    from dist_attn.kernels.sage8.attn_triton import TritonConfig
-    return TritonConfig()
+    mod = _loop(impl)
+    return mod.GluonConfig() if impl == "gluon" else mod.TritonConfig()
 
 
 def key_block(impl: str, config) -> int:
     """Keys per block of the attention loop: the granularity of K's quantization scales."""
-    if impl == "gluon":
-        from dist_attn.kernels.sage8.attn_gluon import BLOCK_N
-        return BLOCK_N
-    return config.block_n
+    return _loop(impl).BLOCK_N if impl == "gluon" else config.block_n
 
 
 def v_order(impl: str) -> str:
     """The order of V's keys that ``impl``'s attention loop reads (``numerics.V_KEY_ORDERS``)."""
-    if impl == "gluon":
-        from dist_attn.kernels.sage8.attn_gluon import V_ORDER
-        return V_ORDER
-    from dist_attn.kernels.sage8.attn_triton import V_ORDER
-    return V_ORDER
+    return _loop(impl).V_ORDER
 
 
 def attention_loop(impl: str, *, interpret: bool = False):
     """``impl``'s attention launch: ``fn(qz, q, out, lse, softmax_scale, config)`` on operands that
-    :func:`quant.quantize` made for it; ``interpret``: the Triton loop under Triton's interpreter."""
-    if impl == "gluon":
-        from dist_attn.kernels.sage8.attn_gluon import attention
-        return attention
-    from dist_attn.kernels.sage8.attn_triton import attention
-    return functools.partial(attention, interpret=interpret)
+    :func:`prepare` made for it; ``interpret``: the Triton loop under Triton's interpreter."""
+    attention = _loop(impl).attention
+    return attention if impl == "gluon" else functools.partial(attention, interpret=interpret)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: PackedLayout, softmax_scale: float,
+            impl: str, config, quant_config: QuantConfig | None = None, interpret: bool = False) -> Quantized:
+    """The pre-pass as ``impl``'s loop with ``config`` reads it (its key block, V's key order)."""
+    return quantize(q, k, v, layout, softmax_scale, kblock=key_block(impl, config),
+                    config=QuantConfig() if quant_config is None else quant_config, interpret=interpret,
+                    v_order=v_order(impl))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
@@ -64,7 +69,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     """Writes ``out`` (and ``lse``) for ``layout``. q/k/v/out: ``[B, T, H, D]`` views (B = 1 for
     varlen); lse: ``[B, H, T]`` float32 or None."""
     cfg = default_config(impl) if config is None else config
-    qz = quantize(q, k, v, layout, softmax_scale, kblock=key_block(impl, cfg),
-                  config=QuantConfig() if quant_config is None else quant_config, interpret=interpret,
-                  v_order=v_order(impl))
+    qz = prepare(q, k, v, layout=layout, softmax_scale=softmax_scale, impl=impl, config=cfg,
+                 quant_config=quant_config, interpret=interpret)
     attention_loop(impl, interpret=interpret)(qz, q, out, lse, softmax_scale, cfg)
