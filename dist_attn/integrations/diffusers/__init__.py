@@ -18,6 +18,10 @@ the rank count W: the sequence is padded to a multiple of W (padding keys are ne
 and heads (times the batch) are spread unevenly. Forward only. With ``mesh=`` (a ``("ring",
 "ulysses")`` mesh from :func:`dist_attn.init_usp_mesh`) the attention is Ulysses x Ring.
 
+The video VAE's decode goes over the same ranks with :func:`enable_parallel_decode`: every rank
+calls ``vae.decode(z)`` with the same latents and gets the same video, each rank having decoded
+1/W of the (clip, tile) decoder calls.
+
 Supported models are those listed by :func:`supported_models`; any other transformer is refused
 with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
 model runs on one rank with dist_attn's attention kernel and no collectives.
@@ -48,10 +52,13 @@ from dist_attn.integrations.diffusers._spec import ModelSpec
 from dist_attn.integrations.diffusers._ltx import LTX
 from dist_attn.integrations.diffusers._minimax_h3 import MINIMAX_H3
 from dist_attn.integrations.diffusers._wan import WAN
+from dist_attn.integrations.diffusers._vae_decode import (DecodeStats, ParallelDecodeHandle,
+                                                          enable_parallel_decode, supported_vaes)
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.profiling import PhaseTimer
 
-__all__ = ["UlyssesHandle", "disable_ulysses", "enable_ulysses", "supported_models"]
+__all__ = ["DecodeStats", "ParallelDecodeHandle", "UlyssesHandle", "disable_ulysses",
+           "enable_parallel_decode", "enable_ulysses", "supported_models", "supported_vaes"]
 
 logger = logging.getLogger(__name__)
 
