@@ -10,13 +10,16 @@ deletes at the next start.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import uuid
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["VideoFile", "write_mp4", "probe_mp4", "remove_stale_temporaries", "TMP_MARKER"]
+__all__ = ["Mp4Writer", "VideoFile", "write_mp4", "probe_mp4", "remove_stale_temporaries", "TMP_MARKER"]
 
 #: Part of every temporary file name (a crash leaves such files behind; nothing else has it).
 TMP_MARKER = ".tmp-"
@@ -49,8 +52,9 @@ class VideoFile:
     size_bytes: int
 
 
-def _as_uint8_video(video: np.ndarray) -> np.ndarray:
-    """[F, H, W, 3] uint8, or float in [0, 1] (the pipeline's ``output_type="np"``) -> uint8."""
+def _check_video(video: np.ndarray) -> None:
+    if not isinstance(video, np.ndarray):
+        raise ValueError(f"video of type {type(video).__name__} must be a numpy array")
     if video.ndim != 4 or video.shape[-1] != 3:
         raise ValueError(f"video.shape={video.shape} must be [frames, height, width, 3] (RGB)")
     if video.shape[0] < 1:
@@ -58,6 +62,11 @@ def _as_uint8_video(video: np.ndarray) -> np.ndarray:
     if video.shape[1] % 2 or video.shape[2] % 2:
         raise ValueError(f"video.shape={video.shape}: height and width must be even (H.264 "
                          "stores colour at half resolution, yuv420p)")
+
+
+def _as_uint8_video(video: np.ndarray) -> np.ndarray:
+    """[F, H, W, 3] uint8, or float in [0, 1] (the pipeline's ``output_type="np"``) -> uint8."""
+    _check_video(video)
     if video.dtype == np.uint8:
         return np.ascontiguousarray(video)
     if not np.issubdtype(video.dtype, np.floating):
@@ -92,10 +101,174 @@ def _publish(tmp: str, path: str) -> None:
         os.close(fd)
 
 
+class Mp4Writer:
+    """An MP4 written as its frames arrive: :meth:`add` hands frames to an encoder thread (with
+    ``background=True``) and returns at once, :meth:`close` waits for the encoder, muxes the
+    audio and publishes the file atomically. The served job feeds it the decoded frames of each
+    clip while later clips still decode, so the encode is off the decode's critical path.
+
+    Args:
+        path: the final MP4 name (a temporary beside it until :meth:`close`).
+        width, height: frame size (even: H.264 stores colour at half resolution, yuv420p).
+        fps: video frame rate (H3 generates at 24).
+        audio: [C, N] float in [-1, 1], C = 1 or 2, at ``sample_rate``; None for no audio track.
+        sample_rate: audio samples per second (H3's audio VAE: 32,000).
+        first_frame_png: also write the first frame as a PNG here (atomically).
+        background: encode on a worker thread (False: :meth:`add` encodes before returning).
+    """
+
+    def __init__(self, path: str, *, width: int, height: int, fps: int = 24,
+                 audio: np.ndarray | None = None, sample_rate: int = 0,
+                 first_frame_png: str | None = None, background: bool = True) -> None:
+        import av  # optional dependency (the serve extra)
+
+        if not (isinstance(fps, int) and fps > 0):
+            raise ValueError(f"fps={fps!r} must be a positive int")
+        for name, v in (("width", width), ("height", height)):
+            if not (isinstance(v, int) and v > 0 and v % 2 == 0):
+                raise ValueError(f"{name}={v!r} must be a positive even int (H.264 stores colour "
+                                 "at half resolution, yuv420p)")
+        self._pcm = None
+        if audio is not None:
+            self._pcm = _as_float_audio(audio)
+            if not (isinstance(sample_rate, int) and sample_rate > 0):
+                raise ValueError(f"sample_rate={sample_rate!r} must be a positive int when audio "
+                                 "is given")
+        self.path, self.width, self.height, self.fps = path, width, height, fps
+        self.sample_rate, self.first_frame_png = sample_rate, first_frame_png
+        self.frames = 0
+        self._png = None
+        self._tmp = _temporary(path)
+        self._error: BaseException | None = None
+        self._container = av.open(self._tmp, mode="w", format="mp4")
+        try:
+            self._vstream = self._container.add_stream("libx264", rate=fps, options=_X264_OPTIONS)
+            self._vstream.width, self._vstream.height = width, height
+            self._vstream.pix_fmt = "yuv420p"
+            # x264's frame threads (PyAV's default asks for slice threads, which split each
+            # frame and scale worse); 0 threads = x264 picks one per core
+            self._vstream.codec_context.thread_type = "FRAME"
+            self._vstream.codec_context.thread_count = 0
+            self._astream = None
+            if self._pcm is not None:
+                self._astream = self._container.add_stream("aac", rate=sample_rate)
+                self._astream.layout = "stereo" if self._pcm.shape[0] == 2 else "mono"
+                self._astream.bit_rate = _AUDIO_BIT_RATE
+        except BaseException:
+            self._discard()
+            raise
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._work, name="mp4-encoder", daemon=True)
+            self._thread.start()
+
+    def add(self, frames: np.ndarray, ready: Callable[[], None] | None = None) -> None:
+        """Queues ``frames`` [n, H, W, 3] (uint8, or float in [0, 1]) after those before.
+        ``ready()``, if given, is called on the encoder thread before ``frames`` is read (e.g.
+        a CUDA event's synchronize, when they are still being copied to the host)."""
+        if self._error is not None:
+            raise self._error
+        if self._queue is None:
+            self._encode(frames, ready)
+        else:
+            self._queue.put((frames, ready))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self._encode(*item)
+                except BaseException as e:  # noqa: BLE001 - re-raised by add() or close()
+                    self._error = e
+
+    def _encode(self, frames: np.ndarray, ready: Callable[[], None] | None) -> None:
+        import av
+
+        if ready is not None:
+            ready()
+        frames = _as_uint8_video(frames)
+        if frames.shape[1:3] != (self.height, self.width):
+            raise ValueError(f"frames of {frames.shape[2]} x {frames.shape[1]} pixels added to an "
+                             f"MP4 of {self.width} x {self.height}")
+        if self.first_frame_png is not None and self._png is None:
+            self._png = _write_png(self.first_frame_png, frames[0])
+        for rgb in frames:
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            frame.pts = self.frames
+            frame.time_base = Fraction(1, self.fps)
+            self._container.mux(self._vstream.encode(frame))
+            self.frames += 1
+
+    def close(self) -> VideoFile:
+        """Waits for the encoder, muxes the audio, publishes the file; returns what was written.
+        On any error the temporary file is removed and the final name never touched."""
+        try:
+            self._join()
+            if self._error is not None:
+                raise self._error
+            if self.frames < 1:
+                raise ValueError("the MP4 has no frame (add() was never called with one)")
+            self._container.mux(self._vstream.encode(None))  # flush the encoder's look-ahead
+            pcm = self._pcm
+            if self._astream is not None:
+                # [C, N] planar float; the encoder cuts it into its own frame size (1024 for AAC)
+                aframe = _audio_frame(pcm, self._astream.layout.name, self.sample_rate)
+                self._container.mux(self._astream.encode(aframe))
+                self._container.mux(self._astream.encode(None))
+            self._container.close()
+            _publish(self._tmp, self.path)
+        except BaseException:
+            self._discard()
+            raise
+        return VideoFile(path=self.path, png_path=self._png, frames=self.frames,
+                         width=self.width, height=self.height, fps=float(self.fps),
+                         sample_rate=self.sample_rate if pcm is not None else 0,
+                         audio_channels=pcm.shape[0] if pcm is not None else 0,
+                         audio_samples=pcm.shape[1] if pcm is not None else 0,
+                         size_bytes=os.path.getsize(self.path))
+
+    def abort(self) -> None:
+        """Stops the encoder and removes the temporary file (a failed job)."""
+        self._discard()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _discard(self) -> None:
+        try:
+            self._join()
+        finally:
+            try:
+                self._container.close()
+            except Exception:  # noqa: BLE001 - already failing; the file goes anyway
+                pass
+            if os.path.exists(self._tmp):
+                os.remove(self._tmp)
+
+
+def _audio_frame(pcm: np.ndarray, layout: str, sample_rate: int):
+    """[C, N] float32 planar samples as one PyAV audio frame at pts 0."""
+    import av
+
+    aframe = av.AudioFrame.from_ndarray(pcm, format="fltp", layout=layout)
+    aframe.sample_rate, aframe.pts = sample_rate, 0
+    aframe.time_base = Fraction(1, sample_rate)
+    return aframe
+
+
 def write_mp4(path: str, video: np.ndarray, audio: np.ndarray | None, *, fps: int = 24,
               sample_rate: int = 0, first_frame_png: str | None = None) -> VideoFile:
     """Writes ``video`` (and ``audio``) to the MP4 ``path`` atomically; optionally the first frame
-    to ``first_frame_png`` (also atomically).
+    to ``first_frame_png`` (also atomically). The whole video at once: :class:`Mp4Writer`
+    takes it clip by clip.
 
     Args:
         video: [F, H, W, 3] RGB, uint8 or float in [0, 1]; H and W even.
@@ -108,54 +281,16 @@ def write_mp4(path: str, video: np.ndarray, audio: np.ndarray | None, *, fps: in
         ValueError naming the argument for a bad shape, dtype or rate; OSError from the disk
         (the temporary file is removed, the final name is never touched).
     """
-    import av  # optional dependency (the serve extra)
-
-    frames = _as_uint8_video(video)
-    if not (isinstance(fps, int) and fps > 0):
-        raise ValueError(f"fps={fps!r} must be a positive int")
-    pcm = None
-    if audio is not None:
-        pcm = _as_float_audio(audio)
-        if not (isinstance(sample_rate, int) and sample_rate > 0):
-            raise ValueError(f"sample_rate={sample_rate!r} must be a positive int when audio is "
-                             "given")
-    n, height, width, _ = frames.shape
-    tmp = _temporary(path)
+    _check_video(video)
+    writer = Mp4Writer(path, width=video.shape[2], height=video.shape[1], fps=fps, audio=audio,
+                       sample_rate=sample_rate, first_frame_png=first_frame_png,
+                       background=False)
     try:
-        with av.open(tmp, mode="w", format="mp4") as container:
-            vstream = container.add_stream("libx264", rate=fps, options=_X264_OPTIONS)
-            vstream.width, vstream.height, vstream.pix_fmt = width, height, "yuv420p"
-            astream = None
-            if pcm is not None:
-                astream = container.add_stream("aac", rate=sample_rate)
-                astream.layout = "stereo" if pcm.shape[0] == 2 else "mono"
-                astream.bit_rate = _AUDIO_BIT_RATE
-            for i in range(n):
-                frame = av.VideoFrame.from_ndarray(frames[i], format="rgb24")
-                frame.pts = i
-                frame.time_base = Fraction(1, fps)
-                container.mux(vstream.encode(frame))
-            container.mux(vstream.encode(None))  # flush the encoder's look-ahead
-            if astream is not None:
-                # [C, N] planar float; the encoder cuts it into its own frame size (1024 for AAC)
-                aframe = av.AudioFrame.from_ndarray(pcm, format="fltp", layout=astream.layout.name)
-                aframe.sample_rate, aframe.pts = sample_rate, 0
-                aframe.time_base = Fraction(1, sample_rate)
-                container.mux(astream.encode(aframe))
-                container.mux(astream.encode(None))
-        png = None
-        if first_frame_png is not None:
-            png = _write_png(first_frame_png, frames[0])
-        _publish(tmp, path)
+        writer.add(video)
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        writer.abort()
         raise
-    return VideoFile(path=path, png_path=png, frames=n, width=width, height=height,
-                     fps=float(fps), sample_rate=sample_rate if pcm is not None else 0,
-                     audio_channels=pcm.shape[0] if pcm is not None else 0,
-                     audio_samples=pcm.shape[1] if pcm is not None else 0,
-                     size_bytes=os.path.getsize(path))
+    return writer.close()
 
 
 def _write_png(path: str, rgb: np.ndarray) -> str:

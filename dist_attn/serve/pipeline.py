@@ -11,11 +11,13 @@ README's "Serve H3" section):
   other ranks would wait for an encoder of their own just as long.
 - **Transformer on every rank**, sequence-parallel through ``enable_ulysses``: every rank calls
   it with the same full inputs and gets the same full outputs.
-- **VAE decode (video and audio) and muxing on rank 0 only.** Every rank already holds the
-  denoised latents (the transformer's outputs are gathered), so rank 0 needs no broadcast, and
-  the other ranks would only repeat the same decode and throw it away. The other ranks hold the
-  VAEs on the meta device: the layout blocks read their geometry (latent channels, compression,
-  chunking, sample rate) from them, never their weights.
+- **Video VAE decode on every rank, audio decode and muxing on rank 0**
+  (:mod:`dist_attn.serve.decode`). Every rank already holds the denoised latents (the
+  transformer's outputs are gathered); the video's (clip, tile) decoder calls are dealt over the
+  ranks (:func:`dist_attn.integrations.diffusers.enable_parallel_decode`, float16 on CUDA) and
+  rank 0 encodes each clip's frames while later ones decode. The audio VAE (~0.05 s) stays on
+  rank 0; the other ranks hold it on the meta device: the layout blocks read its geometry
+  (sample rate, latent channels), never its weights.
 
 The denoise loop is diffusers' own loop body (``MiniMaxH3LoopDenoiser`` + ``MiniMaxH3LoopScheduler
 Step``) inside a loop of ours that, after every step, asks a hook whether to go on: rank 0 times
@@ -44,13 +46,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.jobs import Abort
-from dist_attn.serve.mp4 import write_mp4
+from dist_attn.serve.decode import JobDecoder, video_vae_dtype
 from dist_attn.serve.runner import StepHook, VideoOutcome
 from dist_attn.serve.videos import VideoRequest, VideoRules
 from dist_attn.serve.wire import agree_abort
@@ -87,7 +88,7 @@ def TextOnlyQwen3VLProcessor(tokenizer: Any) -> Any:  # noqa: N802 - a class mad
 @dataclass(kw_only=True)
 class H3Components:
     """What one rank holds. ``text_encoder``/``tokenizer``/``processor`` are None off rank 0;
-    ``vae``/``audio_vae`` are on the meta device off rank 0 (geometry only)."""
+    ``audio_vae`` is on the meta device off rank 0 (geometry only)."""
 
     transformer: Any
     scheduler: Any
@@ -131,16 +132,16 @@ def load_components(checkpoint: str, *, device: torch.device, dtype: torch.dtype
         scheduler=MiniMaxH3Scheduler.from_pretrained(sub("scheduler")),
         audio_scheduler=MiniMaxH3Scheduler.from_pretrained(sub("audio_scheduler")),
         vae=None, audio_vae=None)
+    # Every rank decodes a share of the video: its VAE is real everywhere, the decoder block
+    # stack in float16 on CUDA (dist_attn.serve.decode says why), its float32 modules kept.
+    comps.vae = AutoencoderKLMiniMaxH3.from_pretrained(
+        sub("vae"), torch_dtype=video_vae_dtype(device)).to(device).eval().requires_grad_(False)
     if not rank0:
-        comps.vae = _meta_model(AutoencoderKLMiniMaxH3, sub("vae"))
         comps.audio_vae = _meta_model(AutoencoderKLMiniMaxH3Audio, sub("audio_vae"))
         return comps
     from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
 
-    # The video VAE's decoder block stack may take the serving dtype; the audio VAE keeps its
-    # float32 modules (it degrades audibly in bf16, per its class).
-    comps.vae = AutoencoderKLMiniMaxH3.from_pretrained(sub("vae"), torch_dtype=dtype).to(
-        device).eval().requires_grad_(False)
+    # The audio VAE keeps its float32 modules (it degrades audibly in bf16, per its class).
     comps.audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(sub("audio_vae")).to(
         device).eval().requires_grad_(False)
     comps.text_encoder = _load_text_encoder(Qwen3VLForConditionalGeneration, sub("text_encoder"),
@@ -301,11 +302,11 @@ def broadcast_prompt(embeds: torch.Tensor | None, tags: torch.Tensor | None, env
 
 class H3Pipeline:
     """The three parts of t2va over one rank's :class:`H3Components`: text encoding (rank 0),
-    the sequence-parallel denoise (every rank), decoding (rank 0)."""
+    the sequence-parallel denoise (every rank), decoding (the video on every rank, the audio and
+    the MP4 on rank 0)."""
 
-    def __init__(self, comps: H3Components, env: DistEnv, dtype: torch.dtype) -> None:
-        from diffusers.modular_pipelines.minimax_h3.decoders import (MiniMaxH3AudioDecodeStep,
-                                                                     MiniMaxH3VideoDecodeStep)
+    def __init__(self, comps: H3Components, env: DistEnv, dtype: torch.dtype, *,
+                 decode_tiles_per_call: int | None = None) -> None:
         from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
 
         self.comps, self.env, self.dtype = comps, env, dtype
@@ -313,16 +314,15 @@ class H3Pipeline:
         self.denoise.update_components(transformer=comps.transformer, scheduler=comps.scheduler,
                                        audio_scheduler=comps.audio_scheduler, vae=comps.vae,
                                        audio_vae=comps.audio_vae)
-        self.text = self.decode_video = self.decode_audio = None
+        self.text = None
         if env.rank == 0:
             self.text = MiniMaxH3TextEncoderStep().init_pipeline()
             self.text.update_components(text_encoder=comps.text_encoder,
                                         tokenizer=comps.tokenizer, processor=comps.processor)
-            # the two blocks of MiniMaxH3DecodeStep, run (and timed) one by one
-            self.decode_video = MiniMaxH3VideoDecodeStep().init_pipeline()
-            self.decode_video.update_components(vae=comps.vae)
-            self.decode_audio = MiniMaxH3AudioDecodeStep().init_pipeline()
-            self.decode_audio.update_components(audio_vae=comps.audio_vae)
+        p = self.denoise
+        self.decoder = JobDecoder(comps.vae, comps.audio_vae if env.rank == 0 else None, env,
+                                  pixel_mean=p.pixel_mean, pixel_std=p.pixel_std, fps=p.fps,
+                                  tiles_per_call=decode_tiles_per_call)
 
     def rules(self, *, max_steps: int, max_rows: int, default_steps: int,
               default_height: int | None = None, default_width: int | None = None) -> VideoRules:
@@ -376,26 +376,6 @@ class H3Pipeline:
                             num_inference_steps=req.steps + 1, generator=gen, step_hook=hook,
                             output=["latents", "audio_latents", "aborted", "steps_done"])
 
-    def run_decode(self, latents: torch.Tensor, audio_latents: torch.Tensor
-                   ) -> tuple[np.ndarray, np.ndarray, int, float, float]:
-        """Rank 0: the video and audio decode blocks. Returns (video [F, H, W, 3] float in
-        [0, 1], audio [2, N] float32, sample rate, seconds video, seconds audio)."""
-        assert self.decode_video is not None, "decoding runs on rank 0"
-        # the denoise loop keeps latents in float32; the VAEs may be bf16 (seen on the H200 with
-        # the real configs: "expected mat1 and mat2 to have the same dtype")
-        latents = latents.to(self.decode_video.vae.dtype)
-        audio_latents = audio_latents.to(self.decode_audio.audio_vae.dtype)
-        t0 = time.perf_counter()
-        videos = self.decode_video(latents=latents, output_type="np", output="videos")
-        self._sync()
-        t1 = time.perf_counter()
-        audio = self.decode_audio(audio_latents=audio_latents, output=["audio", "sampling_rate"])
-        self._sync()
-        t2 = time.perf_counter()
-        video = np.asarray(videos)[0]  # [1, F, H, W, 3] -> [F, H, W, 3]
-        wave = audio["audio"][0].float().cpu().numpy()  # [1, 2, N] -> [2, N]
-        return video, wave, int(audio["sampling_rate"]), t1 - t0, t2 - t1
-
 
 class H3Runner:
     """:class:`dist_attn.serve.runner.VideoRunner` over :class:`H3Pipeline`."""
@@ -432,8 +412,8 @@ class H3Runner:
                                default_steps=cfg.request.steps,
                                default_height=64 if tiny else None,
                                default_width=64 if tiny else None)
-        log.info("H3 pipeline from %s on %s (%s): text encoder and decode on rank 0, "
-                 "transformer on %d rank(s)", checkpoint, env.device,
+        log.info("H3 pipeline from %s on %s (%s): text encoder, audio decode and MP4 on rank 0, "
+                 "transformer and video decode on %d rank(s)", checkpoint, env.device,
                  str(dtype).removeprefix("torch."), env.world_size)
         return cls(pipe, rules)
 
@@ -467,25 +447,29 @@ class H3Runner:
                                timings={"text_encode": text_s, "denoise": denoise_s})
         if outcome.aborted is not Abort.NONE:
             return outcome
-        # Rank 0 alone from here: a failure fails this job, the other ranks already wait for
-        # the next control message.
+        # Every rank decodes (the other ranks in follow()); a video decode failure raises on
+        # every rank alike and fails this job, rank 0's audio or encoder alone fails it here.
         try:
-            video, audio, rate, video_s, audio_s = pipe.run_decode(out["latents"],
-                                                                   out["audio_latents"])
-            outcome.timings.update(decode_video=video_s, decode_audio=audio_s)
-            t1 = time.perf_counter()
-            outcome.file = write_mp4(mp4_path, video, audio, fps=self.rules.fps,
-                                     sample_rate=rate, first_frame_png=png_path)
-            outcome.timings["mux"] = time.perf_counter() - t1
-        except (OSError, RuntimeError, ValueError) as e:
-            log.exception("%s: decoding or writing failed", os.path.basename(mp4_path))
-            why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-            outcome.error = f"decoding or writing the video failed ({why})"
+            done = pipe.decoder.decode(out["latents"], out["audio_latents"], mp4_path=mp4_path,
+                                       png_path=png_path)
+        except (RuntimeError, ValueError) as e:
+            log.exception("%s: the video decode failed", os.path.basename(mp4_path))
+            outcome.error = f"decoding the video failed ({type(e).__name__})"
+            return outcome
+        outcome.timings.update(done.timings)
+        outcome.file, outcome.error = done.file, done.error
         return outcome
 
     def follow(self, req: VideoRequest) -> None:
         embeds, tags, _ = self.pipe.encode(None)
-        self.pipe.run_denoise(req, embeds, tags, self._hook(None))
+        out = self.pipe.run_denoise(req, embeds, tags, self._hook(None))
+        if out["aborted"] is not Abort.NONE:  # the same verdict on every rank
+            return
+        try:
+            self.pipe.decoder.decode(out["latents"], out["audio_latents"])
+        except (RuntimeError, ValueError):
+            # rank 0 raised the same error and fails the job; this rank serves on
+            log.exception("the video decode failed")
 
 
 def check_fit(comps: H3Components, checkpoint: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 av = pytest.importorskip("av")
 
-from dist_attn.serve.mp4 import probe_mp4, remove_stale_temporaries, write_mp4  # noqa: E402
+from dist_attn.serve.mp4 import Mp4Writer, probe_mp4, remove_stale_temporaries, write_mp4  # noqa: E402
 
 FPS, SAMPLE_RATE = 24, 32_000
 # AAC encodes whole 1024-sample frames: the decoded track is the written one rounded up to a frame.
@@ -94,3 +94,44 @@ def test_stale_temporaries_are_removed(tmp_path):
     (tmp_path / "keep.mp4").write_bytes(b"whole")
     assert remove_stale_temporaries(str(tmp_path)) == ["job.mp4.tmp-123-abcd"]
     assert os.listdir(tmp_path) == ["keep.mp4"]
+
+
+def _decoded_frames(path: str) -> np.ndarray:
+    with av.open(path) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def test_streamed_mp4_equals_the_one_written_at_once(tmp_path):
+    video, audio = _clip(frames=29)
+    whole = write_mp4(str(tmp_path / "whole.mp4"), video, audio, fps=FPS, sample_rate=SAMPLE_RATE)
+    ready = []
+    writer = Mp4Writer(str(tmp_path / "streamed.mp4"), width=48, height=32, fps=FPS, audio=audio,
+                       sample_rate=SAMPLE_RATE, first_frame_png=str(tmp_path / "s.png"))
+    for start in range(0, 29, 7):  # clip by clip, as the decode hands them over
+        writer.add(video[start:start + 7], ready=lambda s=start: ready.append(s))
+    assert not os.path.exists(tmp_path / "streamed.mp4")  # published only by close()
+    streamed = writer.close()
+    assert ready == [0, 7, 14, 21, 28]  # each batch's ready() ran before it was read, in order
+    assert (streamed.frames, streamed.audio_samples) == (whole.frames, whole.audio_samples)
+    # the same frames into the same encoder: the same pictures
+    assert np.array_equal(_decoded_frames(streamed.path), _decoded_frames(whole.path))
+    assert probe_mp4(streamed.path).audio_samples == probe_mp4(whole.path).audio_samples
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_streamed_mp4_fails_cleanly(tmp_path):
+    video, _ = _clip(frames=4)
+    path = str(tmp_path / "bad.mp4")
+    writer = Mp4Writer(path, width=48, height=32)
+    writer.add(video[:, :16])  # the wrong size, found on the encoder thread
+    with pytest.raises(ValueError, match="frames of 48 x 16 pixels added to an MP4 of 48 x 32"):
+        writer.close()
+    empty = Mp4Writer(path, width=48, height=32)
+    with pytest.raises(ValueError, match="no frame"):
+        empty.close()
+    aborted = Mp4Writer(path, width=48, height=32)
+    aborted.add(video)
+    aborted.abort()
+    assert os.listdir(tmp_path) == []  # no MP4, no temporary
+    with pytest.raises(ValueError, match="width=47"):
+        Mp4Writer(path, width=47, height=32)

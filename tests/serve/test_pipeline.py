@@ -92,7 +92,8 @@ def test_a_job_packs_the_rows_the_rules_said_and_writes_the_mp4(runner, tmp_path
     assert out.error is None and out.aborted is Abort.NONE
     assert seen == {"rows": req.rows, "batch": 1}  # one document, no CFG pair
     assert steps == [1, 2, 3] and len(out.step_s) == 3
-    assert set(out.timings) == {"text_encode", "denoise", "decode_video", "decode_audio", "mux"}
+    assert set(out.timings) == {"text_encode", "denoise", "decode_video", "decode_audio", "mux",
+                                "after_denoise"}
     back = probe_mp4(out.file.path)
     assert (back.frames, back.width, back.height, back.fps) == (124, 64, 64, 24.0)
     assert back.sample_rate == 32_000 and back.audio_channels == 2
