@@ -1,24 +1,36 @@
-"""Seconds per served H3 job on one GPU, and the share of it outside the transformer.
+"""Seconds per served H3 job on one GPU, the job as the server runs it, beside diffusers' own
+modular ``t2va`` pipeline on the same components.
 
-    python -m benchmarks.serve_h3_gpu                      # one H200: real configs, random weights
-    python -m benchmarks.serve_h3_gpu --smoke              # CPU: the tiny checkpoint, seconds
+    python -m benchmarks.serve_h3_gpu --layers 50 --steps 2     # one H200: the full-size job
+    python -m benchmarks.serve_h3_gpu                           # 8 of 50 blocks, 3 steps
+    python -m benchmarks.serve_h3_gpu --smoke                   # CPU: the tiny checkpoint
 
-One process, W = 1, the same code the server runs for a job (:class:`dist_attn.serve.pipeline.
-H3Runner.lead`: text encoding, diffusers' denoise blocks with our per-step loop, the video and audio
-VAE decode blocks, the MP4 with PyAV). On the GPU every component is its real diffusers /
-transformers class at its real config with its own random initialisation, built directly on the
-GPU (no checkpoint, no download), bf16 with the fp32 modules each class declares:
+One process, W = 1, the code the server runs for a job (:meth:`dist_attn.serve.pipeline.
+H3Runner.lead`): text encoding, diffusers' denoise blocks with our per-step loop, the audio
+decode, the video decode (:func:`enable_parallel_decode`, float16) with the MP4 encoded from
+each clip's frames meanwhile. On the GPU every component is its real diffusers / transformers
+class at its real config with its own random initialisation, built on the GPU as the server
+builds it (no checkpoint, no download):
 
-- the transformer at ``--layers`` of its 50 blocks (default 8) + the 2 refiner blocks;
+- the transformer through the server's builder (:func:`dist_attn.serve.model.build_h3`: bf16
+  blocks, the class's float32 modules) at ``--layers`` of its 50 blocks + the 2 refiner blocks,
+  made sequence-parallel by ``enable_ulysses(backend=--backend)`` (one rank: dist_attn's kernel,
+  no collectives), compiled with ``--compile`` as ``serve --compile`` does;
 - the text encoder as the server loads it: Qwen3-VL 5,120 wide with the 51 decoder layers H3
   reads (54 GB);
-- ``AutoencoderKLMiniMaxH3()`` and ``AutoencoderKLMiniMaxH3Audio()`` at their defaults;
+- ``AutoencoderKLMiniMaxH3()`` with the dtypes ``from_pretrained(torch_dtype=float16)`` gives
+  (the server's), ``AutoencoderKLMiniMaxH3Audio()`` in float32;
 - the request is h3-ref: 1344 x 768, 124 frames (37 x 42 x 24 = 37,296 video rows), 2 x 207
-  audio rows, a 512-token prompt (byte tokenizer: 512 bytes), ``--steps`` forwards (default 3).
+  audio rows, a 512-token prompt (byte tokenizer: 512 bytes), ``--steps`` forwards.
+
+Before enabling dist_attn, with ``--diffusers`` (default on the GPU): diffusers 0.42.1's own
+``MiniMaxH3Blocks`` pipeline (workflow t2va) on the same components, its native attention and its
+decode, the same request and steps, its video written with the same MP4 writer.
 
 One warm-up job, then ``--jobs`` timed ones (or fewer when ``--budget-s`` runs out). Reports per
-phase seconds (median), seconds per job, and the share of the job outside the transformer's
-steps (text encoder, decode, muxing). Writes ``benchmarks/results/serve-h3-job_<hw>_<date>.*``.
+phase seconds (median), seconds per step, everything after the last step (decode, mux, commit),
+the GPU's peak memory and what it left free. Writes ``benchmarks/results/serve-h3-job_<hw>_<date>.*``
+(``--theme`` to keep runs apart).
 """
 
 from __future__ import annotations
@@ -34,26 +46,16 @@ import torch
 from benchmarks.harness import ResultWriter, add_common_args, markdown_table
 
 THEME = "serve-h3-job"
-PHASES = ("text_encode", "denoise", "decode_video", "decode_audio", "mux")
-
-
-def _cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``dtype`` everywhere but the modules the class keeps in float32 (diffusers matches
-    ``_keep_in_fp32_modules`` as substrings of parameter names, as ``from_pretrained`` does)."""
-    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    for name, param in model.named_parameters():
-        param.data = param.data.to(torch.float32 if any(k in name for k in keep) else dtype)
-    for name, buf in model.named_buffers():
-        if buf.is_floating_point() and not any(k in name for k in keep):
-            buf.data = buf.data.to(dtype)
-    return model
+PHASES = ("text_encode", "denoise", "decode_audio", "decode_video", "mux", "after_denoise")
 
 
 def _real_components(layers: int, device: torch.device, dtype: torch.dtype):
-    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio,
-                           MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel)
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+    from dist_attn.serve.config import ModelConfig
+    from dist_attn.serve.decode import cast_like_from_pretrained, video_vae_dtype
+    from dist_attn.serve.model import build_h3
     from dist_attn.serve.pipeline import H3Components, TextOnlyQwen3VLProcessor
     from dist_attn.serve.tiny_h3 import _tokenizer
 
@@ -68,17 +70,15 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype):
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     t0 = time.perf_counter()
+    transformer = build_h3(ModelConfig(num_layers=layers), device=device, dtype=dtype)
     with torch.device(device):
         torch.manual_seed(0)
-        transformer = _cast_like_from_pretrained(MiniMaxH3Transformer3DModel(num_layers=layers),
-                                                 dtype)
-        # fp32 like the audio VAE: in bf16 its decoder got fp32 activations at proj_in (H200, 2026-12-03)
-        vae = AutoencoderKLMiniMaxH3().float()
+        vae = cast_like_from_pretrained(AutoencoderKLMiniMaxH3().float(), video_vae_dtype(device))
         # the class default has no latents statistics (the release ships 32 per-channel floats each)
         audio_vae = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32).float()
         text_encoder = Qwen3VLForConditionalGeneration._from_config(te_cfg, dtype=dtype)
     built_s = time.perf_counter() - t0
-    comps = H3Components(transformer=transformer.eval().requires_grad_(False),
+    comps = H3Components(transformer=transformer,
                          scheduler=MiniMaxH3Scheduler(shift=12.0),
                          audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
                          vae=vae.eval().requires_grad_(False),
@@ -88,16 +88,66 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype):
     return comps, built_s
 
 
+def _diffusers_job(comps, req, device, mp4_path: str) -> dict:
+    """diffusers' own t2va (``MiniMaxH3Blocks``) on the same components and request: its native
+    attention, its decode (one tile a call, the VAE's dtype), then the MP4 with our writer."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+
+    from dist_attn.serve.mp4 import write_mp4
+
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(transformer=comps.transformer, scheduler=comps.scheduler,
+                           audio_scheduler=comps.audio_scheduler, vae=comps.vae,
+                           audio_vae=comps.audio_vae, text_encoder=comps.text_encoder,
+                           tokenizer=comps.tokenizer, processor=comps.processor)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = pipe(prompt=req.prompt, height=req.height, width=req.width, num_frames=req.frames,
+               num_inference_steps=req.steps + 1,
+               generator=torch.Generator(device=device).manual_seed(req.seed),
+               output_type="np", output=["videos", "audio", "sampling_rate"])
+    _sync(device)
+    t1 = time.perf_counter()
+    import numpy as np
+
+    video = np.asarray(out["videos"])[0]
+    write_mp4(mp4_path, video, out["audio"][0].float().cpu().numpy(), fps=24,
+              sample_rate=int(out["sampling_rate"]))
+    t2 = time.perf_counter()
+    return {"pipeline_s": t1 - t0, "mux_s": t2 - t1, "total_s": t2 - t0}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memory(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_reserved(device)
+    return {"peak_reserved_gb": peak / 1e9, "peak_allocated_gb":
+            torch.cuda.max_memory_allocated(device) / 1e9, "total_gb": total / 1e9,
+            "free_at_peak_gb": (total - peak) / 1e9}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--jobs", type=int, default=2, help="timed jobs after the warm-up job")
+    p.add_argument("--jobs", type=int, default=1, help="timed jobs after the warm-up job")
     p.add_argument("--prompt-tokens", type=int, default=512)
-    add_common_args(p, iters=1, warmup=1, budget_s=150)
+    p.add_argument("--backend", default="sage8", help="enable_ulysses backend (the served one)")
+    p.add_argument("--compile", action="store_true", help="compile the blocks as serve --compile")
+    p.add_argument("--diffusers", choices=("auto", "on", "off"), default="auto",
+                   help="also run diffusers' own t2va pipeline first (auto: on the GPU)")
+    p.add_argument("--decode-tiles-per-call", type=int, default=None)
+    add_common_args(p, iters=1, warmup=1, budget_s=400)
     args = p.parse_args()
     from dist_attn.distributed import DistEnv
     from dist_attn.serve.jobs import Abort
+    from dist_attn.serve.model import compile_blocks, parallelize
     from dist_attn.serve.pipeline import H3Pipeline, H3Runner, load_components
     from dist_attn.serve.videos import parse_video_request
 
@@ -120,52 +170,97 @@ def main() -> None:
         built_s = time.perf_counter() - t0
         geometry = {"height": 64, "width": 64, "frames": 124}
         args.prompt_tokens = min(args.prompt_tokens, 32)
-    pipe = H3Pipeline(comps, env, dtype)
+        args.backend = "sdpa"  # the 8-bit kernels need a GPU
+    out_dir = tempfile.mkdtemp(prefix="dist_attn_h3job_")
+    run_diffusers = args.diffusers == "on" or (args.diffusers == "auto" and cuda)
+    diffusers_row = None
+    if run_diffusers:
+        # before enable_ulysses: the transformer still has diffusers' own processors
+        from types import SimpleNamespace
+
+        probe = SimpleNamespace(prompt="a" * args.prompt_tokens, steps=args.steps, seed=0,
+                                **geometry)
+        diffusers_row = _diffusers_job(comps, probe, device, os.path.join(out_dir, "d.mp4"))
+        print(f"diffusers t2va (native attention, its decode): {diffusers_row}", flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    parallelize(comps.transformer, backend=args.backend)
+    if args.compile:
+        compile_blocks(comps.transformer)
+    pipe = H3Pipeline(comps, env, dtype, decode_tiles_per_call=args.decode_tiles_per_call)
     rules = pipe.rules(max_steps=100, max_rows=65536, default_steps=args.steps)
     runner = H3Runner(pipe, rules)
     req = parse_video_request({"prompt": "a" * args.prompt_tokens, "steps": args.steps,
                                "seed": 0, **geometry}, rules)
-    out_dir = tempfile.mkdtemp(prefix="dist_attn_h3job_")
     jobs = []
     for i in range(1 + args.jobs):
         if i > 1 and args.budget_s and time.perf_counter() - t_start > args.budget_s:
             break
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         outcome = runner.lead(req, mp4_path=os.path.join(out_dir, f"{i}.mp4"), png_path=None,
                               on_step=lambda k, s: Abort.NONE)
         total = time.perf_counter() - t0
         assert outcome.error is None and outcome.file is not None, outcome.error
+        stats = pipe.decoder.handle.last
         jobs.append({"job": i, "warmup": i == 0, "total_s": total, "step_s": outcome.step_s,
                      **{k: outcome.timings.get(k) for k in PHASES},
-                     "mp4_bytes": outcome.file.size_bytes})
+                     "mp4_bytes": outcome.file.size_bytes, "decode_calls": stats.calls,
+                     "decode_tiles_per_call": stats.tiles_per_call, **_memory(device)})
         print(f"job {i}: {total:.2f} s " + " ".join(f"{k}={outcome.timings.get(k, 0):.3f}"
-                                                   for k in PHASES), flush=True)
+                                                   for k in PHASES)
+              + f" steps={[round(x, 3) for x in outcome.step_s]} {_memory(device)}", flush=True)
     timed = [j for j in jobs if not j["warmup"]] or jobs
     med = {k: statistics.median(j[k] for j in timed) for k in (*PHASES, "total_s")}
+    step_s = statistics.median(x for j in timed for x in j["step_s"])
     outside = med["total_s"] - med["denoise"]
     rows = [{"phase": k, "s": med[k], "share": med[k] / med["total_s"]} for k in PHASES]
     rows.append({"phase": "total (one job)", "s": med["total_s"], "share": 1.0})
     rows.append({"phase": "outside the transformer's steps", "s": outside,
                  "share": outside / med["total_s"]})
+    rows.append({"phase": "one denoise step (median)", "s": step_s, "share": step_s /
+                 med["total_s"]})
+    if diffusers_row is not None:
+        rows.append({"phase": "diffusers t2va, same request (its pipeline + our MP4 writer)",
+                     "s": diffusers_row["total_s"], "share": diffusers_row["total_s"] /
+                     med["total_s"]})
     config = {"layers": args.layers, "steps": args.steps, "request": req.to_json(),
               "dtype": str(dtype), "device": str(device), "jobs_timed": len(timed),
-              "built_s": built_s, "real_configs": cuda}
+              "built_s": built_s, "real_configs": cuda, "backend": args.backend,
+              "compile": args.compile, "video_vae_dtype": str(comps.vae.dtype),
+              "diffusers_t2va": diffusers_row}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,
-                          title="One served H3 job: seconds and the share outside the "
-                                "transformer")
+                          title="One served H3 job: seconds, the share outside the transformer, "
+                                "diffusers' t2va beside it")
     writer.payload["rows"] = [{"status": "ok", "total_ms": j["total_s"] * 1e3, **j} for j in jobs]
     writer.payload["summary"] = rows
+    if diffusers_row is not None:
+        writer.note(f"diffusers 0.42.1 t2va on the same components and request: "
+                    f"{diffusers_row['total_s']:.2f} s ({diffusers_row['pipeline_s']:.2f} s "
+                    f"pipeline + {diffusers_row['mux_s']:.2f} s MP4); served job "
+                    f"{med['total_s']:.2f} s: {diffusers_row['total_s'] / med['total_s']:.2f}x")
     table = markdown_table(rows, [("phase", "phase", ""), ("s", "seconds (median)", ".3f"),
                                   ("share", "share of the job", ".1%")])
+    mem = _memory(device) and markdown_table(
+        [{k: j.get(k) for k in ("job", "peak_reserved_gb", "peak_allocated_gb", "total_gb",
+                                "free_at_peak_gb")} for j in jobs],
+        [("job", "job", "d"), ("peak_reserved_gb", "peak reserved GB", ".1f"),
+         ("peak_allocated_gb", "peak allocated GB", ".1f"), ("total_gb", "GPU GB", ".1f"),
+         ("free_at_peak_gb", "free at peak GB", ".1f")])
 
     def plot(plt):
         plt.figure(figsize=(7, 3.5))
-        plt.barh([r["phase"] for r in rows[:-2]], [r["s"] for r in rows[:-2]])
+        bars = [r for r in rows if r["phase"] in PHASES]
+        plt.barh([r["phase"] for r in bars], [r["s"] for r in bars])
         plt.xlabel("seconds (median)")
         plt.title(f"one H3 job, {args.layers} layers x {args.steps} steps, {writer.gpu}")
 
-    paths = writer.finish(plot, [("Phases", table)])
+    sections = [("Phases", table)] + ([("GPU memory", mem)] if mem else [])
+    paths = writer.finish(plot, sections)
     print(table)
+    if mem:
+        print(mem)
     print(f"wrote {paths['md']} ({time.perf_counter() - t_start:.0f} s in all)")
 
 

@@ -150,3 +150,22 @@ def test_h3_model_smoke(tmp_path):
     overhead = next(r for r in data["rows"] if r["section"] == "overhead")
     assert overhead["direct_ms"] > 0 and "overhead" in overhead
     assert data["config"]["used"] == 274 and data["config"]["model"]["num_layers"] == 2
+
+
+def test_vae_decode_smoke(tmp_path):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("av")
+    _run([sys.executable, "-m", "benchmarks.vae_decode", "--smoke", "--out", str(tmp_path),
+          "--tiles-per-call", "2", "4"])
+    data = _check_result(tmp_path, "vae-decode")
+    rows = data["rows"]
+    precision = [r for r in rows if r["section"] == "precision"]
+    assert {(r["init"], r["dtype"]) for r in precision} == {
+        (i, d) for i in ("class init", "scales drawn") for d in ("float16", "bfloat16")}
+    assert all(0 < r["rel_l2"] < 0.05 and r["share_off_1_255"] <= 0.01 for r in precision)
+    times = [r for r in rows if r["section"] == "time"]
+    assert [r["tiles_per_call"] for r in times] == [1, 2, 4]
+    modeled = [r for r in rows if r["section"] == "W=4 modeled"]
+    assert [r["tiles_per_call"] for r in modeled] == [2, 4]
+    assert all(r["modeled_s"] >= r["rank_decoder_s"] > 0 for r in modeled)
+    assert len([r for r in rows if r["section"] == "mux"]) == 2

@@ -86,6 +86,12 @@ class JobDecoder:
         from dist_attn.integrations.diffusers import enable_parallel_decode
 
         self.vae, self.audio_vae, self.env, self.fps = vae, audio_vae, env, fps
+        self._audio_step = None
+        if audio_vae is not None:
+            from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
+
+            self._audio_step = MiniMaxH3AudioDecodeStep().init_pipeline()
+            self._audio_step.update_components(audio_vae=audio_vae)
         self.handle = enable_parallel_decode(vae, tiles_per_call=tiles_per_call)
         device = env.device
         self._mean = torch.tensor(pixel_mean, dtype=torch.float32, device=device).view(3, 1, 1, 1)
@@ -100,11 +106,7 @@ class JobDecoder:
 
     def _audio(self, audio_latents: torch.Tensor) -> tuple[np.ndarray, int]:
         """Rank 0: diffusers' audio decode step on the audio VAE -> ([2, N] float32, rate)."""
-        from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
-
-        step = MiniMaxH3AudioDecodeStep().init_pipeline()
-        step.update_components(audio_vae=self.audio_vae)
-        out = step(audio_latents=audio_latents.to(self.audio_vae.dtype),
+        out = self._audio_step(audio_latents=audio_latents.to(self.audio_vae.dtype),
                    output=["audio", "sampling_rate"])
         return out["audio"][0].float().cpu().numpy(), int(out["sampling_rate"])
 
@@ -131,6 +133,7 @@ class JobDecoder:
         if lead:
             try:
                 wave, rate = self._audio(audio_latents)
+                self._sync()
                 result.timings["decode_audio"] = time.perf_counter() - t0
                 height = latents.shape[-2] * self.vae.spatial_compression_ratio
                 width = latents.shape[-1] * self.vae.spatial_compression_ratio

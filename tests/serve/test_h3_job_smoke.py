@@ -25,10 +25,14 @@ def test_h3_job_benchmark_smoke(tmp_path):
     with open(path) as f:
         data = json.load(f)
     phases = {r["phase"]: r for r in data["summary"]}
-    for name in ("text_encode", "denoise", "decode_video", "decode_audio", "mux"):
+    parts = ("text_encode", "denoise", "decode_audio", "decode_video", "mux")
+    for name in (*parts, "after_denoise", "one denoise step (median)"):
         assert phases[name]["s"] > 0, name
     total = phases["total (one job)"]["s"]
     assert 0 < phases["outside the transformer's steps"]["share"] < 1
-    assert sum(phases[n]["s"] for n in ("text_encode", "denoise", "decode_video",
-                                        "decode_audio", "mux")) <= total * 1.01
-    assert [len(r["step_s"]) for r in data["rows"]] == [3, 3, 3]  # warm-up + 2 jobs, 3 steps
+    assert sum(phases[n]["s"] for n in parts) <= total * 1.01
+    # everything after the last step: the audio, the video decode, the MP4's tail
+    after = sum(phases[n]["s"] for n in ("decode_audio", "decode_video", "mux"))
+    assert after <= phases["after_denoise"]["s"] * 1.01
+    assert [len(r["step_s"]) for r in data["rows"]] == [3, 3]  # warm-up + 1 job, 3 steps
+    assert data["config"]["backend"] == "sdpa" and data["config"]["diffusers_t2va"] is None
