@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 RES=${OUT:-benchmarks/results}
 mkdir -p "$RES"
 LOG="$RES/h200.log"
-h200_setup "${WHEELS:-.whl}" 2>&1 | tee -a "$LOG"
+h200_setup "${WHEELS:-.whl}" >>"$LOG" 2>&1  # not in a pipe: it exports PYTHONPATH
+tail -3 "$LOG"
 run() {  # run CAP_S NAME CMD...: one step, capped, logged; a failed step does not stop the rest
     local cap=$1 name=$2; shift 2
     echo "[h200 $(date -u +%T)] $name: $*" | tee -a "$LOG"
