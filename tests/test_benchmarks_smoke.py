@@ -168,4 +168,7 @@ def test_vae_decode_smoke(tmp_path):
     modeled = [r for r in rows if r["section"] == "W=4 modeled"]
     assert [r["tiles_per_call"] for r in modeled] == [2, 4]
     assert all(r["modeled_s"] >= r["rank_decoder_s"] > 0 for r in modeled)
-    assert len([r for r in rows if r["section"] == "mux"]) == 2
+    mux = [r for r in rows if r["section"] == "mux"]
+    assert {(r["threading"], r["clips"]) for r in mux} == {(t, c) for t in ("frame", "slice")
+                                                          for c in (1, 7)}
+    assert all(0 < r["tail_s"] <= r["s"] for r in mux)

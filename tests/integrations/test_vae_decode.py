@@ -201,6 +201,6 @@ def test_default_batch_follows_the_memory_budget():
     assert small.tiles_per_call == 1
     small.remove()
     big = enable_parallel_decode(vae)
-    assert big.tiles_per_call == 16  # the tiny decoder: far under 8 GiB a tile, capped at 16
+    assert big.tiles_per_call == 8  # the tiny decoder: far under 8 GiB a tile, capped at 8
     big.remove()
     assert not dist.is_initialized()

@@ -140,7 +140,8 @@ def enable_parallel_decode(vae: nn.Module, group=None, *, tiles_per_call: int | 
         group: process group of the decoding ranks (None = the default group).
         tiles_per_call: tiles in one batched decoder call per rank (the memory cap). None: as
             many as fit ``memory_budget_bytes`` by a planning figure of the decoder's
-            activations (at most 16; one tile of H3's decoder at 256 x 256 is ~1.8k tokens).
+            activations (at most 8: more did not pay on an H200; one tile of H3's decoder at
+            256 x 256 is ~1.8k tokens).
         memory_budget_bytes: the activation budget of one batched decoder call when
             ``tiles_per_call`` is None.
 
@@ -170,7 +171,10 @@ def enable_parallel_decode(vae: nn.Module, group=None, *, tiles_per_call: int | 
         tile = vae.tile_sample_min_height * vae.tile_sample_min_width
         t_lat = vae.tokens_chunk_size + vae.token_overlap
         tokens = t_lat * tile // vae.spatial_compression_ratio ** 2
-        tiles_per_call = max(1, min(16, memory_budget_bytes // max(1, _tile_bytes(vae, tokens))))
+        # at most 8: on an H200 the float16 decode of H3's 196 tiles took 5.88 / 5.86 / 5.79 /
+        # 5.84 s at 4 / 8 / 16 / 28 tiles a call (vae-decode_h200_2026-12-04) while the peak
+        # grew by ~0.16 GiB a tile; a tile of ~1.8k tokens already fills the GPU
+        tiles_per_call = max(1, min(8, memory_budget_bytes // max(1, _tile_bytes(vae, tokens))))
     handle = ParallelDecodeHandle(vae=vae, group=group, tiles_per_call=tiles_per_call)
 
     def _decode(z: torch.Tensor) -> torch.Tensor:

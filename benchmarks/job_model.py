@@ -1,0 +1,132 @@
+"""The served H3 job on 4 x H200 at 50 steps (49 forwards, SGLang's setting), MODELED from
+pieces measured on one H200: no multi-GPU machine ran it.
+
+    python -m benchmarks.job_model            # reads the newest result files named below
+
+Terms, each read from a result file (the file and the row are recorded):
+
+- text encode: the served full-size job at W = 1 (``serve-h3-job-full_*``): rank 0 encodes
+  and broadcasts at any W;
+- denoise: 49 x (50 x the real block per rank at the W = 4 shapes, eager sage8, with its
+  all-to-alls from bytes; ``scaling-modeled_*``) + the step's part outside the blocks, taken
+  from the full-size W = 1 step minus 50 of its W = 1 blocks (the refiner, embeddings, heads;
+  kept whole: it is not split over the ranks in this model);
+- audio decode: the served job (rank 0, before the video decode);
+- video decode at W = 4: ``vae-decode_*``'s model (a rank's 49 calls + stitching +
+  all-gathers from bytes);
+- mux: the tail from the last clip to the MP4 committed, streamed at the W = 4 decode's pace
+  (``vae-decode_*``'s mux rows).
+
+Writes ``benchmarks/results/job-modeled_<hw>_<date>.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+import torch
+
+from benchmarks.harness import ResultWriter, add_common_args, markdown_table
+
+THEME = "job-modeled"
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def _newest(pattern: str) -> tuple[str, dict]:
+    paths = sorted(glob.glob(os.path.join(RESULTS, pattern)))
+    if not paths:
+        raise SystemExit(f"no result file {pattern} in {RESULTS}: run the H200 benchmarks first")
+    with open(paths[-1]) as f:
+        return os.path.basename(paths[-1]), json.load(f)
+
+
+def model(steps: int, backend: str, threading: str) -> tuple[list[dict], dict]:
+    job_name, job = _newest("serve-h3-job-full_h200_*.json")
+    dec_name, dec = _newest("vae-decode_h200_*.json")
+    sc_name, sc = _newest("scaling-modeled_h200_*.json")
+    timed = [r for r in job["rows"] if not r["warmup"]] or job["rows"]
+    j = timed[-1]
+    layers = job["config"]["layers"]
+    w1_step = sorted(x for r in timed for x in r["step_s"])[len(timed) * len(timed[0]["step_s"]) // 2]
+
+    def block(n: int) -> float:
+        rows = [r for r in sc["rows"] if r.get("what") == "block" and r.get("backend") == backend
+                and r.get("N") == n and r.get("mode") == "modeled" and r.get("status") == "ok"
+                and r.get("overlap_chunks", 1) == 1]
+        return min(r["total_ms"] for r in rows) / 1e3
+
+    outside_blocks = max(0.0, w1_step - layers * block(1))
+    step_w4 = layers * block(4) + outside_blocks
+    w4 = [r for r in dec["rows"]
+          if r.get("section") == "W=4 modeled" and r.get("status", "ok") == "ok"]
+    decode = min(w4, key=lambda r: r["modeled_s"])
+    mux = [r for r in dec["rows"] if r.get("section") == "mux" and r.get("clips", 1) > 1
+           and r.get("threading", "frame") == threading
+           and r.get("status", "ok") == "ok"]
+    tail = mux[0]["tail_s"] if mux else j["mux"]
+    terms = [
+        {"term": "text encode (rank 0, broadcast)", "s": j["text_encode"], "source": job_name},
+        {"term": f"denoise: {steps - 1} forwards x {step_w4:.3f} s (50 blocks x "
+                 f"{block(4) * 1e3:.2f} ms at W = 4 + {outside_blocks:.3f} s outside the blocks)",
+         "s": (steps - 1) * step_w4, "source": f"{sc_name} + {job_name}"},
+        {"term": "audio decode (rank 0)", "s": j["decode_audio"], "source": job_name},
+        {"term": f"video decode at W = 4 ({decode['rank_calls']} calls a rank, "
+                 f"{decode['tiles_per_call']} a call)", "s": decode["modeled_s"],
+         "source": dec_name},
+        {"term": f"MP4 tail after the last clip (x264 {threading} threads, streamed)",
+         "s": tail, "source": dec_name if mux else job_name},
+    ]
+    after = sum(t["s"] for t in terms[2:])
+    total = sum(t["s"] for t in terms)
+    terms.append({"term": "after the last denoise step (audio + decode + MP4 tail)", "s": after,
+                  "source": "sum"})
+    terms.append({"term": "job, end to end", "s": total, "source": "sum"})
+    info = {"steps": steps, "backend": backend, "step_w4_s": step_w4, "w1_step_s": w1_step,
+            "block_w1_s": block(1), "block_w4_s": block(4), "outside_blocks_s": outside_blocks,
+            "sources": [job_name, dec_name, sc_name], "after_denoise_s": after,
+            "total_s": total, "sglang_s": 74.38, "sglang_decode_s": 1.32}
+    return terms, info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=50, help="grid points; forwards = steps - 1")
+    p.add_argument("--backend", default="sage8")
+    p.add_argument("--threading", default="frame", choices=("frame", "slice"))
+    add_common_args(p, iters=1, warmup=0, budget_s=0)
+    args = p.parse_args()
+    terms, info = model(args.steps, args.backend, args.threading)
+    writer = ResultWriter(theme=THEME, args=args, config=info, device=torch.device("cpu"),
+                          title="The served H3 job on 4 x H200, MODELED from one-H200 pieces")
+    writer.hardware = "h200"
+    writer.stem = os.path.join(writer.out_dir, f"{THEME}_h200_{writer.date}")
+    writer.note("MODELED: every term was measured on one H200 or computed from bytes; no "
+                "4-GPU machine ran this job. SGLang's measured 4 x H200 job: 74.38 s, its "
+                "decode 1.32 s (sglang PR #33398).")
+    for t in terms:
+        writer.rows.append({"status": "ok", "total_ms": t["s"] * 1e3, **t})
+    table = markdown_table(terms, [("term", "term", ""), ("s", "seconds", ".3f"),
+                                   ("source", "from", "")])
+
+    def plot(plt):
+        parts = terms[:-2]
+        plt.figure(figsize=(7, 3))
+        left = 0.0
+        for t in parts:
+            plt.barh([0], [t["s"]], left=left, label=t["term"][:40])
+            left += t["s"]
+        plt.yticks([])
+        plt.xlabel("seconds")
+        plt.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+        plt.title("H3 job on 4 x H200 (modeled)")
+
+    paths = writer.finish(plot, [("Terms", table)])
+    print(table)
+    print(f"wrote {paths['md']}")
+
+
+if __name__ == "__main__":
+    main()
