@@ -50,7 +50,10 @@ def test_once_on_3_ranks_matches_a_single_rank(tmp_path):
     assert len(r4["step_latency_ms"]) == 2 and r4["total_latency_ms"] > 0
     assert 0 < r4["all_to_all_share"] < r4["attention_share"] <= 1
     assert r1["all_to_all_share"] == 0  # world 1: no all-to-all
-    a, b = load_output(r4["output"]), load_output(r1["output"])
+    # the file's name, relative to --output-dir (no server paths in results)
+    assert r4["output"] == r1["output"] == "once-5.safetensors"
+    a = load_output(str(tmp_path / "w4" / r4["output"]))
+    b = load_output(str(tmp_path / "w1" / r1["output"]))
     assert a["video"].shape == (168, 16) and a["audio"].shape == (74, 8)
     for name in ("video", "audio"):
         err = (a[name] - b[name]).norm() / b[name].norm()
