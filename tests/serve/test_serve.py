@@ -203,3 +203,15 @@ def test_once_with_compile_compiles_the_served_blocks(launcher, monkeypatch, cap
     result = _last_json(capsys.readouterr().out)
     assert calls == ["MiniMaxH3Transformer3DModel"]
     assert len(result["step_latency_ms"]) == 1 and result["checksum"]["bits64"]
+
+
+def test_max_restarts_is_the_supervisors_and_must_be_non_negative(capsys):
+    """--max-restarts bounds the supervisor's restarts (a killed rank ended the server for good:
+    issue 24); it names its value and rule, and is refused where no supervisor runs."""
+    from dist_attn.serve import cli
+
+    assert cli.main(["--nproc-per-node", "2", "--max-restarts", "-1"]) == 1
+    assert ("--max-restarts=-1 must be a non-negative integer (restarts within 600 s; 0: never "
+            "restart)") in capsys.readouterr().err
+    assert cli.main(["--max-restarts", "2"]) == 1
+    assert "--max-restarts=2 is the supervisor's (with --nproc-per-node)" in capsys.readouterr().err

@@ -327,3 +327,27 @@ def test_range_errors_of_the_content_are_json(api):
     samples = metric_samples(api.rank0.metrics.render().decode())
     assert samples['dist_attn_request_errors_total{code="416"}'] == 1
     assert samples['dist_attn_request_errors_total{code="400"}'] == 1
+
+
+def test_a_store_that_cannot_start_the_next_job_leaves_it_queued(api, monkeypatch, caplog):
+    """start_next raising (a full disk) ended the rank-0 loop, and with it the server: the job
+    stays queued, the error is logged once a minute, the loop serves on."""
+    import logging
+
+    from dist_attn.serve.store import StoreError
+
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+
+    def full(*_a, **_k):
+        raise StoreError(507, "the job store (jobs.sqlite3) cannot commit: its disk is full",
+                         path=api.store.path)
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(api.store, "start_next", full)
+    assert api.rank0._start_next_video() is None
+    assert api.rank0._start_next_video() is None
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "the next video job cannot start" in errors[0], errors
+    monkeypatch.undo()
+    assert api.call("GET", f"/v1/videos/{job['id']}")[1]["status"] == "queued"
+    assert api.rank0._start_next_video().id == job["id"]
