@@ -15,7 +15,6 @@ and the kernel step becomes ring attention over the ring dim (:mod:`dist_attn.ri
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -30,18 +29,11 @@ from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
-from dist_attn.validation import check_bounds, check_no_grad, check_qkv, host_bounds
+from dist_attn.validation import (check_bounds, check_no_grad, check_qkv, check_softmax_scale,
+                                  host_bounds)
 from dist_attn.varlen import attend_varlen, segment_layout
 
 __all__ = ["UlyssesSageAttention", "ulysses_attention"]
-
-
-def _check_scale(softmax_scale) -> None:
-    if softmax_scale is None:
-        return
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None")
 
 
 def _check_chunks(overlap_chunks) -> None:
@@ -107,7 +99,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     # ---- validation: host-only facts, identical on every rank, before any collective ----
     check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
     check_no_grad(q, k, v)
-    _check_scale(softmax_scale)
+    check_softmax_scale(softmax_scale)
     _check_chunks(overlap_chunks)
     check_bounds(cu_seqlens, device=q.device)
     groups = parallel_groups(mesh=mesh, group=group)
@@ -263,7 +255,7 @@ class UlyssesSageAttention(nn.Module):
                             "(the default group)")
         if mesh is not None:
             check_mesh(mesh)
-        _check_scale(softmax_scale)
+        check_softmax_scale(softmax_scale)
         _check_chunks(overlap_chunks)
         check_mesh_or_group(mesh, group)
         register_for_compile(group, mesh)  # eagerly, so a compiled forward finds its key

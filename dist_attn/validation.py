@@ -8,11 +8,13 @@ its value and the rule it broke.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad", "as_host_int"]
+__all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad", "as_host_int",
+           "check_softmax_scale"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -55,6 +57,21 @@ def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = N
             raise ValueError(
                 f"{name}.stride(-1)={t.stride(-1)}: the head_dim axis must be contiguous (stride 1)"
             )
+
+
+def check_softmax_scale(softmax_scale) -> None:
+    """Checks ``softmax_scale``: None (the caller uses ``1 / sqrt(D)``) or a finite number > 0.
+
+    The one owner of this rule: :func:`dist_attn.sage_varlen` took ``nan`` (an all-NaN output),
+    ``0`` and ``-1`` that :func:`dist_attn.ulysses_attention` refused (issue 24). 0 or a negative
+    scale turns the masked keys' ``-inf`` scores into NaN or +inf in an online softmax; a bool is
+    refused although Python counts it as an int (``True`` is a typo, not a scale of 1).
+    """
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None")
 
 
 def check_no_grad(q, k, v) -> None:

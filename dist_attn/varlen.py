@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 
 from dist_attn.backends import AttentionBackend, default_softmax_scale, resolve_backend
-from dist_attn.validation import as_host_int, check_bounds, check_no_grad, check_qkv, host_bounds
+from dist_attn.validation import (as_host_int, check_bounds, check_no_grad, check_qkv,
+                                  check_softmax_scale, host_bounds)
 
 __all__ = ["SegmentLayout", "segment_layout", "sage_varlen", "trailing_padding_used_len",
            "attend_varlen"]
@@ -183,13 +184,15 @@ def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=No
         valid_len: rows ``>= valid_len`` are padding (see above).
         backend: ``"auto"``, ``"sage8"``, ``"sage8_gluon"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
             another registered name.
-        softmax_scale: defaults to ``1 / sqrt(D)``.
+        softmax_scale: a finite number > 0 (:func:`dist_attn.validation.check_softmax_scale`);
+            defaults to ``1 / sqrt(D)``.
 
     Returns:
         Fresh tensor of q's shape, dtype and device; padding rows exactly zero.
     """
     check_qkv(q, k, v)
     check_no_grad(q, k, v)
+    check_softmax_scale(softmax_scale)  # nan gave an all-NaN output here (issue 24)
     check_bounds(cu_seqlens, device=q.device)
     batched = q.ndim == 4
     q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [T, H, D] -> [1, T, H, D]

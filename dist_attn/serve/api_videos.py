@@ -82,6 +82,46 @@ class VideoJobs:
             times.job_s(j.request.rows, j.request.steps, "video") for j in queued)
 
 
+class _FileResponse(FileResponse):
+    """Starlette's FileResponse, whose own answers to a Range header it cannot serve (a 416 with
+    an empty body, a text/plain 400) become JSON errors like every other answer, counted through
+    ``refuse`` (issue 24). Starlette's answer is caught at ``send`` rather than by re-parsing the
+    Range header, so the verdict stays Starlette's (If-Range included)."""
+
+    def __init__(self, path: str, *, refuse: Callable[..., JSONResponse], what: str,
+                 **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._refuse, self._what = refuse, what
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        refused: dict[str, Any] = {}
+
+        async def keep_refusal(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (400, 416):
+                refused.update(status=message["status"], text=b"",
+                               headers={k.decode("latin-1"): v.decode("latin-1")
+                                        for k, v in message.get("headers", [])})
+            elif refused:  # the body of that answer
+                refused["text"] += message.get("body", b"")
+            else:
+                await send(message)
+
+        await super().__call__(scope, receive, keep_refusal)
+        if not refused:
+            return
+        asked = dict(scope["headers"]).get(b"range", b"").decode("latin-1")
+        if refused["status"] == 416:
+            span = refused["headers"].get("content-range")  # "bytes */SIZE"
+            size = span.rpartition("/")[2] if span else "?"
+            answer = self._refuse(416, f"Range={asked!r} starts past the end of {self._what} "
+                                       f"({size} bytes)",
+                                  headers={"content-range": span} if span else None)
+        else:
+            answer = self._refuse(400, f"Range={asked!r}: "
+                                       f"{refused['text'].decode('utf-8', 'replace')}")
+        await answer(scope, receive, send)
+
+
 def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any]:
     """The client's view of a job."""
     now = time.time()
@@ -191,8 +231,8 @@ def video_routes(state: "ServerState", *, refused: Callable[[HttpRequest], Respo
             return fail(410, f"the {variant} of video job {job.id} is no longer in the output "
                              "directory")
         media = "video/mp4" if variant == "video" else "image/png"
-        return FileResponse(path, media_type=media,
-                            filename=f"{job.id}.{'mp4' if variant == 'video' else 'png'}")
+        return _FileResponse(path, media_type=media, refuse=fail, what=f"the {variant}",
+                             filename=f"{job.id}.{'mp4' if variant == 'video' else 'png'}")
 
     async def cancel(request: HttpRequest) -> Response:
         job = await lookup(request)
@@ -214,8 +254,10 @@ def video_routes(state: "ServerState", *, refused: Callable[[HttpRequest], Respo
             return denied
         q = request.query_params
         raw = q.get("limit", "20")
-        if not raw.isdigit() or not 1 <= int(raw) <= _MAX_LIST:
-            return fail(400, f"limit={raw!r} must be an integer in [1, {_MAX_LIST}]")
+        # ASCII digits only: str.isdigit() accepts '²', which int() refuses (a 500: issue 24).
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= _MAX_LIST:
+            return fail(400, f"limit={raw!r} must be an integer in [1, {_MAX_LIST}] (ASCII "
+                             "digits)")
         which = q.get("status")
         try:
             wanted = JobStatus(which) if which is not None else None

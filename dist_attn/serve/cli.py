@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "SIGINT into rank 0's drain, so a clean stop exits 0 (torchrun alone "
                         "exits 1 after a SIGTERM although every rank drained); not under "
                         "torchrun")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="with --nproc-per-node: restart the job when it fails after it served "
+                        "(a rank killed or crashed), at most N times within 10 minutes "
+                        "(default 3; 0: never). The running video job is re-queued")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-all-ranks", action="store_true",
                    help="log INFO on every rank, not only rank 0")
@@ -147,7 +151,18 @@ def main(argv: list[str] | None = None) -> int:
             print("launch/serve.py: error: --nproc-per-node starts torchrun itself; under "
                   "torchrun leave it out", file=sys.stderr, flush=True)
             return 1
-        return supervise(args.nproc_per_node, strip_flag(argv, "--nproc-per-node"))
+        restarts = {} if args.max_restarts is None else {"max_restarts": args.max_restarts}
+        try:
+            return supervise(args.nproc_per_node, strip_flag(strip_flag(
+                argv, "--nproc-per-node"), "--max-restarts"), **restarts)
+        except (ValueError, RuntimeError) as e:
+            print(f"launch/serve.py: error: {e}", file=sys.stderr, flush=True)
+            return 1
+    if args.max_restarts is not None:
+        print(f"launch/serve.py: error: --max-restarts={args.max_restarts} is the supervisor's "
+              "(with --nproc-per-node); under torchrun use torchrun's own --max-restarts",
+              file=sys.stderr, flush=True)
+        return 1
     restore_default_signals()  # a rank under the supervisor inherits them ignored
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -187,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "auto": torch.bfloat16 if env.device.type == "cuda" else torch.float32
              }[cfg.runtime.dtype]
-    listener, local_failures = None, []
+    listener, store, local_failures = None, None, []
     if rank == 0 and not (args.once or args.check_only):
         host, port = cfg.serve.host, cfg.serve.port
         try:
@@ -197,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "choose another with --port")
         for warning in exposure_warnings(host, api_key):
             log.warning("%s", warning)
+        store = _open_store(cfg, local_failures)
     try:
         backend, failures = run_launch_checks(cfg, env, dtype, local_failures)
         if failures:
@@ -222,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.once:  # --once runs one /v1/generate request: no jobs
             try:
                 runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank,
-                                             model)
+                                             model, store)
             except (ValueError, FileNotFoundError) as e:  # every rank reads the same files
                 _rank0_error(rank, f"video pipeline: {e}")
                 return 1
@@ -237,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if listener is not None:
             listener.close()
+        if store is not None:
+            store.close()
         if env.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -283,15 +301,32 @@ def _transformer_dir(checkpoint: str | None) -> str | None:
     return sub if os.path.isdir(sub) else checkpoint
 
 
+def _open_store(cfg: Any, failures: list[str]) -> Any:
+    """Rank 0: the job store after its restart recovery (None with ``jobs.runner = "off"``).
+    Opened before the launch checks, so that a store that cannot be opened (a corrupt file:
+    raw tracebacks on every rank, issue 24) is one failed launch condition naming the file."""
+    if cfg.jobs.runner == "off":
+        return None
+    from dist_attn.serve.store import StoreError
+    from dist_attn.serve.store_open import open_job_store
+
+    try:
+        return open_job_store(cfg.jobs.output_dir)
+    except StoreError as e:
+        failures.append(f"job store: {e}")
+    except OSError as e:
+        failures.append(f"job store: cannot use jobs.output_dir={cfg.jobs.output_dir!r} "
+                        f"({e.strerror or e}); choose another with --output-dir")
+    return None
+
+
 def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
-                rank: int, transformer: Any) -> tuple[Any, Any]:
+                rank: int, transformer: Any, store: Any) -> tuple[Any, Any]:
     """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
-    and, on rank 0, the job store after its restart recovery (``(None, None)`` with
-    ``jobs.runner = "off"``)."""
+    and, on rank 0, what HTTP shares about the jobs over ``store`` (opened by
+    :func:`_open_store`); ``(None, None)`` with ``jobs.runner = "off"``."""
     from dist_attn.serve.api_videos import VideoJobs
-    from dist_attn.serve.mp4 import remove_stale_temporaries
     from dist_attn.serve.runner import SyntheticRunner
-    from dist_attn.serve.store import JobStore
     from dist_attn.serve.videos import VideoRules
 
     jobs = cfg.jobs
@@ -313,12 +348,5 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
                                 transformer=transformer)
     if rank != 0:
         return runner, None
-    store = JobStore(jobs.output_dir)
-    recovery = store.recover()
-    stale = remove_stale_temporaries(os.path.join(jobs.output_dir, "videos"))
-    log.info("job store %s: %d queued (re-queued after a stop: %s; failed after a second: %s; "
-             "cancelled: %s); %d partial file(s) removed", store.path, recovery.queued,
-             recovery.requeued or "none", recovery.failed or "none",
-             recovery.cancelled or "none", len(stale))
     return runner, VideoJobs(store=store, rules=runner.rules, max_queued=jobs.max_queued,
                              output_dir=jobs.output_dir, thumbnail=jobs.thumbnail)

@@ -27,7 +27,7 @@ from dist_attn.serve.config import Config
 from dist_attn.serve.jobs import Abort
 from dist_attn.serve.protocol import Request
 from dist_attn.serve.tokens import PackedLayout
-from dist_attn.serve.weights import save_output
+from dist_attn.serve.weights import prune_outputs, save_output
 from dist_attn.serve.wire import agree_abort
 
 __all__ = ["Checksum", "TokenCounts", "RunResult", "Engine", "latent_checksum", "patchify",
@@ -85,6 +85,7 @@ class RunResult:
     all_to_all_share: float
     checksum: Checksum | None
     output: str | None = None
+    """The saved latents' file name, relative to the output directory (None: not saved)."""
     queue_ms: float = 0.0
     total_latency_ms: float = 0.0
     aborted: Abort = field(default=Abort.NONE, metadata={"json": False})
@@ -265,14 +266,18 @@ class Engine:
 
     def save_output(self, result: RunResult) -> None:
         """Rank 0 only: writes ``result.latent`` (``video`` and ``audio`` rows) to
-        ``<output_dir>/<request_id>.safetensors`` and sets ``result.output``. An OSError here
-        concerns this request alone."""
+        ``<output_dir>/<request_id>.safetensors``, sets ``result.output`` to that file's name
+        (relative to the output directory) and deletes the served requests' files beyond the
+        newest ``jobs.latents_kept``. An OSError here concerns this request alone."""
         if result.latent is None or not self.output_dir:
             return
         os.makedirs(self.output_dir, exist_ok=True)
-        path = os.path.join(self.output_dir, f"{result.request_id}.safetensors")
-        save_output(result.latent, path,
+        name = f"{result.request_id}.safetensors"
+        save_output(result.latent, os.path.join(self.output_dir, name),
                     metadata={"request": json.dumps(result.request),
                               "checksum": json.dumps(dataclasses.asdict(result.checksum))})
-        result.output = path
+        # A name, not the absolute path the answer carried: no server paths in answers (issue 24).
+        result.output = name
         result.latent = None
+        # One file per request, forever, filled the disk (issue 24).
+        prune_outputs(self.output_dir, keep=self.cfg.jobs.latents_kept)

@@ -19,20 +19,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dist_attn.serve.api_videos import VideoJobs, video_routes
 from dist_attn.serve.config import Config
+from dist_attn.serve.http_protocol import GuardedH11Protocol
 from dist_attn.serve.jobs import Abort, Job, JobError, JobQueue, Liveness, QueueFull, StepTimes
 from dist_attn.serve.metrics import CONTENT_TYPE, Metrics
 from dist_attn.serve.protocol import RequestError, decode_json, parse_request
+from dist_attn.serve.store import StoreError
 
 __all__ = ["ServerState", "build_app", "HttpServer"]
 
@@ -140,7 +140,7 @@ def build_app(state: ServerState) -> Starlette:
         if "transfer-encoding" in request.headers or "content-length" not in request.headers:
             return fail(411, "Content-Length required (chunked bodies are not accepted)",
                         close=True)
-        length = int(request.headers["content-length"])  # one, digits only (h11 + _Protocol)
+        length = int(request.headers["content-length"])  # one, digits only (h11 + GuardedH11Protocol)
         if length > limits.max_body_bytes:
             return fail(413, f"body of {length} bytes exceeds serve.max_body_bytes="
                              f"{limits.max_body_bytes}", close=True)
@@ -219,8 +219,17 @@ def build_app(state: ServerState) -> Starlette:
         assert isinstance(exc, HTTPException)  # 404 and 405 from the router
         return fail(exc.status_code, str(exc.detail), headers=exc.headers)
 
+    async def store_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
+        # A full disk or an I/O error is the operator's to fix: a clear answer naming the job
+        # store (it was a generic 500: issue 24) and one log line, without a traceback.
+        assert isinstance(exc, StoreError)
+        log.error("job store %s: %s", exc.path, exc)
+        return fail(exc.status, str(exc))
+
     async def internal_error(_request: HttpRequest, _exc: Exception) -> JSONResponse:
-        return _error(500, "internal error (details in the server log)")
+        # Counted like every other error answer (500s were missing from the metric: issue 24);
+        # uvicorn logs the traceback.
+        return fail(500, "internal error (details in the server log)")
 
     routes = [Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
@@ -228,89 +237,12 @@ def build_app(state: ServerState) -> Starlette:
     if state.videos is not None:
         routes += video_routes(state, refused=refused, fail=fail, read_json=read_json)
     app = Starlette(routes=routes,
-                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+                    exception_handlers={HTTPException: http_error, StoreError: store_error,
+                                        Exception: internal_error})
     # Starlette answers /health/ with a 307 whose Location it builds from the client's Host
     # header (an empty body; a client chooses where the server points): a path is exact here.
     app.router.redirect_slashes = False
     return app
-
-
-class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on the request head, a refusal of repeated
-    Content-Length headers, and JSON for the 400 it sends itself.
-
-    uvicorn times out an idle connection only after a response, so a connection that never
-    completes a head (silent, or a byte at a time) was held forever: 300 idle connections stayed
-    open for 32 s, one thread each, with the old server. h11 merges repeated Content-Length
-    headers of equal value, so the app cannot see them; the raw head is checked here.
-    """
-
-    _head_timer: asyncio.TimerHandle | None = None
-    _head: bytes = b""
-    metrics: Metrics | None = None
-    """Where the rejections this protocol answers itself are counted (set per server)."""
-
-    def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
-        self._arm_head_timer()
-
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:
-            self._head += data
-            head, complete, _ = self._head.partition(b"\r\n\r\n")
-            limit = self.config.h11_max_incomplete_event_size
-            if len(head) > limit:  # h11 bounds only heads still incomplete after a read
-                self._send_json_error(431, f"request head above serve.max_header_bytes={limit}")
-                return
-            if complete:
-                self._head = b""
-                lengths = [ln for ln in head.lower().split(b"\r\n")
-                           if ln.startswith(b"content-length:")]
-                if len(lengths) > 1:
-                    self._send_json_error(400, f"{len(lengths)} Content-Length headers; exactly "
-                                               "one is allowed")
-                    return
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # a complete head arrived
-            self._cancel_head_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
-
-    def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timeout)
-
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timeout(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
-
-    def send_400_response(self, msg: str) -> None:
-        self._send_json_error(400, "invalid HTTP request (malformed, or a head above "
-                                   "serve.max_header_bytes)")
-
-    def _send_json_error(self, status: int, message: str) -> None:
-        if self.metrics is not None:
-            self.metrics.error(status)
-        body = json.dumps({"error": {"code": status, "message": message}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                   (b"content-length", str(len(body)).encode())]
-        for event in (h11.Response(status_code=status, headers=headers),
-                      h11.Data(data=body), h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()
 
 
 class HttpServer:
@@ -320,7 +252,7 @@ class HttpServer:
         limits = state.cfg.serve
         # A subclass per server, so that the protocol's own rejections reach this server's
         # metrics (uvicorn builds protocols from a class and its own keyword arguments).
-        protocol = type("_ServerProtocol", (_Protocol,), {"metrics": state.metrics})
+        protocol = type("_ServerProtocol", (GuardedH11Protocol,), {"metrics": state.metrics})
         config = uvicorn.Config(build_app(state), http=protocol, lifespan="off",
                                 log_config=None, access_log=False, server_header=False,
                                 timeout_keep_alive=limits.idle_timeout_s,

@@ -35,7 +35,8 @@ from dist_attn.serve.protocol import Request, request_from_wire
 from dist_attn.serve.wire import Control, Op, exchange
 from dist_attn.serve.api_videos import VideoJobs, VideoProgress
 from dist_attn.serve.runner import VideoRunner, video_from_wire, video_wire
-from dist_attn.serve.store import JobRecord, JobStatus
+from dist_attn.serve.store import JobRecord, JobStatus, StoreError
+from dist_attn.serve.supervise import mark_ready
 
 __all__ = ["serve"]
 
@@ -47,6 +48,8 @@ _ABORT_ANSWER = {Abort.CLIENT_GONE: (499, "client disconnected"),
                  Abort.SHUTDOWN: (503, "server shut down")}
 # Shutdown steps after the drain (telling the ranks, stopping HTTP) get this long.
 _EXIT_GRACE_S = 5.0
+# A job store that cannot start the next job (a full disk) is logged at most this often.
+_STORE_ERROR_LOG_S = 60.0
 
 
 def serve(cfg: Config, env: DistEnv, engine: Engine, *, listener: socket.socket | None = None,
@@ -96,6 +99,7 @@ class _Rank0:
                                  videos=videos)
         self.shutdown = Shutdown(hard_exit_after_s=cfg.serve.drain_timeout_s + _EXIT_GRACE_S,
                                  on_request=self._refuse_queued)
+        self._store_error_logged = -_STORE_ERROR_LOG_S
 
     def _refuse_queued(self) -> None:
         """Answers every waiting request 503 at once (runs on its own thread at a signal)."""
@@ -126,6 +130,7 @@ class _Rank0:
             host, port = listener.getsockname()[:2]
             log.info("serving on http://%s:%d (world %d, backend %s)", host, port,
                      self.env.world_size, self.state.info.get("backend"))
+            mark_ready()  # a supervisor restarts a job that served, never a failed launch
         else:
             self.jobs.put(Job(request=once))
         result = None
@@ -156,7 +161,7 @@ class _Rank0:
             # video job wakes the wait.
             job = self.jobs.get(timeout=0)
             if job is None and self.videos is not None and not once:
-                record = self.videos.store.start_next()
+                record = self._start_next_video()
                 if record is not None:
                     self._run_video(record)
                     last = time.monotonic()
@@ -176,6 +181,22 @@ class _Rank0:
             if once:
                 return result
         return None
+
+    def _start_next_video(self) -> JobRecord | None:
+        """The oldest queued video job, now running; None when there is none or when the store
+        cannot commit (a full disk). That error ended the server; the job now stays queued
+        (the transaction rolled back), the error is logged at most once a minute, and
+        /v1/generate is served on (issue 24)."""
+        assert self.videos is not None
+        try:
+            return self.videos.store.start_next()
+        except StoreError as e:
+            now = time.monotonic()
+            if now - self._store_error_logged >= _STORE_ERROR_LOG_S:
+                self._store_error_logged = now
+                log.error("job store %s: the next video job cannot start: %s (retried until it "
+                          "can; logged once a minute)", e.path, e)
+            return None
 
     def _run(self, job: Job) -> RunResult | None:
         req = job.request

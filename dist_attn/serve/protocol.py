@@ -89,9 +89,22 @@ def _nesting_depth(body: bytes) -> int:
     return deepest
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys appear once. json.loads kept the last of a repeated key, so
+    ``{"steps": 1000, "steps": 2}`` was a 202 for 2 steps; what a client meant is unknown."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise RequestError(400, f"duplicate key {key!r} in a JSON object ({key!r}: "
+                                    f"{obj[key]!r}, then {value!r}): each key may appear once")
+        obj[key] = value
+    return obj
+
+
 def decode_json(body: bytes, limits: ServeConfig) -> Any:
     """Parses a request body within ``limits``; raises :class:`RequestError` (400) naming the
-    limit. Integers longer than max_int_digits and NaN/Infinity are refused during parsing."""
+    limit. Integers longer than max_int_digits, NaN/Infinity and a key repeated in one object
+    are refused during parsing."""
     depth = _nesting_depth(body)
     if depth > limits.max_json_depth:
         raise RequestError(400, f"JSON nesting depth {depth} exceeds serve.max_json_depth="
@@ -108,7 +121,7 @@ def decode_json(body: bytes, limits: ServeConfig) -> Any:
 
     try:
         return json.loads(body.decode("utf-8"), parse_int=parse_int,
-                          parse_constant=parse_constant)
+                          parse_constant=parse_constant, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(400, f"body is not valid JSON: {e}") from None
 

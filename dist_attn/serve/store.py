@@ -17,23 +17,35 @@ step); the rank-0 loop keeps it in memory and the HTTP layer merges it into the 
 
 One connection, shared by the HTTP thread and the rank-0 loop under a lock: each call is one
 short transaction (well under a millisecond without the fsync).
+
+The WAL is checkpointed into ``jobs.sqlite3`` after every job's end and at :meth:`JobStore.close`
+(the server's shutdown): without it the jobs lived in ``jobs.sqlite3-wal`` while the main file
+stayed at 4 KB, so a backup of ``jobs.sqlite3`` alone held no job (issue 24). A backup still
+copies the three files together, or is taken while the server is stopped.
+
+What SQLite cannot do (a full disk, an I/O error, a file that is not a database) raises
+:class:`StoreError`, which the HTTP layer answers 507 (disk full) or 503 naming the job store
+instead of a generic 500.
 """
 
 from __future__ import annotations
 
-import enum
+import functools
 import json
+import logging
 import os
 import sqlite3
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
+from dist_attn.serve.job_records import JobRecord, JobStatus, Recovery, StoreError, new_job_id
 from dist_attn.serve.videos import VideoRequest
 
-__all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "STORE_NAME", "MAX_ATTEMPTS", "new_job_id"]
+__all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STORE_NAME",
+           "MAX_ATTEMPTS", "new_job_id"]
+
+log = logging.getLogger(__name__)
 
 #: The store's file name inside the output directory (WAL adds -wal and -shm beside it).
 STORE_NAME = "jobs.sqlite3"
@@ -62,69 +74,45 @@ CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
 """
 
 
-class JobStatus(str, enum.Enum):
-    """Where a job is; the three last are final."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def final(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+def _is_disk_full(e: sqlite3.Error) -> bool:
+    # sqlite_errorcode (an extended code: the primary one in its low byte) exists from Python
+    # 3.11; before it, SQLite's fixed text for SQLITE_FULL (13).
+    code = getattr(e, "sqlite_errorcode", None)
+    return code & 0xFF == 13 if code is not None else str(e) == "database or disk is full"
 
 
-@dataclass(kw_only=True, frozen=True)
-class JobRecord:
-    """One row of the store. Times are Unix seconds (``time.time()``: they survive a restart)."""
-
-    seq: int
-    """Submission order."""
-    id: str
-    status: JobStatus
-    request: VideoRequest
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    attempts: int
-    """Times the job was started (a clean-shutdown interruption gives its attempt back)."""
-    cancel_requested: bool
-    error: str | None
-    """Why it failed or was cancelled."""
-    output: str | None
-    """The MP4's file name, relative to the output directory."""
-    thumbnail: str | None
-    """The first frame's PNG, relative to the output directory."""
-    timings: dict[str, Any] = field(default_factory=dict)
-    history: list[str] = field(default_factory=list)
-    """Events a client should know of (re-queued after a restart, ...)."""
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-@dataclass(kw_only=True, frozen=True)
-class Recovery:
-    """What :meth:`JobStore.recover` did at start."""
+def _store_errors(method: _F) -> _F:
+    """Turns what SQLite cannot do into :class:`StoreError` (a disk full answered a generic 500:
+    issue 24). Misuse of the API (ProgrammingError, InterfaceError, IntegrityError) stays a bug
+    and propagates as it is."""
 
-    requeued: list[str]
-    """Jobs that were running and run again."""
-    failed: list[str]
-    """Jobs that were running after a re-queue already: failed."""
-    cancelled: list[str]
-    """Running jobs whose cancel had been asked: cancelled."""
-    queued: int
-    """Jobs waiting, in order, after recovery."""
+    @functools.wraps(method)
+    def wrapper(self: "JobStore", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (sqlite3.ProgrammingError, sqlite3.InterfaceError, sqlite3.IntegrityError):
+            raise
+        except sqlite3.Error as e:
+            if _is_disk_full(e):
+                raise StoreError(507, f"the job store ({STORE_NAME}) cannot commit: its disk is "
+                                      f"full (SQLite: {e}); nothing was stored",
+                                 path=self.path) from e
+            raise StoreError(503, f"the job store ({STORE_NAME}) cannot be used (SQLite: {e})",
+                             path=self.path) from e
 
-
-def new_job_id() -> str:
-    """``vid_`` + 24 hex digits (random: ids do not reveal how many jobs others submitted)."""
-    return f"vid_{uuid.uuid4().hex[:24]}"
+    return wrapper  # type: ignore[return-value]
 
 
 class JobStore:
     """The SQLite job store at ``<directory>/jobs.sqlite3`` (created if absent)."""
 
     def __init__(self, directory: str) -> None:
+        """Opens (or creates) the store; raises :class:`StoreError` naming the file and what to
+        do when it is not a readable SQLite database (a corrupt file gave a raw traceback on
+        every rank: issue 24), OSError when the directory cannot be made."""
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.path = os.path.join(directory, STORE_NAME)
@@ -132,27 +120,66 @@ class JobStore:
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=30.0)
         self._lock = threading.Lock()
-        with self._lock:
-            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode.lower() != "wal":
-                raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); the "
-                                   "output directory must be on a local filesystem")
-            # FULL: every commit is on disk before it returns, so a 202 survives power loss too
-            # (NORMAL would survive a process crash only).
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
+        try:
+            with self._lock:
+                mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if mode.lower() != "wal":
+                    raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); "
+                                       "the output directory must be on a local filesystem")
+                # A damaged page past the header passes the line above and failed later, in
+                # recovery or at some job; quick_check reads every page once (milliseconds for
+                # a store of thousands of jobs).
+                problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
+                if problems != ["ok"]:
+                    raise sqlite3.DatabaseError("; ".join(problems[:3]))
+                # FULL: every commit is on disk before it returns, so a 202 survives power loss
+                # too (NORMAL would survive a process crash only).
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            raise StoreError(503, f"{self.path} is not a readable SQLite job store (SQLite: {e}). "
+                                  f"Stop the server, move {STORE_NAME} (with {STORE_NAME}-wal and "
+                                  f"{STORE_NAME}-shm if present) out of {directory} or restore "
+                                  "all three from one backup, and start again: the server then "
+                                  "starts with an empty job store (the videos stay, unlisted)",
+                             path=self.path) from e
 
     def close(self) -> None:
+        """Checkpoints the WAL into the main file and closes (the server's shutdown)."""
         with self._lock:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error:  # noqa: S110 - closing checkpoints again, when it can
+                pass
             self._db.close()
+
+    @_store_errors
+    def checkpoint(self) -> None:
+        """Copies the WAL into ``jobs.sqlite3`` now. PASSIVE: never waits for another process
+        reading the file (a backup tool), so the rank-0 loop is never held here."""
+        with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def _checkpoint_after_job(self) -> None:
+        """A job's end is committed (in the WAL): copy it into the main file too. A failure
+        here loses nothing (the WAL holds the commit), so it is logged, not raised into the
+        job's end."""
+        try:
+            self.checkpoint()
+        except StoreError as e:
+            log.warning("job store %s: checkpoint after a job failed (%s); the jobs stay in "
+                        "%s-wal until the next one", self.path, e, STORE_NAME)
 
     # ------------------------------------------------------------------ reading
 
+    @_store_errors
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else self._record(row)
 
+    @_store_errors
     def list(self, *, limit: int = 20, status: JobStatus | None = None,
              before_seq: int | None = None) -> list[JobRecord]:
         """The most recent jobs first (optionally of one status, older than ``before_seq``)."""
@@ -168,6 +195,7 @@ class JobStore:
             rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
         return [self._record(r) for r in rows]
 
+    @_store_errors
     def queued(self) -> list[JobRecord]:
         """The waiting jobs, oldest first."""
         with self._lock:
@@ -175,6 +203,7 @@ class JobStore:
                                     ).fetchall()
         return [self._record(r) for r in rows]
 
+    @_store_errors
     def counts(self) -> dict[JobStatus, int]:
         """Jobs per status (every status present, zeros included)."""
         with self._lock:
@@ -182,6 +211,7 @@ class JobStore:
         got = {JobStatus(s): n for s, n in rows}
         return {s: got.get(s, 0) for s in JobStatus}
 
+    @_store_errors
     def queue_position(self, job: JobRecord) -> int:
         """How many queued jobs are ahead of ``job``."""
         with self._lock:
@@ -190,6 +220,7 @@ class JobStore:
 
     # ------------------------------------------------------------------ transitions
 
+    @_store_errors
     def submit(self, request: VideoRequest, *, max_queued: int) -> JobRecord | None:
         """Stores a new queued job and returns it once committed; None when ``max_queued`` jobs
         are already waiting (checked in the same transaction)."""
@@ -204,6 +235,7 @@ class JobStore:
         assert record is not None
         return record
 
+    @_store_errors
     def start_next(self) -> JobRecord | None:
         """Marks the oldest queued job running (one more attempt) and returns it; None if none."""
         with self._tx() as db:
@@ -229,6 +261,7 @@ class JobStore:
         """A running job was stopped between steps because its cancel was asked."""
         self._finish(job_id, JobStatus.CANCELLED, reason, timings=timings)
 
+    @_store_errors
     def _finish(self, job_id: str, status: JobStatus, error: str | None, *,
                 output: str | None = None, thumbnail: str | None = None,
                 timings: dict[str, Any] | None = None) -> None:
@@ -237,7 +270,9 @@ class JobStore:
                        "thumbnail = ?, timings = ? WHERE id = ?",
                        (status.value, time.time(), error, output, thumbnail,
                         json.dumps(timings or {}), job_id))
+        self._checkpoint_after_job()
 
+    @_store_errors
     def request_cancel(self, job_id: str) -> JobRecord | None:
         """DELETE: a queued job is cancelled at once; a running one is marked (the loop stops it
         between denoise steps); a finished one is left as it is. Returns the job after the
@@ -254,6 +289,7 @@ class JobStore:
                 db.execute("UPDATE jobs SET cancel = 1 WHERE id = ?", (job_id,))
         return self.get(job_id)
 
+    @_store_errors
     def requeue(self, job_id: str, note: str) -> None:
         """A clean shutdown interrupted the running job: back to the queue, its attempt given back
         (it keeps its place: the queue is ordered by submission)."""
@@ -262,6 +298,7 @@ class JobStore:
                        "attempts = MAX(attempts - 1, 0), history = json_insert(history, '$[#]', ?) "
                        "WHERE id = ? AND status = 'running'", (note, job_id))
 
+    @_store_errors
     def recover(self) -> Recovery:
         """At start: the restart semantics of the module docstring, in one transaction."""
         requeued, failed, cancelled = [], [], []
@@ -302,8 +339,14 @@ class JobStore:
             return self.store._db
 
         def __exit__(self, exc_type, *_: Any) -> None:
+            db = self.store._db
             try:
-                self.store._db.execute("ROLLBACK" if exc_type else "COMMIT")
+                if not exc_type:
+                    db.execute("COMMIT")
+                elif db.in_transaction:
+                    # SQLite rolls back by itself on some errors (SQLITE_FULL); a ROLLBACK then
+                    # raised "no transaction is active" and hid the real error (issue 24).
+                    db.execute("ROLLBACK")
             finally:
                 self.store._lock.release()
 
@@ -324,6 +367,13 @@ class JobStore:
                          timings=json.loads(d["timings"]) if d["timings"] else {},
                          history=json.loads(d["history"]))
 
+    @_store_errors
+    def ids(self) -> set[str]:
+        """Every job id in the store."""
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT id FROM jobs").fetchall()}
+
+    @_store_errors
     def __iter__(self) -> Iterator[JobRecord]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY seq").fetchall()

@@ -126,6 +126,16 @@ def _int_field(payload: dict, name: str, default: int) -> int:
     return value
 
 
+def _lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in ``text`` (None when there is none). JSON may spell
+    one (``"\\ud800"``); the pipeline's tokenizer raised on it and the client got a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
     """Validates a decoded JSON body; raises :class:`RequestError` (400, or 413 for a request
     above a size limit) naming the field, its value and the rule."""
@@ -140,6 +150,12 @@ def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
     if len(prompt) > rules.max_prompt_chars:
         raise RequestError(413, f"prompt of {len(prompt)} characters exceeds "
                                 f"{rules.max_prompt_chars}")
+    surrogate = _lone_surrogate(prompt)
+    if surrogate is not None:
+        code = ord(prompt[surrogate])
+        raise RequestError(400, f"prompt={prompt!r} holds a lone surrogate (U+{code:04X} at "
+                                f"index {surrogate}): it must be Unicode text (a JSON "
+                                "\\uD800-\\uDFFF escape only as half of a pair)")
     # H3 is guidance-distilled: one forward per step, no unconditional branch, no guidance scale
     # (its pipeline has neither input). Accepting other values would ignore them silently.
     negative = payload.get("negative_prompt")

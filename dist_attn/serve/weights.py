@@ -9,7 +9,9 @@ read, on every rank alike (all ranks read the same file).
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 from typing import Mapping
 
@@ -18,7 +20,13 @@ from torch import nn
 
 from dist_attn.serve.config import H3_ARCHITECTURE, ModelConfig
 
-__all__ = ["WeightsError", "check_checkpoint", "load_checkpoint", "save_output", "load_output"]
+__all__ = ["WeightsError", "check_checkpoint", "load_checkpoint", "save_output", "load_output",
+           "prune_outputs", "SERVED_OUTPUTS"]
+
+log = logging.getLogger(__name__)
+
+#: The files /v1/generate writes into --output-dir (one per request: ``<request_id>.safetensors``).
+SERVED_OUTPUTS = "req-*.safetensors"
 
 
 class WeightsError(ValueError):
@@ -97,3 +105,34 @@ def load_output(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(os.fspath(path))
+
+
+def prune_outputs(directory: str | os.PathLike, *, keep: int,
+                  pattern: str = SERVED_OUTPUTS) -> list[str]:
+    """Deletes all but the newest ``keep`` files of ``directory`` matching ``pattern`` (newest by
+    modification time, then by name); returns the names deleted, oldest first.
+
+    /v1/generate wrote one file per request forever (issue 24). A file that cannot be deleted is
+    logged as a warning and left: the request that wrote the newest one succeeded regardless.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r} must be a positive integer")
+    paths = []
+    for path in glob.glob(os.path.join(glob.escape(os.fspath(directory)), pattern)):
+        try:
+            paths.append((os.stat(path).st_mtime_ns, os.path.basename(path), path))
+        except FileNotFoundError:  # deleted meanwhile (another server, an operator)
+            continue
+    paths.sort()
+    removed = []
+    for _, name, path in paths[:max(0, len(paths) - keep)]:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("could not delete the old output %s (%s); it stays", path,
+                        e.strerror or e)
+            continue
+        removed.append(name)
+    return removed

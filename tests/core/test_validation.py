@@ -116,3 +116,20 @@ def test_short_request_padding_longer_than_used_is_valid():
     q = torch.randn(64, 2, 16)
     out = sage_varlen(q, q, q, torch.tensor([0, 10, 64]), 10, [0, 10, 64], backend="sdpa")
     assert torch.count_nonzero(out[10:]) == 0 and torch.isfinite(out[:10]).all()
+
+
+@pytest.mark.parametrize("scale", [float("nan"), 0, -1, float("inf"), True, "0.1"],
+                         ids=["nan", "zero", "negative", "inf", "bool", "str"])
+def test_sage_varlen_and_ulysses_refuse_the_same_softmax_scales(scale):
+    """sage_varlen(..., softmax_scale=nan) returned all NaN (0 and -1 passed too) where
+    ulysses_attention refused them: one rule (validation.check_softmax_scale) raised by both,
+    with the same message, before any kernel runs."""
+    from dist_attn import UlyssesSageAttention, sage_varlen
+
+    q = torch.randn(8, H, D)
+    with pytest.raises(ValueError) as varlen:
+        sage_varlen(q, q, q, [0, 8], 8, backend="sdpa", softmax_scale=scale)
+    with pytest.raises(ValueError) as ulysses:
+        UlyssesSageAttention(H, D, backend="sdpa", softmax_scale=scale)
+    assert str(varlen.value) == str(ulysses.value)
+    assert str(varlen.value) == f"softmax_scale={scale!r} must be a positive finite number or None"

@@ -9,6 +9,7 @@ import pytest
 
 from dist_attn.serve.config import (DEFAULT_CONFIG_PATH, Config, ModelConfig, RuntimeConfig,
                                     ServeConfig, apply_overrides, load_config, parse_config)
+from dist_attn.serve.job_config import JobsConfig
 from dist_attn.serve.tokens import TokenConfig
 
 from tests.conftest import ROOT
@@ -100,6 +101,7 @@ def test_quality_values_listed_and_lossless_rejects_sage():
     (ServeConfig, {"max_json_depth": 0}, r"ServeConfig.max_json_depth=0 must be a positive "
                                          r"integer"),
     (ServeConfig, {"backlog": -1}, r"ServeConfig.backlog=-1 must be a positive integer"),
+    (JobsConfig, {"latents_kept": 0}, r"JobsConfig.latents_kept=0 must be a positive integer"),
 ])
 def test_field_rules(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -49,7 +49,8 @@ def _short_request_is_served(srv, timeout: float = 30) -> None:
 def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     # DIST_ATTN_API_KEY set but empty means no key: it used to refuse every request with 401
-    with server(tmp, 2, *FLAGS, "--output-dir", str(tmp / "out"), DIST_ATTN_API_KEY="") as s:
+    with server(tmp, 2, *FLAGS, "--output-dir", str(tmp / "out"), "--set", "jobs.latents_kept=2",
+                DIST_ATTN_API_KEY="") as s:
         s.output_dir = str(tmp / "out")
         yield s
 
@@ -90,9 +91,28 @@ def test_rank0_only_error_fails_one_request_and_keeps_serving(srv):
     os.remove(srv.output_dir)
     status, body, _ = http("POST", srv.base + "/v1/generate", SHORT)
     assert status == 200, body
-    assert json.loads(body)["output"].startswith(srv.output_dir)
+    assert os.path.isfile(os.path.join(srv.output_dir, json.loads(body)["output"]))
     assert srv.rank_pids() == pids  # no rank restarted or left
     assert http("GET", srv.base + "/health")[0] == 200
+
+
+def test_generate_answers_a_relative_output_name_and_keeps_the_newest_latents(srv):
+    """/v1/generate with --output-dir answered the absolute server path of the latents it saved
+    (the README promises no server paths) and kept one file per request forever: now the file's
+    name relative to the output directory, and the newest jobs.latents_kept (2 here) files."""
+    from dist_attn.serve.weights import load_output
+
+    names = []
+    for _ in range(3):
+        status, body, _ = http("POST", srv.base + "/v1/generate", SHORT)
+        assert status == 200, body
+        names.append(json.loads(body)["output"])
+        assert srv.output_dir not in body
+    for name in names:
+        assert name.startswith("req-") and name.endswith(".safetensors") and "/" not in name
+    kept = sorted(n for n in os.listdir(srv.output_dir) if n.startswith("req-"))
+    assert kept == sorted(names[1:]), (kept, names)  # the oldest was deleted
+    assert set(load_output(os.path.join(srv.output_dir, names[-1]))) == {"video", "audio"}
 
 
 def test_health_is_not_ready_while_a_rank_is_stopped(srv):
@@ -168,10 +188,33 @@ def test_a_hung_peer_ends_the_job_within_the_process_group_timeout(tmp_path):
         assert time.monotonic() - t0 < 5.0 + 20  # the timeout plus teardown, not forever
 
 
-def test_sigterm_under_the_supervisor_drains_and_the_job_exits_0(tmp_path):
-    """torchrun's agent re-raises a SIGTERM as SignalException after its ranks drained, so the
-    job exited 1 with a traceback; `launch/serve.py --nproc-per-node N` runs torchrun under a
-    supervisor that passes the signal to rank 0 alone, which ends the job: exit status 0."""
+def _supervised_ranks(supervisor: int, timeout: float = 60) -> dict[int, int]:
+    """{rank: pid} of the 2 ranks under the supervisor's (current) torchrun agent."""
+    from dist_attn.serve.supervise import rank_pids
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{supervisor}/task/{supervisor}/children") as f:
+                agents = [int(p) for p in f.read().split()]
+        except OSError:
+            agents = []
+        for agent in agents:
+            ranks = rank_pids(agent)
+            if len(ranks) == 2:
+                return ranks
+        assert time.monotonic() < deadline, "the supervised ranks never appeared"
+        time.sleep(0.1)
+
+
+def test_under_the_supervisor_a_killed_rank_comes_back_and_sigterm_exits_0(tmp_path):
+    """1. kill -9 of one rank ended a supervised server for good (exit 1). The supervisor now
+    starts the job again (it had served), the store re-queues the video job that was running,
+    and it finishes at its second attempt. 2. torchrun's agent re-raises a SIGTERM as
+    SignalException after its ranks drained (exit 1 with a traceback); under the supervisor the
+    signal goes to rank 0 alone, which ends the job: exit status 0, after the restart too. One
+    server start for both keeps CI's 2 cores within their budget; the synthetic video runner (no
+    pipeline to build) keeps both starts short."""
     import subprocess
     import sys
 
@@ -182,23 +225,72 @@ def test_sigterm_under_the_supervisor_drains_and_the_job_exits_0(tmp_path):
     log_path = str(tmp_path / "supervised.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, SERVE, "--nproc-per-node", "2", "--port",
-                                 str(port), *FLAGS], cwd=ROOT, env=subprocess_env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                 str(port), *FLAGS, "--output-dir", str(tmp_path / "out"),
+                                 "--video-runner", "synthetic"], cwd=ROOT, env=subprocess_env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     srv = Server(proc, port, log_path)
     try:
         srv.wait_healthy()
         _short_request_is_served(srv)
+        # 1. a video job of 100 synthetic steps (0.05 s each) runs; rank 1 is killed mid-way
+        status, text, _ = http("POST", srv.base + "/v1/videos",
+                               json.dumps({"prompt": "a long job", "steps": 100}).encode())
+        assert status == 202, text
+        url = srv.base + f"/v1/videos/{json.loads(text)['id']}"
+
+        def job() -> dict:
+            return json.loads(http("GET", url)[1])
+
+        deadline = time.monotonic() + 30
+        while not (job()["status"] == "running" and job()["progress"]["step"] >= 3):
+            assert time.monotonic() < deadline, job()
+            time.sleep(0.05)
+        before = _supervised_ranks(proc.pid)
+        os.kill(before[1], signal.SIGKILL)
+        _wait_for_log(srv, "supervisor: the job exited 1 after it served", timeout=60)
+        srv.wait_healthy()  # the supervisor itself never exited
+        after = _supervised_ranks(proc.pid)
+        assert set(after.values()).isdisjoint(before.values()), (before, after)
+        deadline = time.monotonic() + 60
+        while job()["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, job()
+            time.sleep(0.2)
+        done = job()
+        assert done["status"] == "succeeded" and done["attempts"] == 2, done
+        assert done["history"][0].startswith("re-queued"), done
+        # 2. SIGTERM: a drain and exit 0, without a traceback after the restart
+        since = len(srv.log())
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, srv.log()[-3000:]
         assert time.monotonic() - t0 < 20
-        log = srv.log()
+        log = srv.log()[since:]
         for rank in (0, 1):
             assert f"[rank {rank}] INFO dist_attn.serve.loop: shut down cleanly" in log, log[-3000:]
         assert "SignalException" not in log and "Traceback" not in log, log[-3000:]
     finally:
         if proc.poll() is None:  # the agent goes with it; the ranks then get their parent-death
             os.killpg(proc.pid, signal.SIGKILL)  # signal and leave
+
+
+def test_a_corrupt_job_store_fails_the_launch_with_one_message(tmp_path):
+    """A corrupt jobs.sqlite3 gave raw tracebacks on every rank and torchrun's ChildFailedError
+    after the model was built. Rank 0 opens the store before the launch checks: one message
+    naming the file and what to do, no rank traceback before it, every rank exits 1."""
+    from tests.conftest import free_port
+    from tests.serve._server import STARTUP_S, run, torchrun
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "jobs.sqlite3").write_bytes(b"not a database " * 600)
+    res = run(torchrun(2, "--port", str(free_port()), "--output-dir", str(out)), STARTUP_S)
+    assert res.returncode != 0
+    err = res.stderr
+    assert err.count("launch checks failed") == 1, err[-3000:]
+    assert (f"job store: {out / 'jobs.sqlite3'} is not a readable SQLite job store (SQLite: "
+            "file is not a database)") in err, err[-3000:]
+    assert "Traceback" not in err.split("launch checks failed")[0], err[-3000:]
+    assert "built tiny" not in err  # caught before the model was built
 
 
 def test_the_readme_timeout_example_times_out(srv):

@@ -381,3 +381,81 @@ def test_step_times_estimate_unmeasured_lengths_from_the_nearest():
     assert times.job_s(100, 3, "video", steps_done=3) == 0.0
     assert times.job_s(100, 3, "video") == pytest.approx(3 * 1.3 + 4.0)
     assert StepTimes.retry_after(0.01) == 1 and StepTimes.retry_after(5.2) == 6
+
+
+def _read_until_closed(port: int, raw: bytes, timeout: float = 10) -> bytes:
+    """Sends ``raw`` and reads every answer until the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(raw)
+        data = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def test_content_length_lists_and_pipelined_duplicates_are_refused(app):
+    """h11 reads 'Content-Length: 2, 2' as 2 and merges equal repeats, so the app sees neither.
+    The raw-head check looked at the first head of a packet only, ended by CRLF CRLF: a
+    pipelined second request with two Content-Length headers passed, and so did a head with bare
+    LF line ends (which h11 accepts)."""
+    port = app.port
+    listed = b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2, 2\r\n\r\n{}"
+    data = _exchange(port, listed)
+    assert _json_error(data, 400)["connection"] == "close"
+    assert "Content-Length='2, 2' must be one decimal number" in json.loads(_parse(data)[2])[
+        "error"]["message"]
+    twice = b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}"
+    bare_lf = twice.replace(b"\r\n", b"\n")
+    _json_error(_exchange(port, bare_lf), 400)
+    pipelined = _read_until_closed(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + twice,
+                                   timeout=IDLE_S + 5)
+    first, sep, second = pipelined.partition(b"HTTP/1.1 ")[2].partition(b"HTTP/1.1 ")
+    assert first.startswith(b"200") and sep, pipelined
+    second = b"HTTP/1.1 " + second
+    _json_error(second, 400)
+    assert b"2 Content-Length headers" in second
+    samples = metric_samples(app.metrics.render().decode())
+    assert samples['dist_attn_request_errors_total{code="400"}'] == 3
+    assert 'dist_attn_request_errors_total{code="404"}' not in samples
+
+
+def test_a_malformed_chunked_body_is_400_logged_at_info_without_traceback(app, caplog):
+    """h11 refused the chunk while the app already ran the request: uvicorn logged a WARNING,
+    then the app's own answer met a closed connection and wrote an ERROR with a traceback. A
+    client's mistake is logged at INFO, once, without a traceback."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    raw = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\n{AUTH}Transfer-Encoding: chunked\r\n\r\n"
+           "zz\r\n{}\r\n0\r\n\r\n").encode()
+    _json_error(_exchange(app.port, raw), 400)
+    time.sleep(0.5)  # the app's task for the request ends after the answer
+    loud = [(r.name, r.levelname, r.getMessage()) for r in caplog.records
+            if r.levelno >= logging.WARNING or r.exc_info]
+    assert loud == [], loud
+    assert any("invalid HTTP request" in r.getMessage() and r.levelno == logging.INFO
+               for r in caplog.records)
+    assert len(app.jobs) == 0
+    assert _parse(_exchange(app.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))[0] == 200
+
+
+def test_a_500_is_json_and_counted(app, monkeypatch):
+    """Every error answer is counted in dist_attn_request_errors_total; 500s were not."""
+    import dist_attn.serve.http as http_module
+
+    def broken(*_a, **_k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(http_module, "parse_request", broken)
+    data = _exchange(app.port, _post(b'{"steps": 1}'))
+    _json_error(data, 500)
+    assert "a bug" not in data.decode()  # library internals stay in the log
+    samples = metric_samples(app.metrics.render().decode())
+    assert samples['dist_attn_request_errors_total{code="500"}'] == 1

@@ -50,7 +50,10 @@ def test_once_on_3_ranks_matches_a_single_rank(tmp_path):
     assert len(r4["step_latency_ms"]) == 2 and r4["total_latency_ms"] > 0
     assert 0 < r4["all_to_all_share"] < r4["attention_share"] <= 1
     assert r1["all_to_all_share"] == 0  # world 1: no all-to-all
-    a, b = load_output(r4["output"]), load_output(r1["output"])
+    # the file's name, relative to --output-dir (no server paths in results)
+    assert r4["output"] == r1["output"] == "once-5.safetensors"
+    a = load_output(str(tmp_path / "w4" / r4["output"]))
+    b = load_output(str(tmp_path / "w1" / r1["output"]))
     assert a["video"].shape == (168, 16) and a["audio"].shape == (74, 8)
     for name in ("video", "audio"):
         err = (a[name] - b[name]).norm() / b[name].norm()
@@ -200,3 +203,15 @@ def test_once_with_compile_compiles_the_served_blocks(launcher, monkeypatch, cap
     result = _last_json(capsys.readouterr().out)
     assert calls == ["MiniMaxH3Transformer3DModel"]
     assert len(result["step_latency_ms"]) == 1 and result["checksum"]["bits64"]
+
+
+def test_max_restarts_is_the_supervisors_and_must_be_non_negative(capsys):
+    """--max-restarts bounds the supervisor's restarts (a killed rank ended the server for good:
+    issue 24); it names its value and rule, and is refused where no supervisor runs."""
+    from dist_attn.serve import cli
+
+    assert cli.main(["--nproc-per-node", "2", "--max-restarts", "-1"]) == 1
+    assert ("--max-restarts=-1 must be a non-negative integer (restarts within 600 s; 0: never "
+            "restart)") in capsys.readouterr().err
+    assert cli.main(["--max-restarts", "2"]) == 1
+    assert "--max-restarts=2 is the supervisor's (with --nproc-per-node)" in capsys.readouterr().err

@@ -5,6 +5,8 @@ on the same file while the first never finished its job, as after a kill -9."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import sqlite3
 
 import pytest
@@ -109,3 +111,74 @@ def test_a_video_job_fits_the_control_message():
     back = video_from_wire(wire)
     assert (back.frames, back.height, back.width, back.steps, back.seed) == (
         REQ.frames, REQ.height, REQ.width, REQ.steps, REQ.seed)
+
+
+def test_a_backup_of_the_main_file_alone_holds_the_finished_jobs(tmp_path):
+    """The jobs lived in jobs.sqlite3-wal while the main file stayed at 4 KB: a copy of
+    jobs.sqlite3 alone held no job. The store checkpoints after every job's end and at close."""
+    live, backup = tmp_path / "live", tmp_path / "backup"
+    store = JobStore(str(live))
+    done = store.submit(REQ, max_queued=8)
+    store.start_next()
+    store.succeed(done.id, output="videos/a.mp4", thumbnail=None, timings={})
+    waiting = store.submit(REQ, max_queued=8)  # committed to the WAL; no job ended since
+    backup.mkdir()
+    shutil.copy(live / "jobs.sqlite3", backup / "jobs.sqlite3")  # the server still running
+    copy = JobStore(str(backup))
+    assert [(j.id, j.status) for j in copy] == [(done.id, JobStatus.SUCCEEDED)]
+    copy.close()
+    store.close()  # the shutdown: everything into the main file
+    shutil.copy(live / "jobs.sqlite3", backup / "jobs.sqlite3")
+    assert [j.id for j in JobStore(str(backup))] == [done.id, waiting.id]
+
+
+def test_mp4s_the_store_does_not_list_log_a_warning(tmp_path, caplog):
+    """A store restored without its WAL started empty, without a word, although videos/ held
+    every MP4: the start now warns, naming the store, the count and the jobs."""
+    from dist_attn.serve.store_open import open_job_store
+
+    out = tmp_path / "out"
+    (out / "videos").mkdir(parents=True)
+    (out / "videos" / "vid_lost.mp4").write_bytes(b"an mp4")
+    caplog.set_level(logging.INFO)
+    store = open_job_store(str(out))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"job store {out / 'jobs.sqlite3'} lists 0 job(s), but "
+                                  f"{out / 'videos'} holds 1 MP4(s) of jobs it does not list "
+                                  "(vid_lost)"), warnings
+    job = store.submit(REQ, max_queued=8)
+    store.start_next()
+    store.succeed(job.id, output=f"videos/{job.id}.mp4", thumbnail=None, timings={})
+    (out / "videos" / f"{job.id}.mp4").write_bytes(b"an mp4")
+    (out / "videos" / "vid_lost.mp4").unlink()
+    store.close()
+    caplog.clear()
+    open_job_store(str(out)).close()  # every MP4 listed: no warning
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_corrupt_store_file_is_an_error_naming_it_and_what_to_do(tmp_path):
+    """A corrupt jobs.sqlite3 raised sqlite3.DatabaseError from deep in the start-up; a damaged
+    page past a valid header passed the open and failed later. Both name the file now."""
+    from dist_attn.serve.store import StoreError
+
+    path = tmp_path / "jobs.sqlite3"
+    path.write_bytes(b"not a database " * 600)
+    with pytest.raises(StoreError) as garbage:
+        JobStore(str(tmp_path))
+    message = str(garbage.value)
+    assert message.startswith(f"{path} is not a readable SQLite job store (SQLite: file is not "
+                              "a database)"), message
+    assert "move jobs.sqlite3 (with jobs.sqlite3-wal and jobs.sqlite3-shm if present)" in message
+    path.unlink()
+    store = JobStore(str(tmp_path))
+    for _ in range(200):  # a few pages of jobs
+        store.submit(REQ, max_queued=1000)
+    store.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    data[2 * page:3 * page] = b"\xff" * page  # one damaged table page, the header intact
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="is not a readable SQLite job store"):
+        JobStore(str(tmp_path))

@@ -36,14 +36,15 @@ GOOD = {"prompt": "a red fox in snow", "frames": 124, "height": 32, "width": 64,
 
 
 class _Api:
-    def __init__(self, tmp_path, *, max_queued: int = 3, step_s: float = 0.01) -> None:
+    def __init__(self, tmp_path, *, max_queued: int = 3, step_s: float = 0.01,
+                 rules: VideoRules = RULES) -> None:
         cfg = apply_overrides(load_config(None), {"serve.queue_size": 2})
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
                       backend=None)
         self.dir = str(tmp_path / "out")
         self.store = JobStore(self.dir)
-        self.runner = SyntheticRunner(env, step_s=step_s, rules=RULES)
-        self.videos = VideoJobs(store=self.store, rules=RULES, max_queued=max_queued,
+        self.runner = SyntheticRunner(env, step_s=step_s, rules=rules)
+        self.videos = VideoJobs(store=self.store, rules=rules, max_queued=max_queued,
                                 output_dir=self.dir)
         self.rank0 = _Rank0(cfg, env, None, {"model": "synthetic"}, None, self.runner,
                             self.videos)
@@ -52,11 +53,12 @@ class _Api:
         self.server.start()
         self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 
-    def call(self, method: str, path: str, body: dict | bytes | None = None
-             ) -> tuple[int, dict | bytes, dict]:
+    def call(self, method: str, path: str, body: dict | bytes | None = None, *,
+             headers: dict[str, str] | None = None) -> tuple[int, dict | bytes, dict]:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
         req = urllib.request.Request(self.base + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=20) as r:
                 raw, status, headers = r.read(), r.status, dict(r.headers)
@@ -228,3 +230,124 @@ def test_disk_errors_fail_the_job_alone(api, monkeypatch):
     third = api.call("POST", "/v1/videos", GOOD)[1]
     api.run_next()
     assert api.call("GET", f"/v1/videos/{third['id']}")[1]["status"] == "succeeded"
+
+
+def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):
+    """JSON may spell a lone surrogate ("\\ud800"); the pipeline's tokenizer raised on it and
+    the client got a 500. The tiny pipeline's own tokenizer counts the text rows here."""
+    import dataclasses
+
+    pytest.importorskip("transformers")
+    from dist_attn.serve.tiny_h3 import _tokenizer
+
+    tok = _tokenizer()
+    rules = dataclasses.replace(
+        RULES, text_rows=lambda p: len(tok(p, add_special_tokens=False)["input_ids"]))
+    api = _Api(tmp_path, rules=rules)
+    try:
+        status, answer, _ = api.call("POST", "/v1/videos", b'{"prompt": "\\ud800 x"}')
+        assert status == 400, answer
+        message = answer["error"]["message"]
+        assert message.startswith("prompt='\\ud800 x' holds a lone surrogate (U+D800 at index 0)")
+        assert api.store.counts()[JobStatus.QUEUED] == 0
+        paired = json.dumps({"prompt": "\U0001F98A a fox"}).encode()  # a pair: one character
+        assert api.call("POST", "/v1/videos", paired)[0] == 202
+    finally:
+        api.close()
+
+
+def test_a_limit_of_non_ascii_digits_is_400(api):
+    """'\u00b2'.isdigit() is True and int('\u00b2') raises: ?limit=%C2%B2 was a 500. int()
+    takes other scripts' digits ('\u0663' is 3): both are refused, by one rule."""
+    for query, shown in (("%C2%B2", "'\u00b2'"), ("%D9%A3", "'\u0663'")):
+        status, answer, _ = api.call("GET", f"/v1/videos?limit={query}")
+        assert status == 400, answer
+        assert answer["error"]["message"] == (f"limit={shown} must be an integer in [1, 100] "
+                                              "(ASCII digits)")
+    assert api.call("GET", "/v1/videos?limit=3")[0] == 200
+
+
+def test_duplicate_json_keys_are_400_naming_the_key(api):
+    """json.loads kept the last of a repeated key: {"steps": 1000, "steps": 2} was a 202."""
+    body = b'{"prompt": "a fox", "steps": 1000, "steps": 2}'
+    status, answer, _ = api.call("POST", "/v1/videos", body)
+    assert status == 400, answer
+    assert answer["error"]["message"] == ("duplicate key 'steps' in a JSON object ('steps': "
+                                          "1000, then 2): each key may appear once")
+    assert api.store.counts()[JobStatus.QUEUED] == 0
+
+
+def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
+    """A full disk answered a generic 500. SQLite's real SQLITE_FULL is made here by capping the
+    file's pages: SQLite also rolled the transaction back itself, and the store's ROLLBACK then
+    raised 'no transaction is active', hiding the error."""
+    from dist_attn.serve.videos import parse_video_request
+
+    api = _Api(tmp_path, max_queued=10_000)
+    try:
+        db = api.store._db
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        same = parse_video_request(GOOD, RULES)  # rows as large as the request below
+        for _ in range(1000):
+            try:
+                api.store.submit(same, max_queued=10_000)
+            except Exception:  # noqa: BLE001 - full: what the store raises is the HTTP test's
+                break
+        else:
+            pytest.fail("the capped store never filled")
+        status, answer, _ = api.call("POST", "/v1/videos", GOOD)
+        assert status == 507, answer
+        message = answer["error"]["message"]
+        assert message.startswith("the job store (jobs.sqlite3) cannot commit: its disk is full")
+        assert api.dir not in message  # no server paths in answers
+        samples = metric_samples(api.rank0.metrics.render().decode())
+        assert samples['dist_attn_request_errors_total{code="507"}'] == 1
+        db.execute("PRAGMA max_page_count = 1073741823")  # space again: the store carries on
+        assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    finally:
+        api.close()
+
+
+def test_range_errors_of_the_content_are_json(api):
+    """Starlette answered an unsatisfiable Range with a 416 and an empty body, a malformed one
+    with text/plain: every error is JSON, and counted."""
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+    api.run_next()
+    url = f"/v1/videos/{job['id']}/content"
+    size = os.path.getsize(os.path.join(api.dir, "videos", f"{job['id']}.mp4"))
+    status, answer, headers = api.call("GET", url, headers={"Range": "bytes=99999999-"})
+    assert status == 416 and headers["content-type"] == "application/json", answer
+    assert answer["error"] == {"code": 416, "message": "Range='bytes=99999999-' starts past the "
+                                                       f"end of the video ({size} bytes)"}
+    assert headers["content-range"] == f"bytes */{size}"
+    status, answer, _ = api.call("GET", url, headers={"Range": "items=0-1"})
+    assert status == 400 and answer["error"]["message"].startswith("Range='items=0-1': "), answer
+    status, part, headers = api.call("GET", url, headers={"Range": "bytes=0-9"})
+    assert status == 206 and len(part) == 10  # a satisfiable range is still served
+    samples = metric_samples(api.rank0.metrics.render().decode())
+    assert samples['dist_attn_request_errors_total{code="416"}'] == 1
+    assert samples['dist_attn_request_errors_total{code="400"}'] == 1
+
+
+def test_a_store_that_cannot_start_the_next_job_leaves_it_queued(api, monkeypatch, caplog):
+    """start_next raising (a full disk) ended the rank-0 loop, and with it the server: the job
+    stays queued, the error is logged once a minute, the loop serves on."""
+    import logging
+
+    from dist_attn.serve.store import StoreError
+
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+
+    def full(*_a, **_k):
+        raise StoreError(507, "the job store (jobs.sqlite3) cannot commit: its disk is full",
+                         path=api.store.path)
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(api.store, "start_next", full)
+    assert api.rank0._start_next_video() is None
+    assert api.rank0._start_next_video() is None
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "the next video job cannot start" in errors[0], errors
+    monkeypatch.undo()
+    assert api.call("GET", f"/v1/videos/{job['id']}")[1]["status"] == "queued"
+    assert api.rank0._start_next_video().id == job["id"]

@@ -14,7 +14,7 @@ pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extr
 from dist_attn.serve.config import ModelConfig, load_config  # noqa: E402
 from dist_attn.serve.model import build_h3  # noqa: E402
 from dist_attn.serve.weights import (WeightsError, check_checkpoint, load_checkpoint,  # noqa: E402
-                                     load_output, save_output)
+                                     load_output, prune_outputs, save_output)
 
 CPU = torch.device("cpu")
 
@@ -80,3 +80,20 @@ def test_output_latents_round_trip_through_safetensors(tmp_path):
     assert torch.equal(got["video"], video) and torch.equal(got["audio"], audio)
     with safe_open(str(path), "pt") as f:
         assert f.metadata() == {"request": '{"steps": 2}'}
+
+
+def test_prune_outputs_keeps_the_newest_served_files(tmp_path):
+    """/v1/generate wrote one file per request forever (issue 24): the newest `keep` served files
+    stay (by modification time, then name), other files are never touched."""
+    import os
+
+    for i, name in enumerate(["req-000003-c.safetensors", "req-000001-a.safetensors",
+                              "req-000002-b.safetensors", "once-5.safetensors", "jobs.sqlite3"]):
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, ns=(i * 10**9, i * 10**9))
+    assert prune_outputs(tmp_path, keep=2) == ["req-000003-c.safetensors"]  # the oldest mtime
+    assert sorted(os.listdir(tmp_path)) == ["jobs.sqlite3", "once-5.safetensors",
+                                            "req-000001-a.safetensors", "req-000002-b.safetensors"]
+    assert prune_outputs(tmp_path, keep=2) == []
+    with pytest.raises(ValueError, match=r"keep=0 must be a positive integer"):
+        prune_outputs(tmp_path, keep=0)
