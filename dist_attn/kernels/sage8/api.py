@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from dist_attn.validation import check_qkv
+from dist_attn.validation import check_qkv, check_softmax_scale
 
 __all__ = [
     "DEFAULT_IMPL",
@@ -135,12 +135,8 @@ def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
 
 
 def _scale(softmax_scale: float | None, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        # the online softmax multiplies -inf (masked keys) by the scale: 0 or negative breaks it
-        raise ValueError(f"softmax_scale must be a finite positive float, got {softmax_scale}")
-    return float(softmax_scale)
+    check_softmax_scale(softmax_scale)  # the library's one rule (0 or < 0 breaks the softmax)
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
 def sage8_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
