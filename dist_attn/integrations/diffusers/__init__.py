@@ -21,6 +21,10 @@ and heads (times the batch) are spread unevenly. Forward only. With ``mesh=`` (a
 Supported models are those listed by :func:`supported_models`; any other transformer is refused
 with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
 model runs on one rank with dist_attn's attention kernel and no collectives.
+
+FP8 linear layers are a separate, explicit call, :func:`quantize_linears` (``transformer, "fp8"``):
+it swaps weights in place and has no undo, whereas ``enable_ulysses`` is undone by
+``handle.remove()``; the two may be applied in either order.
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ from dist_attn.integrations.diffusers._spec import ModelSpec
 from dist_attn.integrations.diffusers._ltx import LTX
 from dist_attn.integrations.diffusers._minimax_h3 import MINIMAX_H3
 from dist_attn.integrations.diffusers._wan import WAN
+from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.profiling import PhaseTimer
 
-__all__ = ["UlyssesHandle", "disable_ulysses", "enable_ulysses", "supported_models"]
+__all__ = ["LinearQuantization", "UlyssesHandle", "disable_ulysses", "enable_ulysses",
+           "quantize_linears", "supported_models"]
 
 logger = logging.getLogger(__name__)
 
