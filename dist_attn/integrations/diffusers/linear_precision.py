@@ -111,7 +111,8 @@ def fp8_linear_names(transformer: nn.Module) -> list[str]:
     names = []
     for i, block in enumerate(transformer.transformer_blocks):
         for sub, module in block.named_modules():
-            if isinstance(module, nn.Linear) and sub.startswith(_PLANS[cls]):
+            # an already swapped layer is listed too, so that a second call is refused by name
+            if isinstance(module, (nn.Linear, EmulatedFp8Linear)) and sub.startswith(_PLANS[cls]):
                 names.append(f"transformer_blocks.{i}.{sub}")
     return names
 
