@@ -200,14 +200,18 @@ def require_torchao() -> Any:
 
 def torchao_fp8_config(*, fast_accum: bool = False) -> Any:
     """torchao's config for the recipe: e4m3 activations and weights, per-row scales, the
-    activation floor, ``use_fast_accum=fast_accum``; ``set_inductor_config=False`` because torchao
-    would otherwise switch on coordinate-descent tuning for the whole process (longer compiles,
-    other models affected)."""
+    activation floor, ``use_fast_accum=fast_accum``. ``kernel_preference=TORCH``: torch's own
+    quantizer and ``torch._scaled_mm``, whatever else is installed (with the optional ``mslk``
+    package torchao's AUTO would switch to its Triton quantizer and CUTLASS GEMM: another recipe,
+    unmeasured here). ``set_inductor_config=False``: torchao would otherwise switch on
+    coordinate-descent tuning for the whole process (longer compiles, other models affected)."""
     require_torchao()
     from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8MMConfig,
                                       PerRow)
+    from torchao.quantization.quantize_.common import KernelPreference
 
     return Float8DynamicActivationFloat8WeightConfig(
         activation_dtype=torch.float8_e4m3fn, weight_dtype=torch.float8_e4m3fn,
         granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum),
-        activation_value_lb=ACTIVATION_AMAX_FLOOR, set_inductor_config=False)
+        activation_value_lb=ACTIVATION_AMAX_FLOOR, kernel_preference=KernelPreference.TORCH,
+        set_inductor_config=False)

@@ -179,3 +179,36 @@ def test_refusals_and_bf16_noop(served):
     with pytest.raises(TypeError, match=r"no FP8 plan for WanTransformer3DModel; supported: "
                                         r"MiniMaxH3Transformer3DModel"):
         quantize_linears(tiny_wan(2), "fp8", emulate=True)
+
+
+def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
+    """The GPU code path itself, run on CPU: torchao refuses a CPU (its hardware assertion, and
+    our device rule), so both are lifted here; CPU's torch._scaled_mm then runs torchao's
+    Float8Tensor linears. Weight codes and scales equal the emulation's bit for bit, outputs
+    agree up to the order of float32 roundings (CPU dequantizes before its GEMM; measured 5.7e-4),
+    enable_ulysses gives the same result, and compile_blocks traces the tensor subclass fullgraph."""
+    pytest.importorskip("torchao", reason="torchao is not installed (the fp8 extra)")
+    import dist_attn.integrations.diffusers.linear_precision as lp
+
+    monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda g: None)
+    monkeypatch.setattr(lp, "fp8_unsupported_reason", lambda device: None)
+    cfg, bf16, _ = served
+    emulated, tao = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    quantize_linears(emulated, "fp8", emulate=True)
+    summary = quantize_linears(tao, "fp8")
+    assert summary.kernel == "torchao" and summary.count == 6 * cfg.model.num_layers
+    for name in summary.layers:
+        w, e = tao.get_submodule(name).weight, emulated.get_submodule(name)
+        assert type(w).__name__ == "Float8Tensor" and w.dtype == torch.bfloat16
+        assert torch.equal(w.qdata.view(torch.uint8), e.weight_codes.view(torch.uint8))
+        assert torch.equal(w.scale, e.weight_scales)
+    inputs = _inputs(cfg, torch.bfloat16)
+    want, got = _forward(emulated, inputs), _forward(tao, inputs)
+    for a, b in zip(got, want):
+        assert _rel(a, b) <= 2e-3, _rel(a, b)
+    with enable_ulysses(tao, backend="sdpa"):
+        ours = _forward(tao, inputs)
+        compile_blocks(tao, backend="aot_eager")
+        compiled = _forward(tao, inputs)
+    for a, b, c in zip(got, ours, compiled):
+        assert torch.equal(a, b) and _rel(c, a) <= 1e-6
