@@ -7,12 +7,13 @@
 
 Which linears (one owner: :func:`fp8_linear_names`), for ``MiniMaxH3Transformer3DModel``: in every
 ``transformer_blocks.*``, the self-attention's q/k/v/out projections and the SwiGLU FFN's two
-linears (``attn.*``, ``ff.*``): 6 per block, 98% of a block's GEMM work at a request's rows.
-Never quantized: the modules the class keeps in float32 (``_keep_in_fp32_modules``: the input
-projections, the time MLP, the output heads, RoPE), the text ``context_embedder``, the 2-block
-``token_refiner`` (512 text rows against the blocks' 38k: 0.2% of the work), every block's
-``adaln_proj`` (it projects the 2-3 distinct timesteps, not the rows: a few rows, where per-row
-FP8 saves no time) and ``norm_out``.
+linears (``attn.*``, ``ff.*``): 6 per block, every GEMM of the block that runs over the rows
+(H3: 385M of the block's 645M weights). Never quantized: the modules the class keeps in float32
+(``_keep_in_fp32_modules``: the input projections, the time MLP, the output heads, RoPE), the text
+``context_embedder``, the 2-block ``token_refiner`` (512 text rows against the blocks' 38k: 0.2%
+of the work), ``norm_out`` and every block's ``adaln_proj``: it projects the 2-3 distinct
+timesteps, not the rows, so it is a memory-bound GEMV (260M weights a block: FP8 would save 13 GB
+over 50 blocks but ~0.05 ms a block at 4.8 TB/s); left to a measured decision.
 
 The swap is not undone by :meth:`UlyssesHandle.remove` and has no undo of its own: the bf16
 weights are dropped (that is the memory saved). Quantize a fresh model to go back.
@@ -172,7 +173,8 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         ImportError: torchao is missing (the ``fp8`` extra) and not ``emulate``.
     """
     if precision not in LINEAR_PRECISIONS:
-        raise ValueError(f"precision={precision!r} must be one of {', '.join(map(repr, LINEAR_PRECISIONS))}")
+        raise ValueError(f"precision={precision!r} must be one of "
+                         f"{', '.join(map(repr, LINEAR_PRECISIONS))}")
     names = fp8_linear_names(transformer)
     kept = _KEPT[type(transformer).__name__]
     fp32 = tuple(_fp32_names(transformer))
