@@ -242,14 +242,15 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
         parts["unpack_ms"] = _timed(lambda: unpack_output(recv, out, chunk.head_ranges), dev, args,
                                     budget)["median_ms"]
     qa, ka, va = (torch.randn(total, h0, m.head_dim, device=dev).to(torch.bfloat16) for _ in range(3))
+    bounds = [0, lay.used, total]
     parts["kernel_ms"] = {}
     for backend in ("sdpa", "sage8", "fa3"):
         reason = _unavailable(backend, dev, cfg)
         try:
             if reason is None:
                 with torch.no_grad():
-                    parts["kernel_ms"][backend] = _timed(lambda: sage_varlen(
-                        qa, ka, va, None, lay.used, [0, lay.used, total], valid_len=lay.used,
+                    parts["kernel_ms"][backend] = _timed(lambda: sage_varlen(  # (0, used, total)
+                        qa, ka, va, bounds, lay.used, bounds, valid_len=lay.used,
                         backend=backend), dev, args, budget)["median_ms"]
         except Exception as exc:  # noqa: BLE001
             reason = describe_exception(exc)

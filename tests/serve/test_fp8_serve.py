@@ -120,3 +120,23 @@ def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, caps
     assert [shape[:3] for shape in events[0][1]] == [(22, 128, 192), (5, 64, 64)]
     assert events[0][1][0][3] == 274  # the default request's rows
     assert "warm-up 2/2: 5 frames 64x64" in capsys.readouterr().err
+
+
+def test_launch_check_names_the_extra_without_torchao(monkeypatch):
+    """On a capable GPU (stood in for: the device rule answers None) without torchao, the launch
+    check names the extra; with linear_precision='bf16' it checks nothing."""
+    import sys
+
+    from dist_attn.distributed import DistEnv
+    from dist_attn.serve import checks
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})
+    assert "device cpu" in checks.linear_precision_failures(cfg, env)[0]
+    monkeypatch.setattr(checks, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    (failure,) = checks.linear_precision_failures(cfg, env)
+    assert failure.startswith("model.linear_precision='fp8' cannot run here: FP8 linear layers run "
+                              "torchao's float8 inference, and torchao is not installed")
+    assert "pip install 'dist-attn[fp8]'" in failure
+    assert checks.linear_precision_failures(load_config(None), env) == []
