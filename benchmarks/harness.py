@@ -123,6 +123,7 @@ def collect_versions() -> dict[str, Any]:
         "cudnn": cudnn,
         "triton": _dist_version("triton"),
         "sageattention": _dist_version("sageattention"),
+        "torchao": _dist_version("torchao"),  # FP8 linears (the fp8 extra)
         "dist_attn": da,
         "dist_attn_commit": _git_commit(),
         "numpy": _dist_version("numpy"),

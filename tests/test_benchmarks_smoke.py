@@ -172,3 +172,38 @@ def test_vae_decode_smoke(tmp_path):
     assert {(r["threading"], r["clips"]) for r in mux} == {(t, c) for t in ("frame", "slice")
                                                           for c in (1, 7)}
     assert all(0 < r["tail_s"] <= r["s"] for r in mux)
+
+
+def test_h3_fp8_smoke(tmp_path):
+    """The FP8 benchmark on CPU (the float32 emulation): every section has rows, FP8 GEMMs show
+    an FP8-sized error and bf16 a bf16-sized one, the W = 4 model adds up, the served latents of
+    fp8:sdpa differ from bf16:sdpa, CUDA-only kernels are rows that say why."""
+    from benchmarks import h3_fp8
+
+    h3_fp8.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--modes", "eager"])
+    # (compiled rows: fullgraph inductor on CPU costs ~30 s a row here; run by hand with
+    # --modes compiled, and on the H200 by default)
+    data = _check_result(tmp_path, "h3-fp8")
+    rows = data["rows"]
+    ok = {(r["section"], r["path"]) for r in rows if r.get("status") == "ok"}
+    gemm = {(r["shape"], r["rows"], r["path"]): r for r in rows if r["section"] == "gemm"}
+    assert {s for s, _, _ in gemm} == {"qkv", "out", "ff_in", "ff_out"} and len(gemm) == 4 * 2 * 6
+    for (shape, n, path), r in gemm.items():
+        assert r["status"] == "ok", r
+        if path == "bf16":
+            assert r["rel_l2"] < 4e-3, r
+        elif path != "quant":
+            assert 1.5e-2 < r["rel_l2"] < 6e-2 and r["x_bf16"] > 0, r
+    for want in [("block", "fp8:sdpa"), ("block", "bf16:sdpa"), ("block", "fp8:native"), ("block", "bf16:none"),
+                 ("w4-rest", "fp8:none@w4"), ("w4", "fp8:sdpa"), ("w4", "bf16:sdpa"),
+                 ("accuracy", "bf16:sdpa"), ("accuracy", "fp8:sdpa")]:
+        assert want in ok, want
+    w4 = next(r for r in rows if r["section"] == "w4" and r["path"] == "fp8:sdpa")
+    assert w4["median_ms"] == pytest.approx(w4["rest_ms"] + w4["kernel_ms"] + w4["comm_ms"])
+    assert w4["step_s"] == pytest.approx(50 * w4["median_ms"] / 1e3) and w4["rows"] == 80
+    acc = {r["path"]: r for r in rows if r["section"] == "accuracy"}
+    assert acc["bf16:sdpa"]["video_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["video_rel_l2"] < 5e-2
+    sage = [r for r in rows if r["path"].endswith(":sage8")]
+    assert sage and all(r["status"] == "unavailable" and "sage8" in r["reason"] for r in sage)
+    assert data["config"]["fp8"] == "emulated (float32)" and "torchao" in data["versions"]
+    assert data["targets"]["block_w1_target_ms"] == 80.0 and data["targets"]["w4_best_step_s"] > 0

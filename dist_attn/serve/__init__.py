@@ -4,7 +4,8 @@ library (which never imports this package).
 Layers, bottom up: ``fields`` / ``tokens`` / ``quality`` -> ``config`` -> ``model`` / ``weights``
 -> ``protocol`` (request schema) -> ``jobs`` (rank-0 bookkeeping) -> ``wire`` (rank-to-rank
 control) -> ``engine`` (denoise loop) -> ``metrics`` / ``http`` (rank 0) -> ``loop`` (rank
-loops) -> ``process`` / ``checks`` / ``logs`` -> ``cli`` (the one launcher). Entry point:
+loops) -> ``process`` / ``checks`` / ``logs`` / ``warmup`` -> ``cli`` (the one launcher; ``config``
+checks ``warmup``'s shape rules, which import the layers above them only when called). Entry point:
 ``python -m dist_attn.serve`` or ``torchrun ... launch/serve.py``. Needs the ``serve`` extra
 (starlette, uvicorn, prometheus_client, safetensors, accelerate) and the ``diffusers`` extra
 (the model).

@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 
 from dist_attn.distributed import DistEnv
+from dist_attn.fp8_linear import fp8_unsupported_reason, require_torchao
 from dist_attn.plan import heads_per_rank
 from dist_attn.ring import check_ring_transport, resolve_ring_backend
 from dist_attn.serve.config import Config
 from dist_attn.serve.quality import (Topology, gather_device_facts, local_device_facts,
                                      quality_failures, tier_exact_only)
 
-__all__ = ["resolve_backend_name", "run_launch_checks"]
+__all__ = ["linear_precision_failures", "resolve_backend_name", "run_launch_checks"]
 
 # Rows of the probe tensor the backend registry is asked with (its rules read the shape's heads,
 # head_dim, dtype and device, not the length).
@@ -42,6 +43,21 @@ def resolve_backend_name(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple
     return str(getattr(obj, "name", name)), obj
 
 
+def linear_precision_failures(cfg: Config, env: DistEnv) -> list[str]:
+    """Why this rank cannot run ``model.linear_precision`` (empty: it can). "fp8" needs a CUDA
+    device of compute capability >= 8.9 and torchao; nothing falls back to bf16 silently."""
+    precision = cfg.model.linear_precision
+    if precision != "fp8":
+        return []
+    reason = fp8_unsupported_reason(env.device)
+    if reason is None:
+        try:
+            require_torchao()
+        except ImportError as e:
+            reason = str(e)
+    return [f"model.linear_precision={precision!r} cannot run here: {reason}"] if reason else []
+
+
 def run_launch_checks(cfg: Config, env: DistEnv, dtype: torch.dtype,
                       local_failures: list[str] | None = None) -> tuple[str, list[str]]:
     """Quality tier, backend and topology checks from gathered device facts.
@@ -60,7 +76,8 @@ def run_launch_checks(cfg: Config, env: DistEnv, dtype: torch.dtype,
     topo = Topology(world_size=env.world_size, ulysses_degree=p.resolved_ulysses(env.world_size),
                     ring_degree=p.ring_degree, tensor_parallel=p.tensor_parallel)
     failures += quality_failures(cfg.runtime.quality, facts, topo, backend=backend,
-                                 backend_obj=obj)
+                                 backend_obj=obj, linear_precision=cfg.model.linear_precision)
+    failures += linear_precision_failures(cfg, env)
     try:
         cfg.check_backend(backend)
     except ValueError as e:

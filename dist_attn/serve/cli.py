@@ -242,9 +242,14 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, FileNotFoundError) as e:  # every rank reads the same files
                 _rank0_error(rank, f"video pipeline: {e}")
                 return 1
+        if cfg.runtime.warmup_shapes:  # every rank, before HTTP answers /health
+            from dist_attn.serve.warmup import warm_up
+
+            warm_up(engine, cfg)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
+                "linear_precision": cfg.model.linear_precision,
                 "compiled": cfg.runtime.compile,
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
@@ -285,9 +290,10 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
     if cfg.runtime.compile:
         compile_blocks(model)
     log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
-             "parameters, %s on %s (fp32 modules kept), %s, attention backend %s%s",
-             cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
+             "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
+             "backend %s%s", cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
              sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
+             cfg.model.linear_precision,
              f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
              backend, ", blocks compiled" if cfg.runtime.compile else "")
     return model, timer

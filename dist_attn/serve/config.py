@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from dist_attn.fp8_linear import LINEAR_PRECISIONS, LinearPrecision
 from dist_attn.plan import heads_per_rank
 from dist_attn.serve.fields import field_error, require_non_negative, require_positive
 from dist_attn.serve.job_config import JobsConfig
-from dist_attn.serve.quality import QualityTier, tier_backend_rule, tier_name_rule
+from dist_attn.serve.quality import (QualityTier, tier_backend_rule, tier_linear_rule,
+                                     tier_name_rule)
+from dist_attn.serve.warmup import check_warmup_shapes, warmup_shapes_rule
 from dist_attn.serve.tokens import PackedLayout, TokenConfig, request_layout
 
 __all__ = [
@@ -113,8 +116,18 @@ class ModelConfig:
     weight_seed: int = 0
     """Seed of the class's own random initialisation when no ``--checkpoint`` is given (every
     rank draws the same weights)."""
+    linear_precision: LinearPrecision = "bf16"
+    """Precision of every block's q/k/v/out projections and FFN linears: "bf16" (the blocks'
+    dtype) or "fp8" (e4m3 with per-row activation and per-channel weight scales, float32
+    accumulation: torchao's float8 inference through ``torch._scaled_mm``; needs CUDA compute
+    capability >= 8.9, bfloat16 blocks and the ``fp8`` extra; refused under quality="lossless").
+    The float32 modules, the token refiner, the AdaLN projections and the output heads stay as
+    they are (:func:`dist_attn.integrations.diffusers.quantize_linears`)."""
 
     def __post_init__(self) -> None:
+        if self.linear_precision not in LINEAR_PRECISIONS:
+            raise field_error("ModelConfig", "linear_precision", self.linear_precision,
+                              f"must be one of {', '.join(map(repr, LINEAR_PRECISIONS))}")
         require_positive(self, "num_attention_heads", "attention_head_dim", "hidden_size",
                          "num_layers", "ffn_dim", "in_channels", "audio_in_channels", "text_dim",
                          "freq_dim", "time_embed_hidden_dim", "time_embed_dim", "rope_freq_dim")
@@ -194,7 +207,12 @@ class RuntimeConfig:
     """Idle rank 0 exchanges a heartbeat with every rank this often, so waiting ranks never reach
     the timeout and rank 0 knows they answer."""
     compile: bool = False
-    """torch.compile every H3 block and refiner block, fullgraph (attention stays one opaque op)."""
+    """torch.compile every H3 block and refiner block, fullgraph (attention stays one opaque op;
+    FP8 linears are traced as torchao tensor subclasses)."""
+    warmup_shapes: tuple[tuple[int, int, int], ...] = ()
+    """Request geometries ``(frames, height, width)`` that every rank runs for one denoise step
+    at launch, before the HTTP server answers /health: compiles the blocks for those shapes and
+    JITs the attention and GEMM kernels, so no user request pays for it. Empty: none."""
     health_timeout_s: float = 10.0
     """/health reports not-ready when rank 0 has not heard from every rank for this long. Rank 0
     hears from all ranks at every heartbeat and after every denoise step, so this must exceed one
@@ -208,6 +226,10 @@ class RuntimeConfig:
                         f"must be one of {', '.join(map(repr, get_args(DType)))}")
         if not isinstance(self.compile, bool):
             raise field_error("RuntimeConfig", "compile", self.compile, "must be true or false")
+        rule = warmup_shapes_rule(self.warmup_shapes)
+        if rule:
+            raise field_error("RuntimeConfig", "warmup_shapes", self.warmup_shapes, rule)
+        object.__setattr__(self, "warmup_shapes", tuple(tuple(s) for s in self.warmup_shapes))
         rule = tier_name_rule(self.quality)
         if rule:
             raise field_error("RuntimeConfig", "quality", self.quality, rule)
@@ -337,6 +359,16 @@ class Config:
 
     def __post_init__(self) -> None:
         self.check_backend(self.runtime.backend)
+        precision = self.model.linear_precision
+        rule = tier_linear_rule(self.runtime.quality, precision)
+        if rule:
+            raise field_error("ModelConfig", "linear_precision", precision, rule)
+        if precision == "fp8" and self.runtime.dtype in ("float16", "float32"):
+            raise field_error("ModelConfig", "linear_precision", precision,
+                              f"needs bfloat16 blocks, not runtime.dtype={self.runtime.dtype!r} "
+                              "(torchao's per-row FP8 quantizes bf16 weights; use 'auto' or "
+                              "'bfloat16')")
+        check_warmup_shapes(self)
         r = self.request
         try:
             rows = self.layout(frames=r.frames, height=r.height, width=r.width)

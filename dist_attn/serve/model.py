@@ -5,7 +5,8 @@ Every rank holds the full (replicated) weights and calls the model with the same
 inside, each rank's blocks work on 1/W of the packed rows and every block's self-attention is one
 pair of all-to-alls (or Ulysses x Ring over a mesh). There is no model code here: only how the
 class is built (its own seeded initialisation, or a diffusers-format checkpoint), in which dtypes
-(bf16 blocks with the fp32 modules the class declares), and how its blocks are compiled.
+(bf16 blocks with the fp32 modules the class declares; the blocks' linears in FP8 when
+``model.linear_precision = "fp8"``), and how its blocks are compiled.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
              checkpoint: str | None = None) -> nn.Module:
     """The served ``MiniMaxH3Transformer3DModel`` on ``device``, in eval mode, no grad.
 
+    With ``cfg.linear_precision = "fp8"`` the blocks' q/k/v/out and FFN linears are then quantized
+    in place (:func:`dist_attn.integrations.diffusers.quantize_linears`, which logs the layer
+    count and the bytes saved); on a device without FP8 GEMMs that raises, naming the device.
+
     Args:
         cfg: the architecture (``[model]``); a checkpoint must have the same (checked).
         device: where the weights live (every rank its own device).
@@ -100,7 +105,12 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
         from dist_attn.serve.weights import load_checkpoint
 
         model = load_checkpoint(checkpoint, cfg, device=device, dtype=dtype)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if cfg.linear_precision != "bf16":
+        from dist_attn.integrations.diffusers import quantize_linears
+
+        quantize_linears(model, cfg.linear_precision)
+    return model
 
 
 def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any = None) -> Any:
@@ -115,5 +125,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     """``torch.compile(fullgraph=True)`` of every transformer and refiner block, through diffusers'
     own regional compilation (``compile_repeated_blocks``): the blocks share their code, so one
     compilation serves every layer of a shape; dist_attn's attention is one opaque custom op in
-    the graph and enable_ulysses' per-block hooks trace with it."""
+    the graph and enable_ulysses' per-block hooks trace with it. FP8 linears (torchao's
+    ``Float8Tensor`` weights) trace too: inductor fuses each activation's per-row amax, scale and
+    e4m3 cast around ``torch._scaled_mm``. Call it after the quantization (build_h3 does that)."""
     model.compile_repeated_blocks(fullgraph=True, **compile_kwargs)

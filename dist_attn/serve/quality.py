@@ -7,10 +7,12 @@ further collective: a failed check cannot hang.
 
 Tiers (``--quality``):
     absent      no constraint; every backend (Sage included) and any topology the config allows.
-    "lossless"  exact bf16 kernels only; an 8-bit backend (Sage, fp8, int8) is an error.
+    "lossless"  exact bf16 kernels only; an 8-bit backend (Sage, fp8, int8) is an error, and so
+                are FP8 linear layers (``model.linear_precision="fp8"``).
     "high"      the strict H3 deployment: exactly 4 ranks on one host, each on its own GPU, every
                 GPU an H200 with compute capability 9.0, all four identical, every pair
-                peer-accessible (P2P), Ulysses degree 4, ring 1, tensor parallel 1. Sage allowed.
+                peer-accessible (P2P), Ulysses degree 4, ring 1, tensor parallel 1. Sage and FP8
+                linear layers allowed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "tier_name_rule",
     "tier_backend_rule",
     "tier_exact_only",
+    "tier_linear_rule",
 ]
 
 #: Valid ``--quality`` values. ``None`` (flag absent) means no tier constraint.
@@ -151,6 +154,15 @@ def tier_backend_rule(tier: str | None, name: str, backend: Any = None) -> str |
     return None
 
 
+def tier_linear_rule(tier: str | None, linear_precision: str) -> str | None:
+    """The broken rule if ``tier`` does not admit the linear layers' precision, else None. Only
+    "lossless" restricts it: FP8 linears round every activation and weight to 3 mantissa bits."""
+    if tier == "lossless" and linear_precision != "bf16":
+        return ("quantizes the blocks' linear layers to 8 bits (e4m3), not allowed under "
+                "quality='lossless' (exact layers only; use 'bf16')")
+    return None
+
+
 def tier_exact_only(tier: str | None) -> bool:
     """Whether ``tier`` admits exact kernels only: then "auto" chooses among those (FA3 when
     importable on Hopper, else torch SDPA)."""
@@ -162,7 +174,8 @@ def _fmt(values: Sequence[Any]) -> str:
 
 
 def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: Topology,
-                     *, backend: str = "auto", backend_obj: Any = None) -> list[str]:
+                     *, backend: str = "auto", backend_obj: Any = None,
+                     linear_precision: str = "bf16") -> list[str]:
     """Every condition of ``tier`` that the gathered ``facts`` and ``topology`` fail, each with
     the value observed. Empty list: the launch meets the tier. PURE: no device or process-group
     access, so it is unit-tested with fake facts.
@@ -172,6 +185,7 @@ def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: T
         facts: one DeviceFacts per rank, in rank order.
         topology: the parallel layout being launched.
         backend: the (resolved, if known) attention backend name; ``backend_obj`` its object.
+        linear_precision: ``model.linear_precision`` ("bf16" or "fp8").
     """
     check_tier_name(tier)
     failures: list[str] = []
@@ -181,6 +195,9 @@ def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: T
         rule = tier_backend_rule(tier, backend, backend_obj)
         if rule:
             failures.append(f"backend: {backend!r} {rule}")
+        rule = tier_linear_rule(tier, linear_precision)
+        if rule:
+            failures.append(f"linear layers: model.linear_precision={linear_precision!r} {rule}")
         return failures
 
     # tier == "high"

@@ -25,6 +25,10 @@ calls ``vae.decode(z)`` with the same latents and gets the same video, each rank
 Supported models are those listed by :func:`supported_models`; any other transformer is refused
 with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
 model runs on one rank with dist_attn's attention kernel and no collectives.
+
+FP8 linear layers are a separate, explicit call, :func:`quantize_linears` (``transformer, "fp8"``):
+it swaps weights in place and has no undo, whereas ``enable_ulysses`` is undone by
+``handle.remove()``; the two may be applied in either order.
 """
 
 from __future__ import annotations
@@ -54,11 +58,13 @@ from dist_attn.integrations.diffusers._minimax_h3 import MINIMAX_H3
 from dist_attn.integrations.diffusers._wan import WAN
 from dist_attn.integrations.diffusers._vae_decode import (DecodeStats, ParallelDecodeHandle,
                                                           enable_parallel_decode, supported_vaes)
+from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.profiling import PhaseTimer
 
-__all__ = ["DecodeStats", "ParallelDecodeHandle", "UlyssesHandle", "disable_ulysses",
-           "enable_parallel_decode", "enable_ulysses", "supported_models", "supported_vaes"]
+__all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "UlyssesHandle",
+           "disable_ulysses", "enable_parallel_decode", "enable_ulysses", "quantize_linears",
+           "supported_models", "supported_vaes"]
 
 logger = logging.getLogger(__name__)
 

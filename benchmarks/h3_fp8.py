@@ -1,0 +1,400 @@
+"""FP8 linear layers on the real H3, one GPU, one run: its GEMMs, its block at W = 1 and at W = 4's
+per-rank shapes (eager, compiled), and what FP8 does to the served latents.
+
+The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16: ``build_h3`` with
+1 layer, no refiner); its FP8 twin is the same weights through ``quantize_linears(model, "fp8")``
+(torchao; the float32 emulation only with ``--smoke`` on CPU). Sections, in budget order:
+
+* ``gemm``: q/k/v (5376->7168, 3 per block), out (7168->5376), FFN in (5376->28672), FFN out
+  (14336->5376) at 38,016 and 9,504 rows: ``bf16``; ``fp8`` = the quantized linear (activation
+  quantization + ``torch._scaled_mm``, fp32 accumulation); ``fp8_fast`` (fast accumulation);
+  ``scaled_mm[_fast]`` = the GEMM alone on pre-quantized operands; ``quant`` = the activation
+  quantization alone. TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
+  outlier channels; the layer's own init).
+* ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` linears x attention ``sdpa`` | ``sage8`` |
+  ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
+  that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
+  the q/k/v projections, as in h3-model's 30.8 ms compiled "none"); ``none@w4``: the rest at
+  9,504 rows. Eager all; compiled (``torch.compile(block, fullgraph=True, dynamic=False)``) the
+  ``--compiled`` list, in its order, after the accuracy section.
+* ``w4`` (modeled as ``benchmarks.scaling --modeled`` does): rank 0 of Ulysses 4 = ``none@w4`` +
+  pack + all-to-alls (bytes / ``--bandwidth-gbs``) + attention at 14 heads x 38,016 rows + unpack;
+  ``step_s`` = 50 such blocks (refiner, embeddings and heads left out).
+* ``accuracy``: the served engine (configs/h3.toml, ``--acc-layers`` 8 x ``--acc-steps`` 3, its
+  default request of 38,222 rows, W = 1): final latents of bf16:sage8, fp8:sdpa, fp8:sage8 vs
+  bf16:sdpa.
+
+    python -m benchmarks.h3_fp8                       # one H200, ~4.5 min (--budget-s 270)
+    python -m benchmarks.h3_fp8 --smoke --modes eager   # CPU, the tiny config, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.h3_block import attach, block_inputs, h3_ref_layout, padded_total
+from benchmarks.h3_fp8_report import plot, report, targets
+from benchmarks.harness import Budget, ResultWriter, add_common_args, describe_exception, time_fn
+
+__all__ = ["main"]
+
+THEME, _REPO = "h3-fp8", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIPPED = "skipped: the --budget-s wall-time budget was spent"
+_ATTN = ("sdpa", "sage8", "fa3", "native", "none")
+_COMPILED = "fp8:sage8,bf16:sage8,fp8:none@w4,bf16:none@w4,fp8:sdpa,bf16:sdpa,fp8:native,bf16:native"
+
+
+@torch.library.custom_op("h3fp8bench::no_attention", mutates_args=())
+def _no_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+_no_attention.register_fake(lambda q, k, v: torch.empty_like(q))
+
+
+class _NoAttention(torch.nn.Module):
+    """Attention replaced by nothing, opaquely: q, k, v must still be computed."""
+
+    def forward(self, q, k, v, **kwargs):
+        return _no_attention(q, k, v)
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _timed(fn, dev, args, budget) -> dict:
+    t = time_fn(fn, device=dev, iters=args.iters, warmup=args.warmup, budget=budget)
+    return {"median_ms": t.median_ms, "min_ms": t.min_ms, "iters": t.iters, "timing": t.method}
+
+
+def _unavailable(backend: str, dev, cfg) -> str | None:
+    """Why the dist_attn ``backend`` cannot run here (None: it can)."""
+    if backend in ("native", "none"):
+        return None
+    from dist_attn import resolve_backend
+
+    probe = torch.empty(1, cfg.model.num_heads, cfg.model.head_dim, dtype=torch.bfloat16, device=dev)
+    try:
+        resolve_backend(backend, probe)
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot run is a row with its reason
+        return describe_exception(exc)
+    return None
+
+
+def _models(cfg, dev, emulate: bool):
+    """(summary, {"bf16": model, "fp8": model}): 1 block, no refiner, the same weights."""
+    from dist_attn.integrations.diffusers import quantize_linears
+    from dist_attn.serve.model import build_h3
+
+    one = dataclasses.replace(cfg.model, num_layers=1, num_refiner_layers=0)
+    bf16 = build_h3(one, device=dev, dtype=torch.bfloat16)
+    fp8 = copy.deepcopy(bf16)
+    return quantize_linears(fp8, "fp8", emulate=emulate), {"bf16": bf16, "fp8": fp8}
+
+
+def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
+    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3, quantize_weight_e4m3
+
+    m = cfg.model
+    shapes = {"qkv": (m.hidden_size, m.inner_dim), "out": (m.inner_dim, m.hidden_size),
+              "ff_in": (m.hidden_size, 2 * m.ffn_dim), "ff_out": (m.ffn_dim, m.hidden_size)}
+    for n_rows in args.gemm_rows:
+        for name, (k, n) in shapes.items():
+            g = torch.Generator(device=dev).manual_seed(0)
+            x = torch.randn(n_rows, k, device=dev, generator=g)
+            x[:, [3, k // 2]] *= 20  # outlier channels
+            x = x.to(torch.bfloat16)
+            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+            w = lin.weight.detach()
+            wc, ws = quantize_weight_e4m3(w)
+            xc, xs = quantize_rows_e4m3(x, amax_floor=ACTIVATION_AMAX_FLOOR)
+            ref = x[:1024].double() @ w.double().t()  # errors are per row: 1,024 rows suffice
+            variants = {"bf16": lambda: F.linear(x, w)}
+            for fast, tag in ((False, ""), (True, "_fast")):
+                variants["fp8" + tag] = _fp8_linear(lin, x, emulate, fast)
+                variants["scaled_mm" + tag] = (lambda f: lambda: torch._scaled_mm(
+                    xc, wc.t(), xs, ws.t(), out_dtype=torch.bfloat16, use_fast_accum=f))(fast)
+            variants["quant"] = lambda: quantize_rows_e4m3(x, amax_floor=ACTIVATION_AMAX_FLOOR)
+            base = None
+            for variant, fn in variants.items():
+                row = {"section": "gemm", "shape": name, "rows": n_rows, "k": k, "n": n, "path": variant,
+                       "mode": "eager", "kernel": "emulated" if emulate and "fp8" in variant else None}
+                if budget.expired(reserve_s=args.reserve_s):
+                    row.update(status="skipped", reason=_SKIPPED)
+                    rows.append(row)
+                    continue
+                try:
+                    with torch.no_grad():
+                        row.update(status="ok", **_timed(fn, dev, args, budget))
+                        if variant != "quant":
+                            row["tflops"] = 2 * n_rows * k * n / row["median_ms"] / 1e9
+                            row["rel_l2"] = _rel(fn()[:1024], ref)
+                    base = row["median_ms"] if variant == "bf16" else base
+                    if base and variant != "quant":
+                        row["x_bf16"] = base / row["median_ms"]
+                except Exception as exc:  # noqa: BLE001
+                    row.update(status="unavailable", reason=describe_exception(exc))
+                rows.append(row)
+            del x, lin, w, wc, xc, ref, variants
+
+
+def _fp8_linear(lin, x, emulate: bool, fast: bool):
+    """A call of ``lin``'s FP8 twin on ``x``: torchao's (``fast``: fast accumulation) or emulated."""
+    from dist_attn.fp8_linear import EmulatedFp8Linear, torchao_fp8_config
+
+    if emulate:
+        twin = EmulatedFp8Linear.from_linear(lin)
+    else:
+        from torchao.quantization import quantize_
+
+        seq = torch.nn.Sequential(copy.deepcopy(lin))
+        quantize_(seq, torchao_fp8_config(fast_accum=fast))
+        twin = seq[0]
+    return lambda: twin(x)
+
+
+def _set_attention(block, attn: str, heads: int, head_dim: int, valid_len: int) -> None:
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+    from dist_attn import UlyssesSageAttention
+
+    if attn == "native":
+        block.attn.set_processor(MiniMaxH3AttnProcessor())
+    elif attn == "none":
+        attach(block, _NoAttention(), valid_len)
+    else:
+        attach(block, UlyssesSageAttention(heads, head_dim, backend=attn), valid_len)
+
+
+def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict) -> None:
+    """Block rows of ``mode`` (W = 1 at h3-ref; ``none@w4``: the block's rest at 9,504 rows, whose
+    times go to ``rest[(precision, mode)]`` for the w4 model)."""
+    m, lay, total = cfg.model, args.layout, padded_total(args.layout.used)
+    inputs = {"w1": block_inputs(m, lay, lay.used, lay.used, 0, dev, torch.bfloat16),
+              "w4": block_inputs(m, lay, total, total // 4, 0, dev, torch.bfloat16)}
+    keys = ([f"{p}:{a}" for p in ("fp8", "bf16") for a in _ATTN + ("none@w4",)] if mode == "eager"
+            else _names(args.compiled))
+    for key in keys:
+        prec, attn = key.split(":")
+        where = "w4" if attn.endswith("@w4") else "w1"
+        attn = attn.removesuffix("@w4")
+        row = {"section": "block" if where == "w1" else "w4-rest", "path": key, "mode": mode,
+               "rows": inputs[where][0].shape[1]}
+        reason = _unavailable(attn, dev, cfg)
+        if reason:
+            row.update(status="unavailable", reason=reason)
+        elif budget.expired(reserve_s=args.compile_reserve_s if mode == "compiled" else args.reserve_s):
+            row.update(status="skipped", reason=_SKIPPED)
+        else:
+            row.update(_block_row(models[prec].transformer_blocks[0], attn, mode, inputs[where],
+                                  lay.used, m, dev, args, budget))
+            if where == "w4" and row["status"] == "ok":
+                rest[(prec, mode)] = row["median_ms"]
+        rows.append(row)
+        args.writer.save()
+        print(row, flush=True)
+
+
+def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget) -> dict:
+    t0 = time.perf_counter()
+    try:
+        _set_attention(block, attn, m.num_heads, m.head_dim, valid_len)
+        fn = torch.compile(block, fullgraph=True, dynamic=False) if mode == "compiled" else block
+        with torch.no_grad():
+            out = _timed(lambda: fn(*inputs), dev, args, budget)
+        return {"status": "ok", **out, "wall_s": time.perf_counter() - t0}  # compile included
+    except Exception as exc:  # noqa: BLE001
+        return {"status": "error", "reason": describe_exception(exc)}
+    finally:
+        torch._dynamo.reset()
+
+
+def measure_w4_parts(args, cfg, dev, budget) -> dict:
+    """Rank 0 of Ulysses 4 at h3-ref: pack/unpack and the attention at its heads over all rows,
+    measured; the all-to-alls computed (bytes to the 3 other ranks / bandwidth)."""
+    from dist_attn import sage_varlen
+    from dist_attn.comm import pack_qkv, unpack_output
+    from dist_attn.plan import make_plan
+
+    m, lay, total = cfg.model, args.layout, padded_total(args.layout.used)
+    s_local = total // 4
+    plan = make_plan(world=4, rank=0, s_local=s_local, folded_heads=m.num_heads, head_dim=m.head_dim,
+                     overlap_chunks=1)
+    chunk, h0 = plan.chunks[0], plan.counts[0]
+    q, k, v = (torch.randn(1, s_local, m.num_heads, m.head_dim, device=dev).to(torch.bfloat16)
+               for _ in range(3))
+    send = torch.empty(chunk.in_send[1] - chunk.in_send[0], device=dev, dtype=torch.bfloat16)
+    recv = torch.randn(chunk.out_recv[1] - chunk.out_recv[0], device=dev).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    parts = {"s_local": s_local, "heads": h0,
+             "a2a_ms": 4 * s_local * (m.num_heads - h0) * m.head_dim * 2 / (args.bandwidth_gbs * 1e9) * 1e3}
+    with torch.no_grad():
+        parts["pack_ms"] = _timed(lambda: pack_qkv(q, k, v, send, chunk.head_ranges), dev, args, budget)["median_ms"]
+        parts["unpack_ms"] = _timed(lambda: unpack_output(recv, out, chunk.head_ranges), dev, args,
+                                    budget)["median_ms"]
+    qa, ka, va = (torch.randn(total, h0, m.head_dim, device=dev).to(torch.bfloat16) for _ in range(3))
+    bounds = [0, lay.used, total]
+    parts["kernel_ms"] = {}
+    for backend in ("sdpa", "sage8", "fa3"):
+        reason = _unavailable(backend, dev, cfg)
+        try:
+            if reason is None:
+                with torch.no_grad():
+                    parts["kernel_ms"][backend] = _timed(lambda: sage_varlen(  # (0, used, total)
+                        qa, ka, va, bounds, lay.used, bounds, valid_len=lay.used,
+                        backend=backend), dev, args, budget)["median_ms"]
+        except Exception as exc:  # noqa: BLE001
+            reason = describe_exception(exc)
+        if reason:
+            parts["kernel_ms"][backend] = reason
+    return parts
+
+
+def w4_rows(args, parts: dict, rest: dict, rows) -> None:
+    """One modeled row per (precision, mode of the block's rest, attention backend)."""
+    comm = parts["pack_ms"] + 2 * parts["a2a_ms"] + parts["unpack_ms"]
+    for (prec, mode), rest_ms in sorted(rest.items()):
+        for backend, kernel in parts["kernel_ms"].items():
+            row = {"section": "w4", "path": f"{prec}:{backend}", "mode": mode, "rows": parts["s_local"],
+                   "heads": parts["heads"]}
+            if isinstance(kernel, str):
+                row.update(status="unavailable", reason=kernel)
+            else:
+                block = rest_ms + comm + kernel
+                row.update(status="ok", median_ms=block, rest_ms=rest_ms, kernel_ms=kernel,
+                           comm_ms=comm, step_s=block * args.step_blocks / 1e3)
+            rows.append(row)
+
+
+def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
+    """Final latents of the served engine, per path, against bf16+sdpa."""
+    from dist_attn import PhaseTimer
+    from dist_attn.distributed import DistEnv
+    from dist_attn.integrations.diffusers import quantize_linears
+    from dist_attn.serve.config import apply_overrides
+    from dist_attn.serve.engine import Engine
+    from dist_attn.serve.model import build_h3, parallelize
+    from dist_attn.serve.protocol import parse_request
+
+    acc = apply_overrides(cfg, {"model.num_layers": args.acc_layers})
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
+    model, ref, quantized = None, None, False
+    for prec, backend in (("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8")):
+        row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": "eager",
+               "layers": args.acc_layers, "steps": args.acc_steps}
+        reason = _unavailable(backend, dev, cfg)
+        if reason or budget.expired(reserve_s=args.reserve_s / 2):
+            row.update(status="unavailable" if reason else "skipped", reason=reason or _SKIPPED)
+            rows.append(row)
+            continue
+        try:
+            model = model or build_h3(acc.model, device=dev, dtype=torch.bfloat16)
+            if prec == "fp8" and not quantized:  # in place, after the bf16 paths
+                quantize_linears(model, "fp8", emulate=emulate)
+                quantized = True
+            timer = PhaseTimer(dev)
+            handle = parallelize(model, backend=backend, timer=timer)
+            try:
+                engine = Engine(acc, env, model, timer, backend=backend, output_dir=args.writer.out_dir)
+                res = engine.run(parse_request({"steps": args.acc_steps, "seed": 0}, acc))
+            finally:
+                handle.remove()
+            lat = res.latent
+            ref = lat if ref is None else ref
+            row.update(status="ok", median_ms=statistics.median(res.step_latency_ms), used=res.tokens.used,
+                       video_rel_l2=_rel(lat["video"], ref["video"]), audio_rel_l2=_rel(lat["audio"], ref["audio"]))
+        except Exception as exc:  # noqa: BLE001
+            row.update(status="error", reason=describe_exception(exc))
+        rows.append(row)
+        print(row, flush=True)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _names(arg: str) -> list[str]:
+    return [n for n in arg.split(",") if n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="config TOML (default configs/h3.toml; tiny with --smoke)")
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--compiled", default=_COMPILED,
+                   help="precision:attention block rows that also run compiled, in this order (each "
+                        "compiles ~10-20 s on an H200); 'none@w4' = the block's rest at 9,504 rows")
+    p.add_argument("--sections", default="gemm,block,w4,accuracy")
+    p.add_argument("--bandwidth-gbs", type=float, default=360.0, help="all-to-all bandwidth of the w4 model")
+    p.add_argument("--step-blocks", type=int, default=50, help="blocks per modeled denoise step")
+    p.add_argument("--acc-layers", type=int, default=8, help="blocks of the accuracy model (steps: --acc-steps)")
+    p.add_argument("--acc-steps", type=int, default=3)
+    p.add_argument("--reserve-s", type=float, default=150.0, help="budget kept from the eager rows")
+    p.add_argument("--compile-reserve-s", type=float, default=20.0, help="budget a compiled row needs")
+    add_common_args(p, iters=10, warmup=2, budget_s=270)
+    args = p.parse_args(argv)
+    from diffusers.utils import logging as diffusers_logging
+
+    from dist_attn.fp8_linear import fp8_unsupported_reason
+    from dist_attn.serve.config import load_config
+
+    diffusers_logging.set_verbosity_error()  # one "experimental" warning per backend switch
+    dev = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    path = args.config or os.path.join(_REPO, "configs", "tiny.toml" if args.smoke else "h3.toml")
+    cfg = load_config(path)
+    if args.smoke:
+        args.iters, args.warmup, args.reserve_s, args.compile_reserve_s = 2, 1, 0.0, 0.0
+        args.acc_layers, args.acc_steps = 2, 2
+        args.layout = cfg.layout(frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)
+    else:
+        args.layout = h3_ref_layout()
+    total = padded_total(args.layout.used)
+    args.gemm_rows = [total, total // 4]  # h3-ref: 38,016 and 9,504
+    reason = fp8_unsupported_reason(dev)
+    if reason and not args.smoke:
+        p.error(f"FP8 linears cannot run here ({reason}); --smoke runs the float32 emulation on CPU")
+    emulate = reason is not None  # --smoke on CPU only
+    budget = Budget(args.budget_s or None)
+    sections, modes = _names(args.sections), _names(args.modes)
+    writer = ResultWriter(theme=THEME, args=args, device=dev,
+                          title="FP8 linear layers on the real H3 block (W = 1, W = 4 modeled) and its latents",
+                          config={"config_file": os.path.relpath(path, _REPO), "model": cfg.to_dict()["model"],
+                                  "used": args.layout.used, "total": total, "gemm_rows": args.gemm_rows,
+                                  "sections": sections, "modes": modes, "compiled": _names(args.compiled),
+                                  "fp8": "emulated (float32)" if emulate else "torchao Float8DynamicActivation"
+                                         "Float8WeightConfig(PerRow), fp32 accumulation",
+                                  "bandwidth_gbs": args.bandwidth_gbs, "step_blocks": args.step_blocks,
+                                  "accuracy": {"layers": args.acc_layers, "steps": args.acc_steps},
+                                  "compile": "torch.compile(block, fullgraph=True, dynamic=False)"})
+    args.writer = writer
+    rows, rest, parts = writer.rows, {}, None
+    summary, models = _models(cfg, dev, emulate)
+    writer.note(f"quantize_linears on the block: {summary.describe()}")
+    if "gemm" in sections:
+        run_gemm(args, cfg, dev, emulate, budget, rows)
+    if "eager" in modes and ("block" in sections or "w4" in sections):
+        run_blocks(args, cfg, dev, models, budget, rows, "eager", rest)
+    if "w4" in sections:
+        parts = measure_w4_parts(args, cfg, dev, budget)
+    if "accuracy" in sections:
+        run_accuracy(args, cfg, dev, emulate, budget, rows)
+    if "compiled" in modes and ("block" in sections or "w4" in sections):
+        run_blocks(args, cfg, dev, models, budget, rows, "compiled", rest)
+    if parts is not None:
+        w4_rows(args, parts, rest, rows)
+    writer.payload["targets"] = targets(rows)
+    print(writer.finish(plot(writer), report(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""Report of :mod:`benchmarks.h3_fp8`: the targets it is read against, its markdown tables, its plot."""
+
+from __future__ import annotations
+
+from benchmarks.harness import markdown_table
+
+__all__ = ["plot", "report", "targets"]
+
+
+def targets(rows) -> dict:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    block = [r["median_ms"] for r in ok if r["section"] == "block" and r["mode"] == "compiled"
+             and r["path"] == "fp8:sage8"]
+    w4 = sorted((r for r in ok if r["section"] == "w4"), key=lambda r: r["step_s"])
+    return {"block_w1_fp8_sage8_compiled_ms": block[0] if block else None, "block_w1_target_ms": 80.0,
+            "w4_best_step_s": w4[0]["step_s"] if w4 else None,
+            "w4_best": f"{w4[0]['path']} {w4[0]['mode']}" if w4 else None, "w4_step_target_s": 1.0}
+
+
+def report(rows) -> list[tuple[str, str]]:
+    t = targets(rows)
+    cols = {"gemm": [("shape", "GEMM", ""), ("rows", "rows", ""), ("path", "path", ""), ("status", "status", ""),
+                     ("median_ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".0f"), ("x_bf16", "x bf16", ".2f"),
+                     ("rel_l2", "rel-L2 vs fp64", ".2e"), ("reason", "reason", "")],
+            "block": [("path", "linears:attention", ""), ("mode", "mode", ""), ("rows", "rows", ""),
+                      ("status", "status", ""), ("median_ms", "ms", ".2f"), ("wall_s", "wall s", ".1f"),
+                      ("reason", "reason", "")],
+            "w4": [("path", "linears:attention", ""), ("mode", "rest mode", ""), ("status", "status", ""),
+                   ("rest_ms", "rest ms", ".2f"), ("kernel_ms", "attention ms", ".2f"),
+                   ("comm_ms", "pack+a2a+unpack ms", ".2f"), ("median_ms", "block ms", ".2f"),
+                   ("step_s", "50-block step s", ".3f"), ("reason", "reason", "")],
+            "accuracy": [("path", "linears:attention", ""), ("status", "status", ""), ("median_ms", "step ms", ".1f"),
+                         ("video_rel_l2", "video rel-L2 vs bf16:sdpa", ".3e"),
+                         ("audio_rel_l2", "audio rel-L2", ".3e"), ("reason", "reason", "")]}
+    pick = {"block": ("block", "w4-rest")}
+    out = [("Targets", f"- real block W=1, fp8:sage8 compiled: {t['block_w1_fp8_sage8_compiled_ms']} ms "
+                       f"(target <= 80)\n- modeled 4 x H200 50-block step, best ({t['w4_best']}): "
+                       f"{t['w4_best_step_s']} s (target <= 1.0)")]
+    for name, columns in cols.items():
+        sel = [r for r in rows if r["section"] in pick.get(name, (name,))]
+        if sel:
+            out.append((name, markdown_table(sel, columns)))
+    return out
+
+
+def plot(writer):
+    def draw(plt):
+        ok = [r for r in writer.rows if r.get("status") == "ok"]
+        fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+        for ax, section, key, label in ((axes[0], "block", "median_ms", "block ms (W = 1)"),
+                                        (axes[1], "w4", "step_s", "modeled 50-block step s (W = 4)")):
+            sel = [r for r in ok if r["section"] == section]
+            ax.bar(range(len(sel)), [r[key] for r in sel],
+                   color=["tab:orange" if r["mode"] == "compiled" else "tab:blue" for r in sel])
+            ax.set_xticks(range(len(sel)))
+            ax.set_xticklabels([r["path"] for r in sel], rotation=70, fontsize=7)
+            ax.set_title(f"{label}; blue eager, orange compiled", fontsize=9)
+        sel = [r for r in ok if r["section"] == "gemm" and r["path"] in ("fp8", "scaled_mm") and r.get("x_bf16")]
+        axes[2].bar(range(len(sel)), [r["x_bf16"] for r in sel])
+        axes[2].set_xticks(range(len(sel)))
+        axes[2].set_xticklabels([f"{r['shape']} {r['rows']} {r['path']}" for r in sel], rotation=70, fontsize=7)
+        axes[2].axhline(1.0, color="grey", lw=0.8)
+        axes[2].set_title(f"GEMM speed x bf16 ({writer.gpu})", fontsize=9)
+        fig.tight_layout()
+    return draw

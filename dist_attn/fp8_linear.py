@@ -1,0 +1,217 @@
+"""FP8 linear layers: one numeric recipe, run by torchao on a GPU or emulated in float32.
+
+The recipe is torchao's float8 inference with per-row scales
+(``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``), which calls
+``torch._scaled_mm`` (cuBLASLt / CUTLASS on compute capability >= 8.9). For a weight ``W [N, K]``
+(bf16) and an activation ``x [M, K]`` (bf16), with ``e4m3(t) = t.to(torch.float8_e4m3fn)``
+(round to nearest even) and 448 the largest e4m3 value:
+
+    s_w[n] = fp32(bf16(max_k |W[n, k]|) / 448)                 once, per output channel
+    W8     = e4m3(clamp(fp32(W) / s_w, -448, 448))
+    s_x[m] = fp32(bf16(max(max_k |x[m, k]|, 1e-12)) / 448)     every call, per row
+    x8     = e4m3(clamp(fp32(x) / s_x, -448, 448))
+    y[m, n] = bf16((sum_k fp32(x8[m, k]) * fp32(W8[n, k])) * s_x[m] * s_w[n])
+
+The scales are divided in the activation's dtype (bf16) before the cast to float32, as torchao's
+``_choose_scale_float8`` does; the products of two e4m3 values are exact in float32 and the sum is
+accumulated in float32 (``use_fast_accum=False``: Hopper's fast FP8 accumulation keeps fewer bits,
+the 5.3e-2 vs 4.4e-4 of ``torch._scaled_mm`` over 38,016 keys in /work/shared/h3.md). Two guards
+that torchao lacks: an all-zero activation row would get scale 0 and 0/0 = NaN codes (padding rows
+of an attention output are exactly zero), so the row maximum is floored at 1e-12 (torchao's
+``activation_value_lb``); an all-zero weight row gets scale 1 and zero codes.
+
+:func:`fp8_linear_emulated` computes the recipe in float32 on any device; it exists to pin the
+numerics in CPU tests (:class:`EmulatedFp8Linear`) and is never chosen automatically.
+:func:`fp8_unsupported_reason` says why a device cannot run the real thing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ACTIVATION_AMAX_FLOOR",
+    "E4M3_MAX",
+    "FP8_EXTRA",
+    "FP8_MIN_CAPABILITY",
+    "LINEAR_PRECISIONS",
+    "EmulatedFp8Linear",
+    "LinearPrecision",
+    "fix_zero_rows",
+    "fp8_linear_emulated",
+    "fp8_unsupported_reason",
+    "quantize_rows_e4m3",
+    "quantize_weight_e4m3",
+    "require_torchao",
+    "torchao_fp8_config",
+]
+
+#: Precision of a model's quantizable linear layers: "bf16" leaves them in the blocks' dtype
+#: (bfloat16 on CUDA), "fp8" is this module's recipe.
+LinearPrecision = Literal["bf16", "fp8"]
+LINEAR_PRECISIONS: tuple[str, ...] = get_args(LinearPrecision)
+#: The largest finite float8_e4m3fn value.
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+#: Floor of an activation row's max |x| (torchao's ``activation_value_lb``): an all-zero row
+#: quantizes to zero codes instead of 0/0 = NaN.
+ACTIVATION_AMAX_FLOOR = 1e-12
+#: ``torch._scaled_mm`` with e4m3 operands needs Ada (8.9), Hopper (9.0) or newer.
+FP8_MIN_CAPABILITY = (8, 9)
+#: The package extra that installs torchao.
+FP8_EXTRA = "pip install 'dist-attn[fp8]'"
+
+
+def quantize_rows_e4m3(x: torch.Tensor, *, amax_floor: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 codes and scales, as torchao's ``Float8Tensor.from_hp(granularity=PerRow())``.
+
+    Args:
+        x: ``[..., K]`` bf16 (or any float dtype: the scale is divided in x's dtype).
+        amax_floor: lower bound of each row's max |x| (None: none, as torchao for weights).
+
+    Returns:
+        ``codes [..., K]`` float8_e4m3fn and ``scales [..., 1]`` float32, with
+        ``x ~= codes.float() * scales``.
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True)  # [..., 1] in x's dtype
+    if amax_floor is not None:
+        amax = amax.clamp(min=amax_floor)
+    scales = (amax / E4M3_MAX).to(torch.float32)  # divided in x's dtype first, as torchao does
+    codes = (x.to(torch.float32) / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def quantize_weight_e4m3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight's codes and per-output-channel scales, zero rows made harmless.
+
+    Args:
+        weight: ``[N, K]`` (bf16 for torchao's per-row recipe).
+
+    Returns:
+        ``codes [N, K]`` float8_e4m3fn and ``scales [N, 1]`` float32; an all-zero row gets scale 1
+        and zero codes (torchao alone would store 0/0 = NaN codes for it).
+    """
+    codes, scales = quantize_rows_e4m3(weight)
+    return fix_zero_rows(codes, scales)
+
+
+def fix_zero_rows(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose scale is 0 (an all-zero weight row): scale 1 and zero codes, in place.
+
+    Args:
+        codes: ``[N, K]`` float8_e4m3fn; scales: ``[N, 1]`` float32.
+    """
+    zero = scales == 0  # [N, 1]
+    if bool(zero.any()):
+        scales.masked_fill_(zero, 1.0)
+        codes.view(torch.uint8).masked_fill_(zero, 0)  # e4m3 +0.0 is the all-zero byte
+    return codes, scales
+
+
+def fp8_linear_emulated(x: torch.Tensor, weight_codes: torch.Tensor, weight_scales: torch.Tensor,
+                        bias: torch.Tensor | None = None, *,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y = x W^T (+ b)`` by the module's recipe, computed in float32 (see the module docstring).
+
+    Args:
+        x: ``[..., K]`` activations (bf16 in the served model); quantized per row here.
+        weight_codes: ``[N, K]`` float8_e4m3fn; weight_scales: ``[N, 1]`` float32
+            (:func:`quantize_weight_e4m3`).
+        bias: ``[N]`` or None, added in float32 after the scales (H3's block linears have none).
+        out_dtype: dtype of the result (``torch._scaled_mm``'s ``out_dtype``); None: x's dtype.
+
+    Returns:
+        ``[..., N]`` in ``out_dtype``.
+    """
+    k = x.shape[-1]
+    codes, scales = quantize_rows_e4m3(x.reshape(-1, k), amax_floor=ACTIVATION_AMAX_FLOOR)
+    acc = codes.to(torch.float32) @ weight_codes.to(torch.float32).t()  # [M, N]: fp32 accumulate
+    y = acc * scales * weight_scales.t()  # the epilogue: [M, N] * [M, 1] * [1, N]
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight_codes.shape[0])
+
+
+class EmulatedFp8Linear(nn.Module):
+    """An ``nn.Linear`` replaced by the FP8 recipe in float32 emulation (tests and CPU checks).
+
+    Holds the weight's e4m3 codes (``weight_codes [N, K]``) and scales (``weight_scales [N, 1]``)
+    as buffers and the bias as it was; the original weight is dropped, as with torchao.
+    """
+
+    def __init__(self, weight_codes: torch.Tensor, weight_scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_codes.shape
+        self.register_buffer("weight_codes", weight_codes)
+        self.register_buffer("weight_scales", weight_scales)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "EmulatedFp8Linear":
+        """Quantizes ``linear.weight`` (see :func:`quantize_weight_e4m3`)."""
+        codes, scales = quantize_weight_e4m3(linear.weight.detach())
+        return cls(codes, scales, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` -> ``[..., out_features]`` in x's dtype."""
+        return fp8_linear_emulated(x, self.weight_codes, self.weight_scales, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, fp8=e4m3 per-row (float32 emulation)")
+
+
+def fp8_unsupported_reason(device: torch.device | str) -> str | None:
+    """Why FP8 linears cannot run on ``device`` (None: they can, torchao permitting).
+
+    CPU is refused although ``torch._scaled_mm`` exists there: torchao's recipe refuses it, and
+    oneDNN dequantizes to float32 before its GEMM, so it would be slower than bf16 and gain
+    nothing; :class:`EmulatedFp8Linear` is the explicit CPU path for tests.
+    """
+    device = torch.device(device)
+    want = ".".join(map(str, FP8_MIN_CAPABILITY))
+    if device.type != "cuda":
+        return (f"device {device} has no FP8 matrix multiply (torch._scaled_mm with e4m3 "
+                f"operands needs a CUDA GPU of compute capability >= {want}: Ada, Hopper or "
+                "newer)")
+    if not torch.cuda.is_available():
+        return f"device {device}: CUDA is not available in this process"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        return (f"device {device} ({torch.cuda.get_device_name(index)}) has compute capability "
+                f"{capability[0]}.{capability[1]}; FP8 matrix multiplies need >= {want}")
+    return None
+
+
+def require_torchao() -> Any:
+    """The ``torchao`` module; an ImportError that names the extra when it is not installed."""
+    try:
+        return importlib.import_module("torchao")
+    except ImportError as e:
+        raise ImportError(f"FP8 linear layers run torchao's float8 inference, and torchao is not "
+                          f"installed ({e}): {FP8_EXTRA} (torchao>=0.17)") from e
+
+
+def torchao_fp8_config(*, fast_accum: bool = False) -> Any:
+    """torchao's config for the recipe: e4m3 activations and weights, per-row scales, the
+    activation floor, ``use_fast_accum=fast_accum``. ``kernel_preference=TORCH``: torch's own
+    quantizer and ``torch._scaled_mm``, whatever else is installed (with the optional ``mslk``
+    package torchao's AUTO would switch to its Triton quantizer and CUTLASS GEMM: another recipe,
+    unmeasured here). ``set_inductor_config=False``: torchao would otherwise switch on
+    coordinate-descent tuning for the whole process (longer compiles, other models affected)."""
+    require_torchao()
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8MMConfig,
+                                      PerRow)
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    return Float8DynamicActivationFloat8WeightConfig(
+        activation_dtype=torch.float8_e4m3fn, weight_dtype=torch.float8_e4m3fn,
+        granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum),
+        activation_value_lb=ACTIVATION_AMAX_FLOOR, kernel_preference=KernelPreference.TORCH,
+        set_inductor_config=False)

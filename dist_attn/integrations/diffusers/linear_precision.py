@@ -1,0 +1,216 @@
+"""FP8 linear layers for a diffusers transformer: which linears, and the one call that swaps them.
+
+    from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
+
+    summary = quantize_linears(pipe.transformer, "fp8")   # in place; logs what it did
+    handle = enable_ulysses(pipe.transformer)             # before or after: independent
+
+Which linears (one owner: :func:`fp8_linear_names`), for ``MiniMaxH3Transformer3DModel``: in every
+``transformer_blocks.*``, the self-attention's q/k/v/out projections and the SwiGLU FFN's two
+linears (``attn.*``, ``ff.*``): 6 per block, every GEMM of the block that runs over the rows
+(H3: 385M of the block's 645M weights). Never quantized: the modules the class keeps in float32
+(``_keep_in_fp32_modules``: the input projections, the time MLP, the output heads, RoPE), the text
+``context_embedder``, the 2-block ``token_refiner`` (512 text rows against the blocks' 38k: 0.2%
+of the work), ``norm_out`` and every block's ``adaln_proj``: it projects the 2-3 distinct
+timesteps, not the rows, so it is a memory-bound GEMV (260M weights a block: FP8 would save 13 GB
+over 50 blocks but ~0.05 ms a block at 4.8 TB/s); left to a measured decision.
+
+The swap is not undone by :meth:`UlyssesHandle.remove` and has no undo of its own: the bf16
+weights are dropped (that is the memory saved). Quantize a fresh model to go back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dist_attn.fp8_linear import (LINEAR_PRECISIONS, EmulatedFp8Linear, LinearPrecision,
+                                  fix_zero_rows, fp8_unsupported_reason, torchao_fp8_config)
+
+__all__ = ["LINEAR_PRECISIONS", "LinearPrecision", "LinearQuantization", "fp8_linear_names",
+           "quantize_linears"]
+
+logger = logging.getLogger(__name__)
+
+# class name -> the submodule prefixes, inside each of its transformer_blocks, whose nn.Linear
+# layers go FP8 (diffusers' fused to_qkv, when fused, is under attn. too)
+_PLANS: dict[str, tuple[str, ...]] = {"MiniMaxH3Transformer3DModel": ("attn.", "ff.")}
+_KEPT: dict[str, str] = {
+    "MiniMaxH3Transformer3DModel": "context_embedder, token_refiner (every block), "
+                                   "transformer_blocks.*.adaln_proj, norm_out",
+}
+# torch._scaled_mm needs both GEMM dims of the weight to be multiples of 16 (torchao skips such a
+# layer without an error; here it is one)
+_ALIGN = 16
+
+
+@dataclass(kw_only=True, frozen=True)
+class LinearQuantization:
+    """What :func:`quantize_linears` did to one transformer."""
+
+    precision: str
+    """The precision asked for ("bf16" or "fp8")."""
+    kernel: str
+    """"torchao" (torch._scaled_mm), "emulated" (float32 emulation, tests) or "none" (bf16)."""
+    layers: tuple[str, ...]
+    """Dotted names of the linears now in FP8."""
+    bytes_before: int
+    """Bytes of those layers' weights and biases before."""
+    bytes_after: int
+    """Bytes after: 1 per weight element plus the float32 scales (and the biases)."""
+    fast_accum: bool
+    """``use_fast_accum`` of the FP8 GEMMs (False: float32 accumulation)."""
+    kept_fp32: tuple[str, ...]
+    """The class's float32 modules, never quantized."""
+    kept_other: str
+    """Other linears left in the blocks' dtype on purpose, in words."""
+
+    @property
+    def count(self) -> int:
+        """Number of FP8 linears."""
+        return len(self.layers)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    def describe(self) -> str:
+        """One log line."""
+        if self.precision != "fp8":
+            return f"linear_precision={self.precision!r}: no linear quantized"
+        return (f"linear_precision='fp8': {self.count} linears in FP8 ({self.kernel}, e4m3, per-row "
+                f"activation and per-channel weight scales, fast_accum={self.fast_accum}); weights "
+                f"{_size(self.bytes_before)} -> {_size(self.bytes_after)} "
+                f"({_size(self.bytes_saved)} saved); kept float32: "
+                f"{', '.join(self.kept_fp32) or 'none'}; kept in the blocks' dtype: {self.kept_other}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fp32_names(transformer: nn.Module) -> list[str]:
+    """Submodules named by ``_keep_in_fp32_modules`` (whole name components, as diffusers' loader
+    matches them)."""
+    keep = set(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
+    return [name for name, _ in transformer.named_modules() if name and name.split(".")[-1] in keep]
+
+
+def fp8_linear_names(transformer: nn.Module) -> list[str]:
+    """The dotted names of the linears that ``precision="fp8"`` quantizes (see the module
+    docstring); raises TypeError for a class without a plan."""
+    cls = type(transformer).__name__
+    if cls not in _PLANS:
+        raise TypeError(f"quantize_linears has no FP8 plan for {cls}; supported: "
+                        f"{', '.join(_PLANS)}")
+    names = []
+    for i, block in enumerate(transformer.transformer_blocks):
+        for sub, module in block.named_modules():
+            # an already swapped layer is listed too, so that a second call is refused by name
+            if isinstance(module, (nn.Linear, EmulatedFp8Linear)) and sub.startswith(_PLANS[cls]):
+                names.append(f"transformer_blocks.{i}.{sub}")
+    return names
+
+
+def _bytes(module: nn.Module) -> int:
+    """Bytes of a module's own tensors (a torchao weight: its e4m3 codes and float32 scales)."""
+    total = 0
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        parts = (t.qdata, t.scale) if hasattr(t, "qdata") else (t,)
+        total += sum(p.numel() * p.element_size() for p in parts)
+    return total
+
+
+def _check_targets(transformer: nn.Module, names: list[str]) -> None:
+    fp32 = _fp32_names(transformer)
+    for name in names:
+        module = transformer.get_submodule(name)
+        if not isinstance(module, nn.Linear) or hasattr(module.weight, "qdata"):
+            raise ValueError(f"{name} is already quantized ({type(module).__name__}); "
+                             "quantize_linears runs once on a freshly built model")
+        if any(name == f or name.startswith(f + ".") for f in fp32):
+            raise ValueError(f"{name} lies in a float32 module of {type(transformer).__name__} "
+                             "(_keep_in_fp32_modules); those stay float32")
+        w = module.weight
+        if w.dtype != torch.bfloat16:
+            raise ValueError(f"{name}.weight is {w.dtype}; FP8 linears take bfloat16 blocks "
+                             "(torchao's per-row recipe quantizes bf16 weights): build the model "
+                             "in bfloat16")
+        if w.shape[0] % _ALIGN or w.shape[1] % _ALIGN:
+            raise ValueError(f"{name}.weight has shape {tuple(w.shape)}; both dims must be "
+                             f"multiples of {_ALIGN} for torch._scaled_mm")
+
+
+def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8", *,
+                     emulate: bool = False, fast_accum: bool = False) -> LinearQuantization:
+    """Puts the transformer's block linears (:func:`fp8_linear_names`) in ``precision``, in place.
+
+    Args:
+        transformer: a diffusers transformer with a plan (``MiniMaxH3Transformer3DModel``), its
+            blocks in bfloat16 on a CUDA device of compute capability >= 8.9.
+        precision: "fp8" quantizes; "bf16" changes nothing and says so (so a caller can pass a
+            config value straight through).
+        emulate: for tests only: replace each linear by :class:`dist_attn.fp8_linear.
+            EmulatedFp8Linear` (the same recipe in float32, on any device, slow). Never chosen
+            automatically.
+        fast_accum: ``use_fast_accum`` of ``torch._scaled_mm``: Hopper's FP8 accumulator without
+            periodic float32 promotion (faster, fewer bits kept over K = 5,376-14,336).
+
+    Returns:
+        A :class:`LinearQuantization` (also logged at INFO).
+
+    Raises:
+        ValueError: ``precision`` is not one of "bf16", "fp8"; a target is already quantized, not
+            bfloat16 or not 16-aligned.
+        TypeError: no plan for the transformer's class.
+        RuntimeError: the weights' device cannot run FP8 GEMMs (CPU included) and not ``emulate``.
+        ImportError: torchao is missing (the ``fp8`` extra) and not ``emulate``.
+    """
+    if precision not in LINEAR_PRECISIONS:
+        raise ValueError(f"precision={precision!r} must be one of "
+                         f"{', '.join(map(repr, LINEAR_PRECISIONS))}")
+    names = fp8_linear_names(transformer)
+    kept = _KEPT[type(transformer).__name__]
+    fp32 = tuple(_fp32_names(transformer))
+    if precision == "bf16":
+        summary = LinearQuantization(precision=precision, kernel="none", layers=(), bytes_before=0,
+                                     bytes_after=0, fast_accum=fast_accum, kept_fp32=fp32,
+                                     kept_other=kept)
+        logger.info("quantize_linears: %s", summary.describe())
+        return summary
+    _check_targets(transformer, names)
+    device = transformer.get_submodule(names[0]).weight.device
+    if not emulate:
+        reason = fp8_unsupported_reason(device)
+        if reason:
+            raise RuntimeError(f"quantize_linears(precision='fp8'): {reason}. (Tests may pass "
+                               "emulate=True: the same recipe in float32 emulation.)")
+        config = torchao_fp8_config(fast_accum=fast_accum)  # ImportError naming the extra
+    before = sum(_bytes(transformer.get_submodule(n)) for n in names)
+    if emulate:
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = transformer.get_submodule(parent)
+            setattr(owner, child, EmulatedFp8Linear.from_linear(getattr(owner, child)))
+    else:
+        from torchao.quantization import quantize_
+
+        wanted = set(names)
+        quantize_(transformer, config, filter_fn=lambda module, fqn: fqn in wanted)
+        for name in names:
+            w = transformer.get_submodule(name).weight
+            if not hasattr(w, "qdata"):  # torchao skips a layer it cannot run, silently
+                raise RuntimeError(f"torchao left {name} unquantized ({type(w).__name__})")
+            fix_zero_rows(w.qdata, w.scale)
+    summary = LinearQuantization(
+        precision=precision, kernel="emulated" if emulate else "torchao", layers=tuple(names),
+        bytes_before=before, bytes_after=sum(_bytes(transformer.get_submodule(n)) for n in names),
+        fast_accum=fast_accum, kept_fp32=fp32, kept_other=kept)
+    logger.info("quantize_linears: %s", summary.describe())
+    return summary

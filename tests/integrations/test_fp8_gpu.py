@@ -1,0 +1,157 @@
+"""FP8 linears on a CUDA GPU (compute capability >= 8.9, torchao installed): torchao's path
+against the float32 emulation the CPU tests pin, at a real H3 GEMM shape and in the served tiny
+H3; compiled fullgraph with inductor; the served engine. Run on the H200:
+
+    python -m pytest -q tests/integrations/test_fp8_gpu.py
+
+Skipped elsewhere with the reason shown.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
+
+from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, fp8_linear_emulated,  # noqa: E402
+                                  fp8_unsupported_reason, quantize_rows_e4m3,
+                                  quantize_weight_e4m3, torchao_fp8_config)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)"),
+    pytest.mark.skipif(torch.cuda.is_available() and fp8_unsupported_reason("cuda") is not None,
+                       reason="needs compute capability >= 8.9"),
+    pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                       reason="needs torchao (pip install 'dist-attn[fp8]')"),
+]
+
+BF16_ULP = 2.0 ** -7
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _quantized_linear(w: torch.Tensor, fast_accum: bool) -> torch.nn.Module:
+    from torchao.quantization import quantize_
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    seq = torch.nn.Sequential(lin)
+    quantize_(seq, torchao_fp8_config(fast_accum=fast_accum))
+    return seq[0]
+
+
+@pytest.mark.parametrize("rows, k, n", [(4096, 5376, 7168), (1024, 14336, 5376)])
+def test_torchao_is_the_emulated_recipe_at_h3_shapes(rows, k, n):
+    """Weight codes and scales bit for bit; outputs at most one bf16 rounding apart (the GEMM's
+    float32 sums are ordered differently); an all-zero activation row gives zeros, not NaN."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", generator=g)
+    x[:, [3, k // 2]] *= 20  # outlier channels
+    x[7] = 0  # an exactly-zero row, as padding rows of an attention output are
+    x = x.to(torch.bfloat16)
+    w = ((torch.rand(n, k, device="cuda", generator=g) * 2 - 1) / k ** 0.5).to(torch.bfloat16)
+    lin = _quantized_linear(w, fast_accum=False)
+    codes, scales = quantize_weight_e4m3(w)
+    assert torch.equal(lin.weight.qdata.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(lin.weight.scale, scales)
+    with torch.no_grad():
+        got = lin(x)
+    want = fp8_linear_emulated(x, codes, scales)
+    assert bool(got.isfinite().all()) and bool((got[7] == 0).all())
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= want.float().abs() * BF16_ULP + 1e-6).all()), float(diff.max())
+    ref = x.double() @ w.double().t()
+    assert 1.5e-2 <= _rel(got, ref) <= 6e-2  # the CPU tests' per-linear band
+    fast = _quantized_linear(w, fast_accum=True)
+    with torch.no_grad():
+        fast_err = _rel(fast(x), ref)
+    # Hopper's fast accumulation keeps fewer bits over K; it must stay an FP8-sized error
+    assert fast_err <= 6e-2, fast_err
+    print(f"[{rows}x{k}x{n}] rel-L2 vs float64: fp32-accumulated {_rel(got, ref):.4e}, "
+          f"fast-accumulated {fast_err:.4e}")
+
+
+def test_activation_codes_match_torchao():
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+    x = torch.randn(512, 5376, device="cuda").to(torch.bfloat16)
+    s = _choose_scale_float8(x, block_size=[1, 5376], float8_dtype=torch.float8_e4m3fn,
+                             hp_value_lb=ACTIVATION_AMAX_FLOOR)
+    c = _quantize_affine_float8(x, s, torch.float8_e4m3fn)
+    codes, scales = quantize_rows_e4m3(x, amax_floor=ACTIVATION_AMAX_FLOOR)
+    assert torch.equal(scales, s) and torch.equal(codes.view(torch.uint8), c.view(torch.uint8))
+
+
+def _served(precision: str):
+    import dataclasses
+
+    from dist_attn.serve.config import load_config
+    from dist_attn.serve.model import build_h3
+
+    cfg = load_config(None)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, linear_precision=precision))
+    return cfg, build_h3(cfg.model, device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
+def _inputs(cfg):
+    from dist_attn.serve.engine import initial_state
+
+    layout = cfg.layout(frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)
+    video, audio, text = initial_state(cfg, layout, 0, torch.device("cuda"), torch.bfloat16)
+    t, idx = layout.timestep_rows(0.3, 0.4)
+    return dict(hidden_states=video[None], audio_hidden_states=audio[None], encoder_hidden_states=text,
+                timestep=t.cuda(), timestep_indices=idx.cuda(), return_dict=False,
+                **{k: v.cuda() for k, v in layout.rows().items()})
+
+
+def test_served_fp8_model_torchao_vs_emulated_and_compiled():
+    """build_h3(linear_precision='fp8') on CUDA: torchao weights in the 12 block linears; its
+    output vs the emulated model (same bf16 weights) and compiled fullgraph (inductor) vs eager."""
+    from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
+    from dist_attn.serve.model import compile_blocks
+
+    cfg, bf16 = _served("bf16")
+    emulated = copy.deepcopy(bf16)
+    quantize_linears(emulated, "fp8", emulate=True)
+    _, fp8 = _served("fp8")
+    assert sum(hasattr(m.weight, "qdata") for m in fp8.modules()
+               if isinstance(m, torch.nn.Linear)) == 6 * cfg.model.num_layers
+    inputs = _inputs(cfg)
+    with torch.no_grad():
+        want = emulated(**inputs)
+        got = fp8(**inputs)
+        for a, b in zip(got, want):
+            assert _rel(a, b) <= 2e-3, _rel(a, b)
+        with enable_ulysses(fp8, backend="sdpa"):
+            eager = fp8(**inputs)
+            compile_blocks(fp8)  # inductor, fullgraph: a graph break raises
+            compiled = fp8(**inputs)
+    for a, b in zip(compiled, eager):
+        assert _rel(a, b) <= 5e-3, _rel(a, b)
+
+
+def test_served_engine_and_launch_check_with_fp8():
+    from dist_attn import PhaseTimer
+    from dist_attn.distributed import DistEnv
+    from dist_attn.serve.checks import linear_precision_failures
+    from dist_attn.serve.engine import Engine
+    from dist_attn.serve.model import parallelize
+    from dist_attn.serve.protocol import parse_request
+
+    cfg, model = _served("fp8")
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend=None,
+                  shared_gpu=False)
+    assert linear_precision_failures(cfg, env) == []
+    timer = PhaseTimer(env.device)
+    handle = parallelize(model, backend="sdpa", timer=timer)
+    result = Engine(cfg, env, model, timer, backend="sdpa").run(parse_request({"steps": 2}, cfg))
+    handle.remove()
+    assert len(result.step_latency_ms) == 2 and result.checksum.l2 > 0

@@ -1,0 +1,142 @@
+"""model.linear_precision and runtime.warmup_shapes in the served DiT: the config rules name the
+field and value, quality="lossless" refuses FP8 and "high" admits it, a CPU launch refuses FP8
+naming the device before the model is built, and the warm-up runs before the server starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from dist_attn.serve.config import ModelConfig, RuntimeConfig, apply_overrides, load_config
+from dist_attn.serve.quality import DeviceFacts, Topology, quality_failures, tier_linear_rule
+
+__all__: list[str] = []
+
+
+def test_linear_precision_field():
+    assert ModelConfig().linear_precision == "bf16"
+    assert apply_overrides(load_config(None), {"model.linear_precision": "fp8"}).model.linear_precision == "fp8"
+    with pytest.raises(ValueError, match=r"ModelConfig.linear_precision='int8' must be one of "
+                                         r"'bf16', 'fp8'"):
+        ModelConfig(linear_precision="int8")
+    with pytest.raises(ValueError, match=r"ModelConfig.linear_precision='fp8' needs bfloat16 blocks, "
+                                         r"not runtime.dtype='float32'"):
+        apply_overrides(load_config(None), {"model.linear_precision": "fp8", "runtime.dtype": "float32"})
+
+
+def test_lossless_refuses_fp8_and_high_admits_it():
+    rule = (r"ModelConfig.linear_precision='fp8' quantizes the blocks' linear layers to 8 bits "
+            r"\(e4m3\), not allowed under quality='lossless' \(exact layers only; use 'bf16'\)")
+    with pytest.raises(ValueError, match=rule):
+        apply_overrides(load_config(None), {"model.linear_precision": "fp8",
+                                            "runtime.quality": "lossless"})
+    apply_overrides(load_config(None), {"model.linear_precision": "bf16", "runtime.quality": "lossless"})
+    assert tier_linear_rule("high", "fp8") is None and tier_linear_rule(None, "fp8") is None
+    facts = [DeviceFacts(rank=r, hostname="h", device_type="cuda", device_index=r,
+                         device_uuid=f"GPU-{r}", gpu_name="NVIDIA H200", capability=(9, 0),
+                         total_memory=150_000_000_000,
+                         peer_access={j: True for j in range(4) if j != r}) for r in range(4)]
+    topo = Topology(world_size=4, ulysses_degree=4)
+    assert quality_failures("high", facts, topo, backend="sage8", linear_precision="fp8") == []
+    failures = quality_failures("lossless", facts, topo, backend="sdpa", linear_precision="fp8")
+    assert len(failures) == 1 and failures[0].startswith("linear layers: model.linear_precision='fp8'")
+
+
+def test_warmup_shapes_rules():
+    assert RuntimeConfig(warmup_shapes=[[22, 128, 192]]).warmup_shapes == ((22, 128, 192),)
+    with pytest.raises(ValueError, match=r"RuntimeConfig.warmup_shapes=\[\[22, 128\]\] must be a list "
+                                         r"of \[frames, height, width\] triples"):
+        RuntimeConfig(warmup_shapes=[[22, 128]])
+    with pytest.raises(ValueError, match=r"RuntimeConfig.warmup_shapes\[1\]=\[22, 100, 192\] is not a "
+                                         r"valid request: request.height=100 must be a multiple of 32"):
+        apply_overrides(load_config(None), {"runtime.warmup_shapes": [[22, 128, 192], [22, 100, 192]]})
+    with pytest.raises(ValueError, match=r"warmup_shapes\[0\]=\[124, 768, 1344\] is not a valid "
+                                         r"request: request has 37742 rows .* above serve.max_tokens=16384"):
+        apply_overrides(load_config(None), {"runtime.warmup_shapes": [[124, 768, 1344]]})
+
+
+def test_build_h3_fp8_on_cpu_names_the_device():
+    pytest.importorskip("diffusers")
+    from dist_attn.serve.model import build_h3
+
+    cfg = dataclasses.replace(load_config(None).model, num_layers=1, linear_precision="fp8")
+    with pytest.raises(RuntimeError, match=r"device cpu has no FP8 matrix multiply"):
+        build_h3(cfg, device=torch.device("cpu"), dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """launch/serve.py's main() in this process as world 1, logging restored afterwards."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    from dist_attn.serve import cli
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield cli
+    root.handlers[:], root.level = handlers, level
+
+
+def test_launch_refuses_fp8_before_the_model(launcher, capsys):
+    """On CPU: a launch check names the device; under lossless: the config rule. Neither builds."""
+    pytest.importorskip("diffusers")
+    assert launcher.main(["--check-only", "--set", "model.linear_precision=fp8"]) == 1
+    err = capsys.readouterr().err
+    assert "model.linear_precision='fp8' cannot run here: device cpu has no FP8 matrix multiply" in err
+    assert launcher.main(["--once", "--steps", "1", "--set", "model.linear_precision=fp8"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot run here: device cpu" in err and "built tiny" not in err
+    assert launcher.main(["--check-only", "--quality", "lossless", "--set",
+                          "model.linear_precision=fp8"]) == 1
+    err = capsys.readouterr().err
+    assert ("invalid config: ModelConfig.linear_precision='fp8' quantizes the blocks' linear "
+            "layers to 8 bits (e4m3), not allowed under quality='lossless'") in err
+
+
+def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, capsys):
+    pytest.importorskip("diffusers")
+    from dist_attn.serve import loop, warmup
+
+    events = []
+    real_warm, real_serve = warmup.warm_up, loop.serve
+
+    def warm_spy(engine, cfg):
+        runs = real_warm(engine, cfg)
+        events.append(("warm_up", [(r.frames, r.height, r.width, r.rows) for r in runs]))
+        return runs
+
+    def serve_spy(*args, **kwargs):
+        events.append(("serve", kwargs["info"]["linear_precision"]))
+        return real_serve(*args, **kwargs)
+
+    monkeypatch.setattr(warmup, "warm_up", warm_spy)
+    monkeypatch.setattr(loop, "serve", serve_spy)
+    assert launcher.main(["--once", "--steps", "1", "--backend", "sdpa", "--set",
+                          "runtime.warmup_shapes=[[22, 128, 192], [5, 64, 64]]"]) == 0
+    assert events[0][0] == "warm_up" and events[1] == ("serve", "bf16")
+    assert [shape[:3] for shape in events[0][1]] == [(22, 128, 192), (5, 64, 64)]
+    assert events[0][1][0][3] == 274  # the default request's rows
+    assert "warm-up 2/2: 5 frames 64x64" in capsys.readouterr().err
+
+
+def test_launch_check_names_the_extra_without_torchao(monkeypatch):
+    """On a capable GPU (stood in for: the device rule answers None) without torchao, the launch
+    check names the extra; with linear_precision='bf16' it checks nothing."""
+    import sys
+
+    from dist_attn.distributed import DistEnv
+    from dist_attn.serve import checks
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})
+    assert "device cpu" in checks.linear_precision_failures(cfg, env)[0]
+    monkeypatch.setattr(checks, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    (failure,) = checks.linear_precision_failures(cfg, env)
+    assert failure.startswith("model.linear_precision='fp8' cannot run here: FP8 linear layers run "
+                              "torchao's float8 inference, and torchao is not installed")
+    assert "pip install 'dist-attn[fp8]'" in failure
+    assert checks.linear_precision_failures(load_config(None), env) == []
