@@ -4,10 +4,14 @@
 #   bash benchmarks/h200.sh decode      # benchmarks.vae_decode: precision, seconds, W = 4 model, mux (~3 min)
 #   bash benchmarks/h200.sh job         # benchmarks.serve_h3_gpu: 8 of 50 blocks x 3 steps (~3 min)
 #   bash benchmarks/h200.sh job-full    # the full-size job (50 blocks, 2 steps) beside diffusers' t2va (~6 min)
+#   bash benchmarks/h200.sh decode-mux  # only its MP4 rows, streamed at the W = 4 decode's pace (~20 s)
+#   bash benchmarks/h200.sh fp8-tests   # tests/integrations/test_fp8_gpu.py (cap 90 s)
+#   bash benchmarks/h200.sh fp8         # benchmarks.h3_fp8: FP8 vs bf16 linears, the real block (cap 285 s)
 #   bash benchmarks/h200.sh decode job  # several, in order
 #
 # From the repo root, with the wheels the image lacks in ${WHEELS:-.whl} (diffusers 0.42.1, av,
-# starlette, uvicorn). Results go to $OUT (the device tool) or benchmarks/results/, with a log.
+# starlette, uvicorn; torchao 0.18.0 for fp8). Results go to $OUT (the device tool) or
+# benchmarks/results/, with a log.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/h200_env.sh
@@ -29,6 +33,14 @@ for what in "$@"; do
                  --diffusers off --theme serve-h3-job-8x3 --budget-s 250 ;;
         job-full) run 560 job-full python3 -m benchmarks.serve_h3_gpu --layers 50 --steps 2 \
                       --jobs 1 --diffusers on --theme serve-h3-job-full --budget-s 520 ;;
-        *) echo "unknown run '$what' (decode, job, job-full)" >&2; exit 2 ;;
+        decode-mux) run 120 decode-mux python3 -m benchmarks.vae_decode --skip precision time \
+                        --mux-pace-s "${MUX_PACE_S:-0.218}" --theme vae-decode-mux ;;
+        fp8-tests) echo "[h200 $(date -u +%T)] fp8-tests" | tee -a "$LOG"
+                   timeout 90 python3 -m pytest tests/integrations/test_fp8_gpu.py -rs -q -s \
+                       -p no:cacheprovider 2>&1 | grep -v "Failed to load" \
+                       | tee "$RES/fp8-gpu-tests_h200_$(date -u +%F).log" | tail -25 ;;
+        fp8) run 285 fp8 python3 -m benchmarks.h3_fp8 --budget-s "${BUDGET:-265}" ;;
+        *) echo "unknown run '$what' (decode, decode-mux, job, job-full, fp8-tests, fp8)" >&2
+           exit 2 ;;
     esac
 done
