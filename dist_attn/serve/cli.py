@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
                 "linear_precision": cfg.model.linear_precision,
-                "compiled": cfg.runtime.compile,
+                "compiled": cfg.runtime.compiled(env.device.type),
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
         return serve(cfg, env, engine, listener=listener, once=once_req, info=info,
@@ -287,7 +287,7 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
         mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
                              device_type=env.device.type)
     parallelize(model, mesh=mesh, backend=backend, timer=timer)
-    if cfg.runtime.compile:
+    if cfg.runtime.compiled(env.device.type):
         compile_blocks(model)
     log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
              "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
@@ -295,7 +295,7 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
              sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
              cfg.model.linear_precision,
              f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
-             backend, ", blocks compiled" if cfg.runtime.compile else "")
+             backend, ", blocks compiled" if cfg.runtime.compiled(env.device.type) else "")
     return model, timer
 
 

@@ -66,8 +66,16 @@ def test_torchao_is_the_emulated_recipe_at_h3_shapes(rows, k, n):
         got = lin(x)
     want = fp8_linear_emulated(x, codes, scales)
     assert bool(got.isfinite().all()) and bool((got[7] == 0).all())
+    # Not element for element: on the H200 (2026-12-04) a few elements differed by 2^-6 at
+    # |x| < 2, two bf16 roundings, where the sums cancel (the outlier channels) and cuBLAS's
+    # FP8 GEMM orders and promotes its float32 partial sums its own way. Against the FP8
+    # error itself (3.6e-2) the two must agree far closer: a wrong scale or rounding mode
+    # moves rel-L2 by >= 1e-2.
     diff = (got.float() - want.float()).abs()
-    assert bool((diff <= want.float().abs() * BF16_ULP + 1e-6).all()), float(diff.max())
+    worst = float((diff / (want.float().abs() * BF16_ULP + 1e-6)).max())
+    print(f"[{rows}x{k}x{n}] torchao vs emulation: rel-L2 {_rel(got, want):.2e}, worst element "
+          f"{worst:.2f} bf16 roundings of |want|")
+    assert _rel(got, want) <= 2e-3, _rel(got, want)
     ref = x.double() @ w.double().t()
     assert 1.5e-2 <= _rel(got, ref) <= 6e-2  # the CPU tests' per-linear band
     fast = _quantized_linear(w, fast_accum=True)

@@ -173,5 +173,14 @@ def test_health_timeout_must_exceed_heartbeat():
     with pytest.raises(ValueError, match=r"RuntimeConfig.health_timeout_s=1.0 must exceed "
                                          r"heartbeat_s=2.0"):
         RuntimeConfig(heartbeat_s=2.0, health_timeout_s=1.0)
-    with pytest.raises(ValueError, match=r"RuntimeConfig.compile='yes' must be true or false"):
+    with pytest.raises(ValueError, match=r"RuntimeConfig.compile='yes' must be true, false or "
+                                         r'"auto"'):
         RuntimeConfig(compile="yes")
+
+
+def test_compile_auto_compiles_on_cuda_only():
+    auto = RuntimeConfig()
+    assert auto.compile == "auto"
+    assert auto.compiled("cuda") and not auto.compiled("cpu")
+    assert RuntimeConfig(compile=True).compiled("cpu")
+    assert not RuntimeConfig(compile=False).compiled("cuda")
