@@ -287,7 +287,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
 
     acc = apply_overrides(cfg, {"model.num_layers": args.acc_layers})
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
-    model, ref, quantized = None, None, False
+    model, ref, ref_block0, quantized = None, None, None, False
     for prec, backend in (("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8")):
         row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": "eager",
                "layers": args.acc_layers, "steps": args.acc_steps}
@@ -303,13 +303,22 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
                 quantized = True
             timer = PhaseTimer(dev)
             handle = parallelize(model, backend=backend, timer=timer)
+            block0: list[torch.Tensor] = []  # the first block's output at the first step
+
+            def keep(_module, _args, out):
+                if not block0:
+                    block0.append((out[0] if isinstance(out, tuple) else out).float().cpu())
+            hook = model.transformer_blocks[0].register_forward_hook(keep)
             try:
                 engine = Engine(acc, env, model, timer, backend=backend, output_dir=args.writer.out_dir)
                 res = engine.run(parse_request({"steps": args.acc_steps, "seed": 0}, acc))
             finally:
+                hook.remove()
                 handle.remove()
             lat = res.latent
             ref = lat if ref is None else ref
+            ref_block0 = block0[0] if ref_block0 is None else ref_block0
+            row["block0_rel_l2"] = _rel(block0[0], ref_block0)
             row.update(status="ok", median_ms=statistics.median(res.step_latency_ms), used=res.tokens.used,
                        video_rel_l2=_rel(lat["video"], ref["video"]), audio_rel_l2=_rel(lat["audio"], ref["audio"]))
         except Exception as exc:  # noqa: BLE001

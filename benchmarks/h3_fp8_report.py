@@ -31,7 +31,9 @@ def report(rows) -> list[tuple[str, str]]:
                    ("step_s", "50-block step s", ".3f"), ("reason", "reason", "")],
             "accuracy": [("path", "linears:attention", ""), ("status", "status", ""), ("median_ms", "step ms", ".1f"),
                          ("video_rel_l2", "video rel-L2 vs bf16:sdpa", ".3e"),
-                         ("audio_rel_l2", "audio rel-L2", ".3e"), ("reason", "reason", "")]}
+                         ("audio_rel_l2", "audio rel-L2", ".3e"),
+                         ("block0_rel_l2", "first block's output rel-L2 (step 1)", ".3e"),
+                         ("reason", "reason", "")]}
     pick = {"block": ("block", "w4-rest")}
     out = [("Targets", f"- real block W=1, fp8:sage8 compiled: {t['block_w1_fp8_sage8_compiled_ms']} ms "
                        f"(target <= 80)\n- modeled 4 x H200 50-block step, best ({t['w4_best']}): "

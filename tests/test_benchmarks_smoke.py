@@ -203,6 +203,8 @@ def test_h3_fp8_smoke(tmp_path):
     assert w4["step_s"] == pytest.approx(50 * w4["median_ms"] / 1e3) and w4["rows"] == 80
     acc = {r["path"]: r for r in rows if r["section"] == "accuracy"}
     assert acc["bf16:sdpa"]["video_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["video_rel_l2"] < 5e-2
+    # the first block's own output: FP8 linears alone move it by an FP8-sized amount
+    assert acc["bf16:sdpa"]["block0_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["block0_rel_l2"] < 5e-2
     sage = [r for r in rows if r["path"].endswith(":sage8")]
     assert sage and all(r["status"] == "unavailable" and "sage8" in r["reason"] for r in sage)
     assert data["config"]["fp8"] == "emulated (float32)" and "torchao" in data["versions"]
