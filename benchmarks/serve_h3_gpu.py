@@ -15,7 +15,8 @@ builds it (no checkpoint, no download):
 - the transformer through the server's builder (:func:`dist_attn.serve.model.build_h3`: bf16
   blocks, the class's float32 modules) at ``--layers`` of its 50 blocks + the 2 refiner blocks,
   made sequence-parallel by ``enable_ulysses(backend=--backend)`` (one rank: dist_attn's kernel,
-  no collectives), compiled with ``--compile`` as ``serve --compile`` does;
+  no collectives), its linears in ``--linear-precision``, compiled as the server compiles them
+  (``--compile auto``: on CUDA, the served default);
 - the text encoder as the server loads it: Qwen3-VL 5,120 wide with the 51 decoder layers H3
   reads (54 GB);
 - ``AutoencoderKLMiniMaxH3()`` with the dtypes ``from_pretrained(torch_dtype=float16)`` gives
@@ -49,7 +50,8 @@ THEME = "serve-h3-job"
 PHASES = ("text_encode", "denoise", "decode_audio", "decode_video", "mux", "after_denoise")
 
 
-def _real_components(layers: int, device: torch.device, dtype: torch.dtype):
+def _real_components(layers: int, device: torch.device, dtype: torch.dtype,
+                     linear_precision: str = "bf16"):
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -70,7 +72,8 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype):
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     t0 = time.perf_counter()
-    transformer = build_h3(ModelConfig(num_layers=layers), device=device, dtype=dtype)
+    transformer = build_h3(ModelConfig(num_layers=layers, linear_precision=linear_precision),
+                           device=device, dtype=dtype)
     with torch.device(device):
         torch.manual_seed(0)
         vae = cast_like_from_pretrained(AutoencoderKLMiniMaxH3().float(), video_vae_dtype(device))
@@ -139,7 +142,11 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1, help="timed jobs after the warm-up job")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--backend", default="sage8", help="enable_ulysses backend (the served one)")
-    p.add_argument("--compile", action="store_true", help="compile the blocks as serve --compile")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="compile the blocks (auto: as the server's runtime.compile default, "
+                        "on CUDA)")
+    p.add_argument("--linear-precision", choices=("bf16", "fp8"), default="bf16",
+                   help="the served model.linear_precision (fp8: the blocks' linears in FP8)")
     p.add_argument("--diffusers", choices=("auto", "on", "off"), default="auto",
                    help="also run diffusers' own t2va pipeline first (auto: on the GPU)")
     p.add_argument("--decode-tiles-per-call", type=int, default=None)
@@ -158,7 +165,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
         dtype = torch.bfloat16
-        comps, built_s = _real_components(args.layers, device, dtype)
+        comps, built_s = _real_components(args.layers, device, dtype, args.linear_precision)
         geometry = {"height": 768, "width": 1344, "frames": 124}
     else:
         from dist_attn.serve.tiny_h3 import ensure_tiny_checkpoint
@@ -185,7 +192,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     parallelize(comps.transformer, backend=args.backend)
-    if args.compile:
+    compiled = args.compile == "on" or (args.compile == "auto" and cuda)
+    if compiled:
         compile_blocks(comps.transformer)
     pipe = H3Pipeline(comps, env, dtype, decode_tiles_per_call=args.decode_tiles_per_call)
     rules = pipe.rules(max_steps=100, max_rows=65536, default_steps=args.steps)
@@ -228,13 +236,24 @@ def main() -> None:
     config = {"layers": args.layers, "steps": args.steps, "request": req.to_json(),
               "dtype": str(dtype), "device": str(device), "jobs_timed": len(timed),
               "built_s": built_s, "real_configs": cuda, "backend": args.backend,
-              "compile": args.compile, "video_vae_dtype": str(comps.vae.dtype),
+              "compile": compiled, "linear_precision": args.linear_precision,
+              "video_vae_dtype": str(comps.vae.dtype),
               "diffusers_t2va": diffusers_row}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,
                           title="One served H3 job: seconds, the share outside the transformer, "
                                 "diffusers' t2va beside it")
     writer.payload["rows"] = [{"status": "ok", "total_ms": j["total_s"] * 1e3, **j} for j in jobs]
     writer.payload["summary"] = rows
+    if len(jobs) > 1:
+        first, steady = jobs[0], timed[-1]
+        writer.payload["warmup"] = {"first_job_s": first["total_s"],
+                                    "first_step_s": first["step_s"][0],
+                                    "steady_step_s": steady["step_s"][0],
+                                    "cost_s": first["total_s"] - steady["total_s"]}
+        writer.note(f"what the first job of the geometry pays (compilation, kernel JIT, "
+                    f"autotuning): {first['total_s'] - steady['total_s']:.1f} s "
+                    f"(first step {first['step_s'][0]:.2f} s vs {steady['step_s'][0]:.2f} s "
+                    "steady); the server's runtime.warmup_shapes pays it before /health")
     if diffusers_row is not None:
         writer.note(f"diffusers 0.42.1 t2va on the same components and request: "
                     f"{diffusers_row['total_s']:.2f} s ({diffusers_row['pipeline_s']:.2f} s "
