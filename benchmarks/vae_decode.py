@@ -160,9 +160,9 @@ def timing(vae16, device, smoke, tiles, rows, budget):
 def modeled_w4(vae16, z, device, tiles, w1, rows, nvlink_gbs, world=4):
     """A rank's share of the decoder calls, batched as it runs them, + the stitching + the
     all-gathers; every term measured on this GPU except the all-gather (from bytes)."""
-    from dist_attn.integrations.diffusers._vae_decode import _plan
+    from dist_attn.integrations.diffusers._vae_plan import plan_decode
 
-    plan = _plan(vae16, z.to(vae16.dtype))
+    plan = plan_decode(vae16, z.to(vae16.dtype))
     share = math.ceil(plan.calls / world)
     tile_bytes = math.prod(plan.tile_out) * 2  # float16
     for tpc in tiles:

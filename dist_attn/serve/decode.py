@@ -130,6 +130,7 @@ class JobDecoder:
         result = DecodeResult()
         lead = self.env.rank == 0 and mp4_path is not None
         writer: Mp4Writer | None = None
+        failed: list[BaseException] = []  # rank 0's own failures, reported after the decode
         if lead:
             try:
                 wave, rate = self._audio(audio_latents)
@@ -139,10 +140,9 @@ class JobDecoder:
                 width = latents.shape[-1] * self.vae.spatial_compression_ratio
                 writer = Mp4Writer(mp4_path, width=width, height=height, fps=self.fps,
                                    audio=wave, sample_rate=rate, first_frame_png=png_path)
-            except (OSError, RuntimeError, ValueError) as e:
-                log.exception("decoding the audio or opening %s failed", mp4_path)
+            except Exception as e:  # noqa: BLE001 - PyAV raises its own types; never between
+                log.exception("decoding the audio or opening %s failed", mp4_path)  # collectives
                 result.error = _why(e, "decoding the audio or opening the MP4")
-        failed: list[BaseException] = []
 
         def sink(_start: int, frames: torch.Tensor) -> None:
             # called between two of the decode's collectives: it must not raise
@@ -154,16 +154,16 @@ class JobDecoder:
                     host = torch.empty(rgb.shape, dtype=torch.uint8, pin_memory=True)
                     host.copy_(rgb, non_blocking=True)
                     ready = torch.cuda.Event()
-                    ready.record()
+                    ready.record()  # on the stream of the copy: the encoder waits for it
                     writer.add(host.numpy(), ready=ready.synchronize)
                 else:
                     writer.add(rgb.numpy())
-            except (OSError, RuntimeError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - kept, reported after the decode
                 failed.append(e)
 
-        z = latents.float() * self._lat_std + self._lat_mean  # as diffusers' decode step
-        t1 = time.perf_counter()
         try:
+            z = latents.float() * self._lat_std + self._lat_mean  # as diffusers' decode step
+            t1 = time.perf_counter()
             with torch.no_grad(), self.handle.stream(sink):
                 self.vae.decode(z, return_dict=False)
             self._sync()
@@ -178,7 +178,7 @@ class JobDecoder:
                 if failed:
                     raise failed[0]
                 result.file = writer.close()
-            except (OSError, RuntimeError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - this job fails, the server serves on
                 writer.abort()
                 log.exception("writing %s failed", mp4_path)
                 result.error = _why(e, "encoding or writing the video")

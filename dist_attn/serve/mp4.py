@@ -145,6 +145,9 @@ class Mp4Writer:
         self._png = None
         self._tmp = _temporary(path)
         self._error: BaseException | None = None
+        self._aborted = False
+        self._queue: queue.Queue | None = None
+        self._thread: _threading.Thread | None = None
         self._container = av.open(self._tmp, mode="w", format="mp4")
         try:
             self._vstream = self._container.add_stream("libx264", rate=fps, options=_X264_OPTIONS)
@@ -161,8 +164,6 @@ class Mp4Writer:
         except BaseException:
             self._discard()
             raise
-        self._queue: queue.Queue | None = None
-        self._thread: _threading.Thread | None = None
         if background:
             self._queue = queue.Queue()
             self._thread = _threading.Thread(target=self._work, name="mp4-encoder", daemon=True)
@@ -205,7 +206,7 @@ class Mp4Writer:
             item = self._queue.get()
             if item is None:
                 return
-            if self._error is None:
+            if self._error is None and not self._aborted:  # an aborted job's backlog is dropped
                 try:
                     item[0]() if len(item) == 1 else self._encode(*item)
                 except BaseException as e:  # noqa: BLE001 - re-raised by add() or close()
@@ -253,7 +254,9 @@ class Mp4Writer:
                          size_bytes=os.path.getsize(self.path))
 
     def abort(self) -> None:
-        """Stops the encoder and removes the temporary file (a failed job)."""
+        """Stops the encoder (frames still queued are dropped) and removes the temporary file
+        (a failed job)."""
+        self._aborted = True
         self._discard()
 
     def _join(self) -> None:

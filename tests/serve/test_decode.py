@@ -58,7 +58,7 @@ def _job(rank, world, cache, out_dir):
                   backend="gloo" if world > 1 else None)
     runner = H3Runner.build(load_config(None), env, dtype=torch.float32, backend="sdpa",
                             checkpoint=None)
-    # H3's shortest video: 7 clips of one 64 x 64 tile each, dealt 3 / 2 / 2 over 3 ranks
+    # H3's shortest video: 7 clips of one 64 x 64 tile each, dealt 2 / 2 / 3 over 3 ranks
     fields = {"prompt": "a red kite", "steps": 2, "seed": 11, "frames": 124}
     if rank == 0:
         req = parse_video_request(fields, runner.rules)
@@ -88,7 +88,7 @@ def test_the_mp4_does_not_depend_on_the_number_of_ranks(tmp_path):
     assert a.shape == b.shape == (124, 64, 64, 3)
     assert np.abs(a.astype(int) - b.astype(int)).max() <= 2
     # the three ranks each decoded a share of the clips
-    assert [r["stats"].my_calls for r in three] == [3, 2, 2]
+    assert [r["stats"].my_calls for r in three] == [2, 2, 3]  # rank 0 also muxes
     assert one[0]["stats"].my_calls == 7
 
 

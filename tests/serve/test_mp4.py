@@ -135,3 +135,27 @@ def test_streamed_mp4_fails_cleanly(tmp_path):
     assert os.listdir(tmp_path) == []  # no MP4, no temporary
     with pytest.raises(ValueError, match="width=47"):
         Mp4Writer(path, width=47, height=32)
+
+
+def test_a_writer_that_cannot_open_its_streams_says_why(tmp_path, monkeypatch):
+    # its own error, not an AttributeError from the cleanup of a half-made writer
+    def no_x264(*a, **k):
+        raise ValueError("no such encoder (injected)")
+    monkeypatch.setattr(av.container.OutputContainer, "add_stream", no_x264)
+    with pytest.raises(ValueError, match="injected"):
+        Mp4Writer(str(tmp_path / "x.mp4"), width=48, height=32)
+    assert os.listdir(tmp_path) == []
+
+
+def test_abort_drops_the_backlog(tmp_path):
+    video, _ = _clip(frames=8)
+    seen = []
+    writer = Mp4Writer(str(tmp_path / "a.mp4"), width=48, height=32)
+    gate = __import__("threading").Event()
+    writer.add(video[:1], ready=gate.wait)  # holds the encoder thread
+    for i in range(5):
+        writer.add(video[1:2], ready=lambda i=i: seen.append(i))
+    # the gate opens only after abort() has marked the writer aborted (it then waits)
+    __import__("threading").Timer(0.3, gate.set).start()
+    writer.abort()
+    assert seen == [] and os.listdir(tmp_path) == []

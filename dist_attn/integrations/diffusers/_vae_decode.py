@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_attn.distributed import group_size_and_rank
+from dist_attn.integrations.diffusers._vae_plan import (Plan, plan_decode, stitch_clip,
+                                                        temporal_runs, write_run)
 
 __all__ = ["DecodeStats", "FrameSink", "ParallelDecodeHandle", "enable_parallel_decode",
            "supported_vaes"]
@@ -41,7 +43,9 @@ __all__ = ["DecodeStats", "FrameSink", "ParallelDecodeHandle", "enable_parallel_
 logger = logging.getLogger(__name__)
 
 #: ``sink(start, frames)``: output frames ``[start, start + n)`` as ``[B, C, n, H, W]`` (a view
-#: of the output: copy what you keep), called in frame order, each frame once.
+#: of the output: copy what you keep), called in frame order, each frame once per video (with
+#: ``vae.use_slicing`` and a batch of several videos, diffusers decodes them one by one: the
+#: frames start again at 0 for each).
 FrameSink = Callable[[int, torch.Tensor], None]
 
 _HANDLE_ATTR = "_dist_attn_parallel_decode"
@@ -67,10 +71,12 @@ class DecodeStats:
     my_calls: int
     """Decoder calls this rank ran."""
     waves: int
-    """Batched decoder calls per rank (each followed by one all-gather when W > 1)."""
+    """Rounds of at most one batched decoder call per rank, each followed by one all-gather
+    when W > 1 (a rank may have no call in the last one)."""
     tiles_per_call: int
     collectives: int
-    """Collectives this decode issued: one all-gather of input fingerprints, one per wave."""
+    """Collectives this decode issued (W > 1): one all-gather of the inputs' fingerprints, one
+    per wave, one last flag exchange; none on one rank."""
     frames: int
 
 
@@ -80,7 +86,9 @@ class ParallelDecodeHandle:
 
     vae: nn.Module = field(repr=False)
     group: Any = None
-    tiles_per_call: int = 1
+    tiles_per_call: int | None = None
+    """As given (None: from ``memory_budget_bytes`` and each video's tiles)."""
+    memory_budget_bytes: int = 8 << 30
     sink: FrameSink | None = field(default=None, repr=False)
     last: DecodeStats | None = None
     """Statistics of the last decode (None before the first)."""
@@ -119,8 +127,8 @@ def _tile_bytes(vae: nn.Module, tokens: int) -> int:
     """Planning figure of one decoder tile's peak activations (see _FLOAT32_STREAM_WIDTHS)."""
     cfg = vae.config
     width = cfg.decoder_num_attention_heads * cfg.decoder_attention_head_dim
-    elt = next(vae.decoder.transformer_blocks.parameters()).element_size() \
-        if len(vae.decoder.transformer_blocks) else 4
+    blocks = vae.decoder.transformer_blocks
+    elt = blocks[0].attn.to_q.weight.element_size() if len(blocks) else 4  # the GEMMs' dtype
     per_token = width * (_FLOAT32_STREAM_WIDTHS + (3 * cfg.decoder_ffn_mult + 4) * elt)
     return tokens * per_token
 
@@ -167,15 +175,8 @@ def enable_parallel_decode(vae: nn.Module, group=None, *, tiles_per_call: int | 
         raise ValueError("this VAE already decodes in parallel (enable_parallel_decode was called "
                          "before); call handle.remove() first")
     group_size_and_rank(group)  # a group without torch.distributed raises here, naming it
-    if tiles_per_call is None:
-        tile = vae.tile_sample_min_height * vae.tile_sample_min_width
-        t_lat = vae.tokens_chunk_size + vae.token_overlap
-        tokens = t_lat * tile // vae.spatial_compression_ratio ** 2
-        # at most 8: on an H200 the float16 decode of H3's 196 tiles took 5.88 / 5.86 / 5.79 /
-        # 5.84 s at 4 / 8 / 16 / 28 tiles a call (vae-decode_h200_2026-12-04) while the peak
-        # grew by ~0.16 GiB a tile; a tile of ~1.8k tokens already fills the GPU
-        tiles_per_call = max(1, min(8, memory_budget_bytes // max(1, _tile_bytes(vae, tokens))))
-    handle = ParallelDecodeHandle(vae=vae, group=group, tiles_per_call=tiles_per_call)
+    handle = ParallelDecodeHandle(vae=vae, group=group, tiles_per_call=tiles_per_call,
+                                  memory_budget_bytes=memory_budget_bytes)
 
     def _decode(z: torch.Tensor) -> torch.Tensor:
         return _parallel_decode(handle, z)
@@ -183,180 +184,41 @@ def enable_parallel_decode(vae: nn.Module, group=None, *, tiles_per_call: int | 
     vae.__dict__["_decode"] = _decode  # shadows the class's _decode on this instance only
     setattr(vae, _HANDLE_ATTR, handle)
     _, world, _ = group_size_and_rank(group)
-    logger.info("enable_parallel_decode: %s over %d rank(s), %d tile(s) per decoder call",
-                type(vae).__name__, world, tiles_per_call)
+    logger.info("enable_parallel_decode: %s over %d rank(s), %s tile(s) per decoder call",
+                type(vae).__name__, world, tiles_per_call or
+                f"as many as {memory_budget_bytes / 2**30:.1f} GiB of activations allow (<= 8)")
     return handle
 
 
-class _Stand:
-    """The VAE as diffusers' own methods see it, with some attributes replaced (``self.decoder``,
-    ``self._decode_clip``, ...): every other attribute is the VAE's."""
-
-    def __init__(self, vae: nn.Module, **overrides: Any) -> None:
-        self.__dict__["_vae"] = vae
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_vae"], name)
+# The dtypes a decode may produce, as one number each in the agreement row (any other: -1).
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-@dataclass(kw_only=True)
-class _Plan:
-    """One video's decoder calls and how their outputs make the video (same on every rank)."""
-
-    clips: list[torch.Tensor]
-    """Per temporal clip, the ``[B, C, t, h, w]`` latents diffusers' ``_decode`` gives
-    ``_decode_clip``, in order."""
-    boxes: list[tuple[slice, slice]]
-    """Per spatial tile of a clip, in diffusers' call order: its (rows, columns) of latents."""
-    tile_out: tuple[int, ...]
-    """Shape of one decoded tile ``[B, C_out, T_out, H_tile, W_tile]``."""
-    frames: int
-    """Output frames of the whole video."""
-    latent_frames: int
-    """Latent frames of ``z``."""
-
-    @property
-    def calls(self) -> int:
-        return len(self.clips) * len(self.boxes)
-
-    def latents(self, call: int) -> torch.Tensor:
-        """``[B, C, t, h_tile, w_tile]`` the latents of decoder call ``call`` (clip-major)."""
-        rows, cols = self.boxes[call % len(self.boxes)]
-        return self.clips[call // len(self.boxes)][..., rows, cols]
-
-
-def _plan(vae: nn.Module, z: torch.Tensor) -> _Plan:
-    """Runs diffusers' ``_decode`` and ``_decode_clip`` on stand-ins that record what they would
-    decode; nothing is computed (the recorded outputs live on the meta device)."""
-    cls = type(vae)
-    ratio_t, ratio_s = vae.temporal_compression_ratio, vae.spatial_compression_ratio
-    clips: list[torch.Tensor] = []
-
-    def record_clip(zc: torch.Tensor) -> torch.Tensor:
-        clips.append(zc)
-        return torch.empty(zc.shape[0], 1, zc.shape[2] * ratio_t, 1, 1, device="meta")
-
-    out = cls._decode(_Stand(vae, _decode_clip=record_clip), z)
-    if any(c.shape != clips[0].shape for c in clips):
-        raise RuntimeError(f"{cls.__name__}._decode cut clips of unequal shapes "
-                           f"{[tuple(c.shape) for c in clips]}; the parallel decode plans one "
-                           "tile layout for every clip")
-    probe = torch.empty(clips[0].shape, device="meta")  # contiguous: offsets give positions
-    boxes: list[tuple[slice, slice]] = []
-    tile_out: list[tuple[int, ...]] = []
-
-    def record_tile(tile: torch.Tensor) -> torch.Tensor:
-        # diffusers hands post_quant_conv a view of the clip's latents: its offset is the tile's
-        # corner (batch, channel and time start at 0 in every tile)
-        y0, x0 = divmod(tile.storage_offset(), probe.stride(-2))
-        boxes.append((slice(y0, y0 + tile.shape[-2]), slice(x0, x0 + tile.shape[-1])))
-        return tile
-
-    def record_decoder(tile: torch.Tensor) -> torch.Tensor:
-        b, _, t, h, w = tile.shape
-        tile_out.append((b, vae.decoder.out_channels, t * ratio_t, h * ratio_s, w * ratio_s))
-        return torch.empty(tile_out[-1], device="meta")
-
-    cls._decode_clip(_Stand(vae, post_quant_conv=record_tile, decoder=record_decoder), probe)
-    if len(set(tile_out)) != 1:
-        raise RuntimeError(f"{cls.__name__}._decode_clip decodes tiles of unequal shapes "
-                           f"{sorted(set(tile_out))}; the parallel decode batches equal tiles")
-    return _Plan(clips=clips, boxes=boxes, tile_out=tile_out[0], frames=out.shape[2],
-                 latent_frames=z.shape[2])
-
-
-@dataclass(kw_only=True)
-class _Run:
-    """Output frames ``[f0, f0 + n)``: a copy of one clip's frames, or a cross-fade of two."""
-
-    f0: int
-    n: int
-    terms: list[tuple[int, int, torch.Tensor | None]]
-    """``(clip, first frame, weights [n] or None for a copy)``, the earlier clip first."""
-
-    @property
-    def last_clip(self) -> int:
-        return max(c for c, _, _ in self.terms)
-
-    @property
-    def first_clip(self) -> int:
-        return min(c for c, _, _ in self.terms)
-
-
-def _temporal_runs(vae: nn.Module, plan: _Plan, dtype: torch.dtype,
-                   device: torch.device) -> list[_Run]:
-    """diffusers' ``_decode`` over one-hot clips: its output is the linear map from decoded clip
-    frames to output frames, its cross-fade weights computed by diffusers' ``_blend`` in the
-    decode dtype on the decode device; cut into runs of consecutive frames."""
-    n_clips = len(plan.clips)
-    t_out = plan.tile_out[2]
-    n = n_clips * t_out
-    count = [0]
-
-    def one_hot(zc: torch.Tensor) -> torch.Tensor:
-        i = count[0]
-        count[0] += 1
-        e = torch.zeros(1, n, t_out, 1, 1, dtype=dtype, device=device)
-        t = torch.arange(t_out, device=device)
-        e[0, i * t_out + t, t] = 1
-        return e
-
-    # _decode reads only the frame axis of z
-    head = torch.zeros(1, 1, plan.latent_frames, 1, 1, dtype=dtype, device=device)
-    m = type(vae)._decode(_Stand(vae, _decode_clip=one_hot), head)[0, :, :, 0, 0].t()  # [F, n]
-    if count[0] != n_clips or m.shape[0] != plan.frames:
-        raise RuntimeError(f"{type(vae).__name__}._decode is not deterministic in its geometry: "
-                           f"{count[0]} clips and {m.shape[0]} frames, planned {n_clips} and "
-                           f"{plan.frames}")
-    host = m.float().cpu()
-    runs: list[_Run] = []
-    for f in range(host.shape[0]):
-        src = torch.nonzero(host[f]).flatten().tolist()  # ascending: the earlier clip first
-        if not src:
-            raise RuntimeError(f"output frame {f} has no source in {type(vae).__name__}._decode")
-        terms = [(j // t_out, j % t_out) for j in src]
-        copy = len(src) == 1 and host[f, src[0]] == 1
-        last = runs[-1] if runs else None
-        if last is not None and (last.terms[0][2] is None) == copy and \
-                [c for c, _, _ in last.terms] == [c for c, _ in terms] and \
-                all(t == lt + last.n for (_, t), (_, lt, _) in zip(terms, last.terms)):
-            last.n += 1
-            continue
-        runs.append(_Run(f0=f, n=1, terms=[(c, t, None if copy else m) for c, t in terms]))
-    for run in runs:  # the weights of a cross-fade, as diffusers computed them
-        if run.terms[0][2] is not None:
-            run.terms = [(c, t, m[run.f0:run.f0 + run.n, c * t_out + t:c * t_out + t + run.n]
-                          .diagonal().reshape(1, 1, run.n, 1, 1)) for c, t, _ in run.terms]
-    return runs
-
-
-def _agree(vae: nn.Module, z: torch.Tensor, tiles_per_call: int, group: Any,
-           world: int) -> None:
-    """One all-gather of the latents' fingerprint and the tiling settings; raises the same
-    ValueError on every rank if any rank differs from rank 0 (before any decoder call)."""
+def _agree(vae: nn.Module, z: torch.Tensor, settings: list[float], ok: bool, group: Any,
+           world: int) -> list[int]:
+    """One all-gather of the latents' fingerprint, the decode's settings and whether this rank
+    is ready (its plan and buffers made); raises the same ValueError on every rank if a rank
+    differs from rank 0 in latents or settings. Returns the ranks that are not ready."""
     from dist_attn.integrations.diffusers._runtime import _SHAPE, _fingerprint
 
-    settings = [float(vae.use_tiling), vae.tile_sample_min_height, vae.tile_sample_min_width,
-                vae.tile_sample_min_overlap_height, vae.tile_sample_min_overlap_width,
-                float(tiles_per_call)]
     mine = torch.cat((_fingerprint(z, z.device),
-                      torch.tensor(settings, dtype=torch.float64, device=z.device)))
+                      torch.tensor([*settings, float(ok)], dtype=torch.float64, device=z.device)))
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
-    every = torch.stack(rows).cpu()  # [W, fingerprint + settings]
-    k = len(settings)
-    shape, sums, sets = slice(0, _SHAPE), slice(_SHAPE, -k), slice(-k, None)
+    every = torch.stack(rows).cpu()  # [W, fingerprint + settings + ready]
+    k = len(settings) + 1
+    shape, sums, sets = slice(0, _SHAPE), slice(_SHAPE, -k), slice(-k, -1)
 
     def dims(row: torch.Tensor) -> list[int]:
         return [int(s) for s in row[2:2 + int(row[1])]]
 
     for r in range(1, world):
         if not torch.equal(every[r, sets], every[0, sets]):
-            raise ValueError(f"the VAE's tiling settings or tiles_per_call differ on rank {r} "
+            raise ValueError(f"the decode's settings differ on rank {r} "
                              f"({every[r, sets].tolist()}) and rank 0 ({every[0, sets].tolist()}: "
-                             "use_tiling, tile height, width, overlaps, tiles_per_call); every "
-                             "rank must decode with the same settings")
+                             "use_tiling, tile height, width, overlaps, tiles_per_call, the "
+                             "decoder's output dtype); every rank must decode with the same "
+                             "VAE settings, dtype and autocast")
         if not torch.equal(every[r, shape], every[0, shape]):
             raise ValueError(f"z differs across the W={world} ranks: shape {dims(every[r])} on "
                              f"rank {r}, {dims(every[0])} on rank 0; every rank must pass the "
@@ -367,6 +229,7 @@ def _agree(vae: nn.Module, z: torch.Tensor, tiles_per_call: int, group: Any,
                              f"{float(every[r, _SHAPE]):.6g} vs {float(every[0, _SHAPE]):.6g}); "
                              "every rank must pass the same latents (same seed, same prompt) to "
                              "vae.decode")
+    return [r for r in range(world) if every[r, -1] == 0]
 
 
 def _output_dtype(vae: nn.Module, device: torch.device) -> torch.dtype:
@@ -376,21 +239,67 @@ def _output_dtype(vae: nn.Module, device: torch.device) -> torch.dtype:
     return vae.decoder.proj_out.weight.dtype
 
 
+def _tiles_per_call(handle: ParallelDecodeHandle, plan: Plan) -> int:
+    """The batch: as given, or what ``memory_budget_bytes`` allows for this video's tiles."""
+    if handle.tiles_per_call is not None:
+        return handle.tiles_per_call
+    tokens = math.prod(plan.clips[0].shape[2:3]) * math.prod(plan.tile_out[3:]) \
+        // handle.vae.spatial_compression_ratio ** 2
+    # at most 8: on an H200 the float16 decode of H3's 196 tiles took 5.88 / 5.86 / 5.79 /
+    # 5.84 s at 4 / 8 / 16 / 28 tiles a call (vae-decode_h200_2026-12-04) while the peak grew
+    # by ~0.16 GiB a tile; a tile of ~1.8k tokens already fills the GPU
+    return max(1, min(8, handle.memory_budget_bytes // max(1, _tile_bytes(handle.vae, tokens))))
+
+
+def _detached(e: BaseException, where: str) -> BaseException:
+    """Logs ``e`` with its traceback, then drops the traceback: it would keep the failed call's
+    activations alive while this rank still joins its peers' exchanges."""
+    logger.error("the parallel VAE decode failed on this rank (%s); the other ranks are told "
+                 "at the next exchange", where, exc_info=e)
+    return e.with_traceback(None)
+
+
 def _parallel_decode(handle: ParallelDecodeHandle, z: torch.Tensor) -> torch.Tensor:
-    """``[B, C, T, h, w]`` latents -> ``[B, C_out, F, H, W]`` video, the same on every rank."""
+    """``[B, C, T, h, w]`` latents -> ``[B, C_out, F, H, W]`` video, the same on every rank.
+
+    Failure on one rank: every exchange carries a flag per rank, and after a failure a rank
+    still joins every exchange (with the flag set) until all ranks have seen it, so all raise at
+    the same point; none is left waiting in a collective."""
     vae = handle.vae
     group, world, rank = group_size_and_rank(handle.group)
-    per_call = handle.tiles_per_call
+    dtype = _output_dtype(vae, z.device)
+    error: BaseException | None = None
+    plan = runs = arena = None
+    per_call = handle.tiles_per_call or 0
+    try:  # everything before the first exchange that could fail on one rank only
+        plan = plan_decode(vae, z)
+        per_call = _tiles_per_call(handle, plan)
+        runs = temporal_runs(vae, plan, dtype, z.device)
+        numel = math.prod(plan.tile_out)
+        if world > 1:  # the exchange buffers, made once: a failed rank can always take part
+            arena = (torch.empty(per_call * numel + 1, dtype=dtype, device=z.device),
+                     torch.empty(world, per_call * numel + 1, dtype=dtype, device=z.device))
+    except Exception as e:  # noqa: BLE001 - told to every rank by _agree
+        if world == 1:
+            raise
+        error = _detached(e, "planning")
     collectives = 0
     if world > 1:
-        _agree(vae, z, per_call, group, world)
+        code = float(_DTYPES.index(dtype)) if dtype in _DTYPES else -1.0
+        settings = [float(vae.use_tiling), vae.tile_sample_min_height, vae.tile_sample_min_width,
+                    vae.tile_sample_min_overlap_height, vae.tile_sample_min_overlap_width,
+                    float(per_call), code]
+        not_ready = _agree(vae, z, settings, error is None, group, world)
         collectives += 1
-    plan = _plan(vae, z)
+        if not_ready:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"the VAE decode could not start on rank(s) {not_ready} of "
+                               f"{world}; their logs say why")
+    assert plan is not None and runs is not None
     n_tiles, n_calls = len(plan.boxes), plan.calls
-    dtype = _output_dtype(vae, z.device)
-    runs = _temporal_runs(vae, plan, dtype, z.device)
-    tile_numel = math.prod(plan.tile_out)
-    b, c_out, _, h_tile, w_tile = plan.tile_out
+    b = plan.tile_out[0]
+    numel = math.prod(plan.tile_out)
     out: torch.Tensor | None = None
     decoded: dict[int, torch.Tensor] = {}
     stitched: dict[int, torch.Tensor] = {}
@@ -401,81 +310,81 @@ def _parallel_decode(handle: ParallelDecodeHandle, z: torch.Tensor) -> torch.Ten
     for w in range(waves):
         lo = w * per_wave
         n = min(n_calls, lo + per_wave) - lo
-        counts = [n // world + (r < n % world) for r in range(world)]
+        # the last wave's remainder goes to the highest ranks: rank 0 also decodes the audio
+        # and encodes the MP4 in the served job
+        counts = [n // world + (r >= world - n % world) for r in range(world)]
         starts = [lo + sum(counts[:r]) for r in range(world)]
         mine = range(starts[rank], starts[rank] + counts[rank])
         mine_total += len(mine)
-        local, error = None, None
-        try:
-            if len(mine):
+        local = None
+        if error is None and len(mine):
+            try:
                 lat = torch.cat([plan.latents(i) for i in mine])  # [k*B, C, t, h, w]
                 local = vae.decoder(vae.post_quant_conv(lat)).to(dtype)  # [k*B, C_out, ...]
-        except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
-            if world == 1:
-                raise
-            error = e
-        if world == 1:
-            for k, i in enumerate(mine):
-                decoded[i] = local[k * b:(k + 1) * b]
-        else:
-            # one flat buffer per rank, padded to the wave's largest share; the last element
-            # says whether this rank's decoder call failed, so every rank raises together
-            most = max(counts)
-            send = torch.zeros(most * tile_numel + 1, dtype=dtype, device=z.device)
-            if local is not None and error is None:
-                send[:len(mine) * tile_numel] = local.reshape(-1)
+            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
+                if world == 1:
+                    raise
+                error, local = _detached(e, f"decoder call, wave {w}"), None
+        if world > 1:
+            send, recv = arena
+            if local is not None:
+                send[:len(mine) * numel] = local.reshape(-1)
+            del local
             send[-1] = float(error is not None)
-            recv = [torch.empty_like(send) for _ in range(world)]
-            dist.all_gather(recv, send, group=group)
+            dist.all_gather(list(recv.unbind(0)), send, group=group)
             collectives += 1
-            failed = [r for r in range(world) if float(recv[r][-1]) != 0.0]
+            failed = [r for r in range(world) if float(recv[r, -1]) != 0.0]
             if failed:
                 if error is not None:
                     raise error
                 raise RuntimeError(f"the VAE decode failed on rank(s) {failed} of {world} (wave "
-                                   f"{w} of {waves}); their logs say why")
+                                   f"{w + 1} of {waves}); their logs say why")
+        try:  # a failure from here on is told to the other ranks at the next exchange
             for r in range(world):
                 for k in range(counts[r]):
-                    decoded[starts[r] + k] = recv[r][k * tile_numel:(k + 1) * tile_numel].view(
-                        plan.tile_out)
-        # stitch every clip whose tiles are all here, with diffusers' _decode_clip
-        while next_clip < len(plan.clips) and all(
-                next_clip * n_tiles + j in decoded for j in range(n_tiles)):
-            tiles = iter([decoded.pop(next_clip * n_tiles + j) for j in range(n_tiles)])
-            stand = _Stand(vae, post_quant_conv=lambda t: t, decoder=lambda _t: next(tiles))
-            stitched[next_clip] = type(vae)._decode_clip(
-                stand, torch.empty(plan.clips[next_clip].shape, device="meta"))
-            next_clip += 1
-        if out is None and stitched:
-            first = stitched[min(stitched)]
-            out = torch.empty(first.shape[0], first.shape[1], plan.frames, *first.shape[3:],
-                              dtype=first.dtype, device=first.device)
-        f_start = runs[next_run].f0 if next_run < len(runs) else plan.frames
-        while next_run < len(runs) and runs[next_run].last_clip < next_clip:
-            _write(out, runs[next_run], stitched)
-            next_run += 1
-        f_end = runs[next_run].f0 if next_run < len(runs) else plan.frames
-        keep = runs[next_run].first_clip if next_run < len(runs) else len(plan.clips)
-        for i in [i for i in stitched if i < keep]:
-            del stitched[i]
-        if handle.sink is not None and f_end > f_start:
-            handle.sink(f_start, out[:, :, f_start:f_end])
+                    decoded[starts[r] + k] = (local[k * b:(k + 1) * b] if world == 1 else
+                                              recv[r, k * numel:(k + 1) * numel]
+                                              .view(plan.tile_out).clone())
+            while next_clip < len(plan.clips) and all(
+                    next_clip * n_tiles + j in decoded for j in range(n_tiles)):
+                tiles = [decoded.pop(next_clip * n_tiles + j) for j in range(n_tiles)]
+                stitched[next_clip] = stitch_clip(vae, plan, next_clip, tiles)
+                next_clip += 1
+            if out is None and stitched:
+                first = stitched[min(stitched)]
+                out = torch.empty(first.shape[0], first.shape[1], plan.frames, *first.shape[3:],
+                                  dtype=first.dtype, device=first.device)
+            f_start = runs[next_run].f0 if next_run < len(runs) else plan.frames
+            while next_run < len(runs) and runs[next_run].last_clip < next_clip:
+                write_run(out, runs[next_run], stitched)
+                next_run += 1
+            f_end = runs[next_run].f0 if next_run < len(runs) else plan.frames
+            keep = runs[next_run].first_clip if next_run < len(runs) else len(plan.clips)
+            for i in [i for i in stitched if i < keep]:
+                del stitched[i]
+            if handle.sink is not None and f_end > f_start:
+                handle.sink(f_start, out[:, :, f_start:f_end])
+        except Exception as e:  # noqa: BLE001
+            if world == 1:
+                raise
+            if error is None:
+                error = _detached(e, f"stitching or the frame sink, wave {w + 1}")
+            decoded.clear()
+            stitched.clear()
+    if world > 1:  # one last flag exchange: a failure after the last wave's tiles arrived
+        flag = torch.tensor([float(error is not None)], dtype=torch.float32, device=z.device)
+        flags = [torch.empty_like(flag) for _ in range(world)]
+        dist.all_gather(flags, flag, group=group)
+        collectives += 1
+        failed = [r for r in range(world) if float(flags[r]) != 0.0]
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"the VAE decode failed on rank(s) {failed} of {world} after its "
+                               "last wave; their logs say why")
     if next_run != len(runs) or out is None:
         raise RuntimeError(f"the parallel decode wrote {next_run} of {len(runs)} frame runs")
     handle.last = DecodeStats(calls=n_calls, clips=len(plan.clips), tiles_per_clip=n_tiles,
                               my_calls=mine_total, waves=waves, tiles_per_call=per_call,
                               collectives=collectives, frames=plan.frames)
     return out
-
-
-def _write(out: torch.Tensor, run: _Run, clips: dict[int, torch.Tensor]) -> None:
-    """``out[:, :, run]`` from its clips: a copy, or ``a * w_a + b * w_b`` as diffusers' _blend."""
-    dst = out[:, :, run.f0:run.f0 + run.n]
-    c, t, w = run.terms[0]
-    if w is None:
-        dst.copy_(clips[c][:, :, t:t + run.n])
-        return
-    acc = clips[c][:, :, t:t + run.n] * w
-    for c, t, w in run.terms[1:]:
-        acc = acc + clips[c][:, :, t:t + run.n] * w
-    dst.copy_(acc)
