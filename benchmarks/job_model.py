@@ -43,73 +43,102 @@ def _newest(pattern: str) -> tuple[str, dict]:
         return os.path.basename(paths[-1]), json.load(f)
 
 
-def model(steps: int, backend: str, threading: str) -> tuple[list[dict], dict]:
-    job_name, job = _newest("serve-h3-job-full_h200_*.json")
+def model(steps: int, path: str, mode: str, threading: str) -> tuple[list[dict], dict]:
+    """The job's terms for one ``path`` (``"<linears>:<attention>"``) in ``mode``."""
+    linears, backend = path.split(":")
+    job_theme = {("bf16", "eager"): "serve-h3-job-full", ("bf16", "compiled"):
+                 "serve-h3-job-full-compiled", ("fp8", "compiled"): "serve-h3-job-full-fp8"}
+    job_name, job = _newest(f"{job_theme[(linears, mode)]}_h200_*.json")
     dec_name, dec = _newest("vae-decode_h200_*.json")
-    sc_name, sc = _newest("scaling-modeled_h200_*.json")
     timed = [r for r in job["rows"] if not r["warmup"]] or job["rows"]
     j = timed[-1]
     layers = job["config"]["layers"]
     w1_step = sorted(x for r in timed for x in r["step_s"])[len(timed) * len(timed[0]["step_s"]) // 2]
+    if (linears, mode) == ("bf16", "eager"):  # the scaling run's real block, eager
+        blocks_name, sc = _newest("scaling-modeled_h200_*.json")
 
-    def block(n: int) -> float:
-        rows = [r for r in sc["rows"] if r.get("what") == "block" and r.get("backend") == backend
-                and r.get("N") == n and r.get("mode") == "modeled" and r.get("status") == "ok"
-                and r.get("overlap_chunks", 1) == 1]
-        return min(r["total_ms"] for r in rows) / 1e3
-
-    outside_blocks = max(0.0, w1_step - layers * block(1))
-    step_w4 = layers * block(4) + outside_blocks
-    w4 = [r for r in dec["rows"]
-          if r.get("section") == "W=4 modeled" and r.get("status", "ok") == "ok"]
-    decode = min(w4, key=lambda r: r["modeled_s"])
-    mux = [r for r in dec["rows"] if r.get("section") == "mux" and r.get("clips", 1) > 1
-           and r.get("threading", "frame") == threading
-           and r.get("status", "ok") == "ok"]
+        def block(n: int) -> float:
+            rows = [r for r in sc["rows"] if r.get("what") == "block"
+                    and r.get("backend") == backend and r.get("N") == n
+                    and r.get("mode") == "modeled" and r.get("status") == "ok"
+                    and r.get("overlap_chunks", 1) == 1]
+            return min(r["total_ms"] for r in rows) / 1e3
+        block_w1, block_w4 = block(1), block(4)
+    else:  # h3_fp8's block rows: compiled, W = 1 measured and W = 4 modeled
+        blocks_name, fp = _newest("h3-fp8_h200_*.json")
+        w1 = [r for r in fp["rows"] if r.get("section") == "block" and r.get("path") == path
+              and r.get("mode") == mode and r.get("status") == "ok"]
+        w4 = [r for r in fp["rows"] if r.get("section") == "w4" and r.get("path") == path
+              and r.get("mode") == mode and r.get("status") == "ok"]
+        block_w1, block_w4 = w1[0]["median_ms"] / 1e3, w4[0]["median_ms"] / 1e3
+    outside_blocks = max(0.0, w1_step - layers * block_w1)
+    step_w4 = layers * block_w4 + outside_blocks
+    w4rows = [r for r in dec["rows"]
+              if r.get("section") == "W=4 modeled" and r.get("status", "ok") == "ok"]
+    decode = min(w4rows, key=lambda r: r["modeled_s"])
+    try:
+        mux_name, mux_file = _newest("vae-decode-mux_h200_*.json")
+    except SystemExit:
+        mux_name, mux_file = dec_name, dec
+    mux = [r for r in mux_file["rows"] if r.get("section") == "mux" and r.get("clips", 1) > 1
+           and r.get("threading", "frame") == threading and r.get("status", "ok") == "ok"]
     tail = mux[0]["tail_s"] if mux else j["mux"]
     terms = [
         {"term": "text encode (rank 0, broadcast)", "s": j["text_encode"], "source": job_name},
         {"term": f"denoise: {steps - 1} forwards x {step_w4:.3f} s (50 blocks x "
-                 f"{block(4) * 1e3:.2f} ms at W = 4 + {outside_blocks:.3f} s outside the blocks)",
-         "s": (steps - 1) * step_w4, "source": f"{sc_name} + {job_name}"},
+                 f"{block_w4 * 1e3:.2f} ms at W = 4 + {outside_blocks:.3f} s outside the blocks)",
+         "s": (steps - 1) * step_w4, "source": f"{blocks_name} + {job_name}"},
         {"term": "audio decode (rank 0)", "s": j["decode_audio"], "source": job_name},
         {"term": f"video decode at W = 4 ({decode['rank_calls']} calls a rank, "
                  f"{decode['tiles_per_call']} a call)", "s": decode["modeled_s"],
          "source": dec_name},
-        {"term": f"MP4 tail after the last clip (x264 {threading} threads, streamed)",
-         "s": tail, "source": dec_name if mux else job_name},
+        {"term": f"MP4 tail after the last clip (x264 {threading} threads, streamed at the W = 4 "
+                 "decode's pace)" if mux else "MP4 tail after the last clip (measured at W = 1)",
+         "s": tail, "source": mux_name if mux else job_name},
     ]
     after = sum(t["s"] for t in terms[2:])
     total = sum(t["s"] for t in terms)
     terms.append({"term": "after the last denoise step (audio + decode + MP4 tail)", "s": after,
                   "source": "sum"})
     terms.append({"term": "job, end to end", "s": total, "source": "sum"})
-    info = {"steps": steps, "backend": backend, "step_w4_s": step_w4, "w1_step_s": w1_step,
-            "block_w1_s": block(1), "block_w4_s": block(4), "outside_blocks_s": outside_blocks,
-            "sources": [job_name, dec_name, sc_name], "after_denoise_s": after,
-            "total_s": total, "sglang_s": 74.38, "sglang_decode_s": 1.32}
+    info = {"steps": steps, "path": path, "mode": mode, "step_w4_s": step_w4,
+            "w1_step_s": w1_step, "block_w1_s": block_w1, "block_w4_s": block_w4,
+            "outside_blocks_s": outside_blocks, "sources": [job_name, dec_name, blocks_name],
+            "after_denoise_s": after, "total_s": total, "sglang_s": 74.38,
+            "sglang_decode_s": 1.32}
     return terms, info
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50, help="grid points; forwards = steps - 1")
-    p.add_argument("--backend", default="sage8")
+    p.add_argument("--paths", default="bf16:sage8:eager,bf16:sage8:compiled,fp8:sage8:compiled",
+                   help="<linears>:<attention>:<mode>, comma-separated: one table each")
     p.add_argument("--threading", default="frame", choices=("frame", "slice"))
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args()
-    terms, info = model(args.steps, args.backend, args.threading)
-    writer = ResultWriter(theme=THEME, args=args, config=info, device=torch.device("cpu"),
+    runs = []
+    for spec in args.paths.split(","):
+        linears, attention, mode = spec.split(":")
+        runs.append((f"{linears}:{attention}", mode,
+                     *model(args.steps, f"{linears}:{attention}", mode, args.threading)))
+    writer = ResultWriter(theme=THEME, args=args, config={"paths": args.paths, "steps": args.steps,
+                                                          "runs": [r[3] for r in runs]},
+                          device=torch.device("cpu"),
                           title="The served H3 job on 4 x H200, MODELED from one-H200 pieces")
     writer.hardware = "h200"
     writer.stem = os.path.join(writer.out_dir, f"{THEME}_h200_{writer.date}")
     writer.note("MODELED: every term was measured on one H200 or computed from bytes; no "
                 "4-GPU machine ran this job. SGLang's measured 4 x H200 job: 74.38 s, its "
                 "decode 1.32 s (sglang PR #33398).")
-    for t in terms:
-        writer.rows.append({"status": "ok", "total_ms": t["s"] * 1e3, **t})
-    table = markdown_table(terms, [("term", "term", ""), ("s", "seconds", ".3f"),
-                                   ("source", "from", "")])
+    sections = []
+    for path, mode, terms, info in runs:
+        for t in terms:
+            writer.rows.append({"status": "ok", "total_ms": t["s"] * 1e3, "path": path,
+                                "mode": mode, **t})
+        sections.append((f"{path}, {mode}", markdown_table(
+            terms, [("term", "term", ""), ("s", "seconds", ".3f"), ("source", "from", "")])))
+    terms = runs[-1][2]
 
     def plot(plt):
         parts = terms[:-2]
@@ -121,10 +150,11 @@ def main() -> None:
         plt.yticks([])
         plt.xlabel("seconds")
         plt.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.3))
-        plt.title("H3 job on 4 x H200 (modeled)")
+        plt.title(f"H3 job on 4 x H200 (modeled), {runs[-1][0]} {runs[-1][1]}")
 
-    paths = writer.finish(plot, [("Terms", table)])
-    print(table)
+    paths = writer.finish(plot, sections)
+    for head, table in sections:
+        print(f"## {head}\n{table}")
     print(f"wrote {paths['md']}")
 
 

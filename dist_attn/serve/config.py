@@ -33,7 +33,8 @@ from dist_attn.fp8_linear import LINEAR_PRECISIONS, LinearPrecision
 from dist_attn.plan import heads_per_rank
 from dist_attn.serve.fields import field_error, require_non_negative, require_positive
 from dist_attn.serve.job_config import JobsConfig
-from dist_attn.serve.quality import (QualityTier, tier_backend_rule, tier_linear_rule,
+from dist_attn.serve.quality import (QualityTier, tier_backend_rule, tier_compile_rule,
+                                     tier_linear_rule,
                                      tier_name_rule)
 from dist_attn.serve.warmup import check_warmup_shapes, warmup_shapes_rule
 from dist_attn.serve.tokens import PackedLayout, TokenConfig, request_layout
@@ -213,7 +214,8 @@ class RuntimeConfig:
     compiled 95.7 ms vs eager 107.8 ms with bf16 linears + sage8, 81.5 vs 106.0 ms with FP8
     linears (FP8 only pays compiled: eager, its per-row activation quantizer runs as separate
     kernels, 2.3-6.1 ms a GEMM). On the CPU inductor's C++ build costs ~50 s a shape on a 2-core
-    machine for a path that serves tests; ``true`` compiles there too."""
+    machine for a path that serves tests; ``true`` compiles there too. ``quality="lossless"``
+    stays eager (its bf16 path bit for bit) and refuses ``true``."""
     warmup_shapes: tuple[tuple[int, int, int], ...] = ()
     """Request geometries ``(frames, height, width)`` that every rank runs for one denoise step
     at launch, before the HTTP server answers /health: compiles the blocks for those shapes and
@@ -243,6 +245,9 @@ class RuntimeConfig:
         rule = tier_backend_rule(self.quality, self.backend, _registered(self.backend))
         if rule:
             raise field_error("RuntimeConfig", "backend", self.backend, rule)
+        rule = tier_compile_rule(self.quality, self.compile)
+        if rule:
+            raise field_error("RuntimeConfig", "compile", self.compile, rule)
         if not self.pg_timeout_s > 0:
             raise field_error("RuntimeConfig", "pg_timeout_s", self.pg_timeout_s, "must be > 0")
         if not 0 < self.heartbeat_s < self.pg_timeout_s / 2:
@@ -256,7 +261,9 @@ class RuntimeConfig:
 
     def compiled(self, device_type: str) -> bool:
         """Whether the blocks are compiled on a device of ``device_type`` (``"cuda"``, ...)."""
-        return device_type == "cuda" if self.compile == "auto" else bool(self.compile)
+        if self.compile == "auto":  # eager under "lossless": its bf16 path, bit for bit
+            return device_type == "cuda" and self.quality != "lossless"
+        return bool(self.compile)
 
 
 def _registered(name: str):

@@ -40,6 +40,7 @@ __all__ = [
     "tier_backend_rule",
     "tier_exact_only",
     "tier_linear_rule",
+    "tier_compile_rule",
 ]
 
 #: Valid ``--quality`` values. ``None`` (flag absent) means no tier constraint.
@@ -160,6 +161,16 @@ def tier_linear_rule(tier: str | None, linear_precision: str) -> str | None:
     if tier == "lossless" and linear_precision != "bf16":
         return ("quantizes the blocks' linear layers to 8 bits (e4m3), not allowed under "
                 "quality='lossless' (exact layers only; use 'bf16')")
+    return None
+
+
+def tier_compile_rule(tier: str | None, compile: bool | str) -> str | None:
+    """The broken rule if ``tier`` does not admit compiling the blocks, else None. "lossless"
+    serves the eager bf16 path bit for bit: inductor fuses the norms, RoPE and residual adds and
+    rounds differently ("auto" then stays eager; an explicit ``true`` is refused)."""
+    if tier == "lossless" and compile is True:
+        return ("compiles the blocks, whose fused kernels round differently from the eager bf16 "
+                "path that quality='lossless' serves bit for bit (use false or \"auto\")")
     return None
 
 

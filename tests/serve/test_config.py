@@ -184,3 +184,14 @@ def test_compile_auto_compiles_on_cuda_only():
     assert auto.compiled("cuda") and not auto.compiled("cpu")
     assert RuntimeConfig(compile=True).compiled("cpu")
     assert not RuntimeConfig(compile=False).compiled("cuda")
+
+
+def test_lossless_serves_the_eager_bf16_path():
+    """quality="lossless" stays bit-identical to the bf16 path: eager under compile="auto", an
+    explicit compile refused, FP8 linears refused (each naming the field and the rule)."""
+    lossless = RuntimeConfig(quality="lossless", backend="sdpa")
+    assert not lossless.compiled("cuda") and not lossless.compiled("cpu")
+    with pytest.raises(ValueError, match=r"RuntimeConfig.compile=True compiles the blocks, whose "
+                                         r"fused kernels round differently"):
+        RuntimeConfig(quality="lossless", backend="sdpa", compile=True)
+    assert RuntimeConfig(quality="high", backend="sage8").compiled("cuda")
