@@ -36,7 +36,6 @@ from dist_attn.serve.job_config import JobsConfig
 from dist_attn.serve.quality import (QualityTier, tier_backend_rule, tier_compile_rule,
                                      tier_linear_rule,
                                      tier_name_rule)
-from dist_attn.serve.warmup import check_warmup_shapes, warmup_shapes_rule
 from dist_attn.serve.tokens import PackedLayout, TokenConfig, request_layout
 
 __all__ = [
@@ -266,6 +265,17 @@ class RuntimeConfig:
         return bool(self.compile)
 
 
+def warmup_shapes_rule(shapes: Any) -> str | None:
+    """The broken format rule of ``runtime.warmup_shapes`` (None: fine); the geometries
+    themselves are checked against H3's request rules by :class:`Config`."""
+    if not isinstance(shapes, (list, tuple)) or not all(
+            isinstance(s, (list, tuple)) and len(s) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in s)
+            for s in shapes):
+        return "must be a list of [frames, height, width] triples of positive integers"
+    return None
+
+
 def _registered(name: str):
     """The core's backend object called ``name``, or None when no such backend is registered."""
     from dist_attn import available_backends, get_backend
@@ -386,7 +396,7 @@ class Config:
                               f"needs bfloat16 blocks, not runtime.dtype={self.runtime.dtype!r} "
                               "(torchao's per-row FP8 quantizes bf16 weights; use 'auto' or "
                               "'bfloat16')")
-        check_warmup_shapes(self)
+        self._check_warmup_shapes()
         r = self.request
         try:
             rows = self.layout(frames=r.frames, height=r.height, width=r.width)
@@ -395,6 +405,26 @@ class Config:
         if rows.used > self.serve.max_tokens:
             raise field_error("RequestConfig", "frames", r.frames,
                               f"gives {rows.used} rows, above serve.max_tokens={self.serve.max_tokens}")
+
+    def rows_rule(self, layout: PackedLayout) -> str | None:
+        """The broken rule if a request of ``layout`` has more rows than ``serve.max_tokens``
+        (the one owner: requests, warm-up shapes and the default request all ask here)."""
+        if layout.used > self.serve.max_tokens:
+            return (f"request has {layout.used} rows ({layout.text} text, {layout.audio} audio, "
+                    f"{layout.video} video), above serve.max_tokens={self.serve.max_tokens}")
+        return None
+
+    def _check_warmup_shapes(self) -> None:
+        """Each ``runtime.warmup_shapes`` geometry must be a valid request (H3's frame and size
+        rules, ``serve.max_tokens``): a ValueError names the entry."""
+        for i, (frames, height, width) in enumerate(self.runtime.warmup_shapes):
+            try:
+                rule = self.rows_rule(self.layout(frames=frames, height=height, width=width))
+            except ValueError as e:
+                rule = str(e)
+            if rule:
+                raise ValueError(f"RuntimeConfig.warmup_shapes[{i}]={[frames, height, width]!r} "
+                                 f"is not a valid request: {rule}")
 
     def layout(self, *, frames: int, height: int, width: int) -> PackedLayout:
         """The packed rows of a ``frames`` x ``height`` x ``width`` request (H3's rules)."""

@@ -163,10 +163,9 @@ def parse_request(payload: Any, cfg: Config, *, request_id: str | None = None) -
         layout = cfg.layout(frames=fields["frames"], height=fields["height"], width=fields["width"])
     except ValueError as e:
         raise RequestError(400, str(e)) from None
-    if layout.used > cfg.serve.max_tokens:
-        raise RequestError(413, f"request has {layout.used} rows ({layout.text} text, {layout.audio} "
-                                f"audio, {layout.video} video), above serve.max_tokens="
-                                f"{cfg.serve.max_tokens}")
+    rule = cfg.rows_rule(layout)
+    if rule:
+        raise RequestError(413, rule)
     return Request(request_id=request_id or _new_request_id(), timeout_s=timeout_s, **fields)
 
 

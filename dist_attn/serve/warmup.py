@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # config imports this module for its rules
     from dist_attn.serve.config import Config
 
-__all__ = ["WarmupRun", "check_warmup_shapes", "warm_up", "warmup_request", "warmup_shapes_rule"]
+__all__ = ["WarmupRun", "warm_up", "warmup_request"]
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +40,6 @@ class WarmupRun:
     """Wall time of its one denoise step on this rank, compilation included."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def warmup_shapes_rule(shapes: Any) -> str | None:
-    """The broken format rule of ``runtime.warmup_shapes`` (None: fine). The geometry itself is
-    checked against H3's request rules by :func:`check_warmup_shapes`."""
-    if not isinstance(shapes, (list, tuple)) or not all(
-            isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(v) and v > 0 for v in s)
-            for s in shapes):
-        return "must be a list of [frames, height, width] triples of positive integers"
-    return None
-
-
 def warmup_request(cfg: "Config", index: int) -> Any:
     """The request that warms ``cfg.runtime.warmup_shapes[index]``: one step, seed 0."""
     from dist_attn.serve.protocol import parse_request
@@ -61,19 +47,6 @@ def warmup_request(cfg: "Config", index: int) -> Any:
     frames, height, width = cfg.runtime.warmup_shapes[index]
     return parse_request({"frames": frames, "height": height, "width": width, "steps": 1,
                           "seed": 0}, cfg, request_id=f"warmup-{index}")
-
-
-def check_warmup_shapes(cfg: "Config") -> None:
-    """Raises ValueError naming ``RuntimeConfig.warmup_shapes[i]`` if a geometry is not a valid
-    request (H3's frame/size rules, ``serve.max_tokens``)."""
-    from dist_attn.serve.protocol import RequestError
-
-    for i, shape in enumerate(cfg.runtime.warmup_shapes):
-        try:
-            warmup_request(cfg, i)
-        except RequestError as e:
-            raise ValueError(f"RuntimeConfig.warmup_shapes[{i}]={list(shape)!r} is not a valid "
-                             f"request: {e}") from None
 
 
 def warm_up(engine: Any, cfg: "Config") -> list[WarmupRun]:
