@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.mp4 import Mp4Writer, VideoFile
+from dist_attn.serve.mp4 import EncoderThread, Mp4Writer, VideoFile
 
 __all__ = ["DecodeResult", "JobDecoder", "cast_like_from_pretrained", "video_vae_dtype"]
 
@@ -86,6 +86,8 @@ class JobDecoder:
         from dist_attn.integrations.diffusers import enable_parallel_decode
 
         self.vae, self.audio_vae, self.env, self.fps = vae, audio_vae, env, fps
+        # rank 0's one encoder thread for every job (see EncoderThread)
+        self._encoder = EncoderThread() if audio_vae is not None else None
         self._audio_step = None
         if audio_vae is not None:
             from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
@@ -139,7 +141,8 @@ class JobDecoder:
                 height = latents.shape[-2] * self.vae.spatial_compression_ratio
                 width = latents.shape[-1] * self.vae.spatial_compression_ratio
                 writer = Mp4Writer(mp4_path, width=width, height=height, fps=self.fps,
-                                   audio=wave, sample_rate=rate, first_frame_png=png_path)
+                                   audio=wave, sample_rate=rate, first_frame_png=png_path,
+                                   encoder=self._encoder)
             except Exception as e:  # noqa: BLE001 - PyAV raises its own types; never between
                 log.exception("decoding the audio or opening %s failed", mp4_path)  # collectives
                 result.error = _why(e, "decoding the audio or opening the MP4")
