@@ -187,7 +187,28 @@ class JobDecoder:
                 result.error = _why(e, "encoding or writing the video")
             result.timings["mux"] = time.perf_counter() - t2
         result.timings["after_denoise"] = time.perf_counter() - t0
+        _release_host_memory()
         return result
+
+
+def _release_host_memory() -> None:
+    """Returns the freed host heap to the OS after a job (glibc's ``malloc_trim``): a job's
+    frames, its audio and the encoder's buffers are freed in many threads' malloc arenas, and
+    without it rank 0's RSS rose by 57-88 MB over the soak smoke's 4 jobs (13-17 MB in other
+    runs: it depends on which arenas the frees land in). A no-op where glibc is absent."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
 
 
 def _why(e: BaseException, what: str) -> str:
