@@ -18,8 +18,11 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   9,504 rows. Eager all; compiled (``torch.compile(block, fullgraph=True, dynamic=False)``) the
   ``--compiled`` list, in its order, after the accuracy section.
 * ``w4`` (modeled as ``benchmarks.scaling --modeled`` does): rank 0 of Ulysses 4 = ``none@w4`` +
-  pack + all-to-alls (bytes / ``--bandwidth-gbs``) + attention at 14 heads x 38,016 rows + unpack;
-  ``step_s`` = 50 such blocks (refiner, embeddings and heads left out).
+  its attention layer: pack + all-to-alls (bytes / ``--bandwidth-gbs``: q, k, v in, the output
+  back) + attention at 14 heads x 38,016 rows + unpack, plain (C = 1) or with the heads in
+  ``--overlap`` C chunks pipelined against their all-to-alls (``overlap_chunks``); ``step_s`` =
+  50 such blocks (refiner, embeddings and heads left out). Runs before 2026-12-05 counted the
+  all-to-alls twice (+1.135 ms a block); ``benchmarks.job_model`` corrects their rows.
 * ``accuracy``: the served engine (configs/h3.toml, ``--acc-layers`` 8 x ``--acc-steps`` 3, its
   default request of 38,222 rows, W = 1): final latents of bf16:sage8, fp8:sdpa, fp8:sage8 vs
   bf16:sdpa.
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 from benchmarks.h3_block import attach, block_inputs, h3_ref_layout, padded_total
 from benchmarks.h3_fp8_report import plot, report, targets
 from benchmarks.harness import Budget, ResultWriter, add_common_args, describe_exception, time_fn
+from benchmarks.scaling import overlapped_ms
 
 __all__ = ["main"]
 
@@ -219,59 +223,99 @@ def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget) -> di
 
 
 def measure_w4_parts(args, cfg, dev, budget) -> dict:
-    """Rank 0 of Ulysses 4 at h3-ref: pack/unpack and the attention at its heads over all rows,
-    measured; the all-to-alls computed (bytes to the 3 other ranks / bandwidth)."""
-    from dist_attn import sage_varlen
-    from dist_attn.comm import pack_qkv, unpack_output
+    """Rank 0 of Ulysses 4 at h3-ref, for each ``--overlap`` C: its C chunks' pack and unpack and the
+    attention at each chunk's heads over all rows (the receive buffer's strided q/k/v views, as in
+    the core), measured; the all-to-alls computed from the bytes rank 0 sends to the 3 others."""
+    from dist_attn import backends as da_backends
+    from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv
     from dist_attn.plan import make_plan
+    from dist_attn.varlen import attend_varlen, segment_layout
 
     m, lay, total = cfg.model, args.layout, padded_total(args.layout.used)
-    s_local = total // 4
-    plan = make_plan(world=4, rank=0, s_local=s_local, folded_heads=m.num_heads, head_dim=m.head_dim,
-                     overlap_chunks=1)
-    chunk, h0 = plan.chunks[0], plan.counts[0]
-    q, k, v = (torch.randn(1, s_local, m.num_heads, m.head_dim, device=dev).to(torch.bfloat16)
-               for _ in range(3))
-    send = torch.empty(chunk.in_send[1] - chunk.in_send[0], device=dev, dtype=torch.bfloat16)
-    recv = torch.randn(chunk.out_recv[1] - chunk.out_recv[0], device=dev).to(torch.bfloat16)
+    s_local, H, D = total // 4, m.num_heads, m.head_dim
+    q, k, v = (torch.randn(1, s_local, H, D, device=dev).to(torch.bfloat16) for _ in range(3))
+    send = torch.empty(s_local * 3 * H * D, device=dev, dtype=torch.bfloat16)
+    recv_out = torch.randn(s_local * H * D, device=dev).to(torch.bfloat16)
     out = torch.empty_like(q)
-    parts = {"s_local": s_local, "heads": h0,
-             "a2a_ms": 4 * s_local * (m.num_heads - h0) * m.head_dim * 2 / (args.bandwidth_gbs * 1e9) * 1e3}
-    with torch.no_grad():
-        parts["pack_ms"] = _timed(lambda: pack_qkv(q, k, v, send, chunk.head_ranges), dev, args, budget)["median_ms"]
-        parts["unpack_ms"] = _timed(lambda: unpack_output(recv, out, chunk.head_ranges), dev, args,
-                                    budget)["median_ms"]
-    qa, ka, va = (torch.randn(total, h0, m.head_dim, device=dev).to(torch.bfloat16) for _ in range(3))
-    bounds = [0, lay.used, total]
-    parts["kernel_ms"] = {}
-    for backend in ("sdpa", "sage8", "fa3"):
-        reason = _unavailable(backend, dev, cfg)
-        try:
+    h0 = make_plan(world=4, rank=0, s_local=s_local, folded_heads=H, head_dim=D, overlap_chunks=1).counts[0]
+    one_tensor_ms = s_local * (H - h0) * D * 2 / (args.bandwidth_gbs * 1e9) * 1e3
+    parts = {"s_local": s_local, "heads": h0, "a_in_ms": 3 * one_tensor_ms, "a_out_ms": one_tensor_ms,
+             "chunks": {}, "kernel_ms": {}}
+    cu = torch.tensor([0, lay.used, total], dtype=torch.int32, device=dev)
+    layout = segment_layout([0, lay.used, total], total=total, valid_len=lay.used)
+    kernels: dict[tuple[str, int], float | str] = {}
+
+    def kernel(backend: str, width: int) -> float | str:
+        if (backend, width) not in kernels:
+            reason = _unavailable(backend, dev, cfg)
             if reason is None:
-                with torch.no_grad():
-                    parts["kernel_ms"][backend] = _timed(lambda: sage_varlen(  # (0, used, total)
-                        qa, ka, va, bounds, lay.used, bounds, valid_len=lay.used,
-                        backend=backend), dev, args, budget)["median_ms"]
-        except Exception as exc:  # noqa: BLE001
-            reason = describe_exception(exc)
-        if reason:
-            parts["kernel_ms"][backend] = reason
+                try:
+                    be = da_backends.get_backend(backend)
+                    recv = torch.randn(total * 3 * width * D, device=dev).to(torch.bfloat16)
+                    qv, kv, vv = unpack_qkv(recv, total, width, D)  # [S, 3, w, D] -> 3 x [S, w, D]
+                    o = torch.empty(total, width, D, device=dev, dtype=torch.bfloat16)
+                    with torch.no_grad():
+                        kernels[backend, width] = _timed(lambda: attend_varlen(
+                            be, qv[None], kv[None], vv[None], layout=layout, cu_seqlens=cu,
+                            softmax_scale=D ** -0.5, k_is_scratch=True, out=o[None]), dev, args,
+                            budget)["median_ms"]
+                    del recv, o
+                except Exception as exc:  # noqa: BLE001
+                    reason = describe_exception(exc)
+            if reason:
+                kernels[backend, width] = reason
+        return kernels[backend, width]
+
+    for C in args.overlap:
+        plan = make_plan(world=4, rank=0, s_local=s_local, folded_heads=H, head_dim=D, overlap_chunks=C)
+        spans_in = [(c.head_ranges, c.in_send) for c in plan.chunks]
+        spans_out = [(c.head_ranges, c.out_recv) for c in plan.chunks]
+
+        def pack_all():
+            for ranges, (a, b) in spans_in:
+                pack_qkv(q, k, v, send[a:b], ranges)
+
+        def unpack_all():
+            for ranges, (a, b) in spans_out:
+                unpack_output(recv_out[a:b], out, ranges)
+
+        widths = [c.local_heads(0) for c in plan.chunks]
+        with torch.no_grad():
+            parts["chunks"][len(widths)] = {
+                "widths": widths, "pack_ms": _timed(pack_all, dev, args, budget)["median_ms"],
+                "unpack_ms": _timed(unpack_all, dev, args, budget)["median_ms"]}
+        for backend in ("sdpa", "sage8", "fa3"):
+            ks = [kernel(backend, w) for w in widths]
+            bad = next((x for x in ks if isinstance(x, str)), None)
+            parts["kernel_ms"][backend, len(widths)] = bad if bad else ks
+    del q, k, v, send, recv_out, out
     return parts
 
 
 def w4_rows(args, parts: dict, rest: dict, rows) -> None:
-    """One modeled row per (precision, mode of the block's rest, attention backend)."""
-    comm = parts["pack_ms"] + 2 * parts["a2a_ms"] + parts["unpack_ms"]
+    """One modeled row per (precision, mode of the block's rest, attention backend, chunks C).
+
+    The attention layer is ``benchmarks.scaling``'s model: C = 1, pack + A_in + kernel + A_out +
+    unpack; C > 1, the chunks pipelined against their all-to-alls (:func:`overlapped_ms`)."""
+    a_in, a_out = parts["a_in_ms"], parts["a_out_ms"]
     for (prec, mode), rest_ms in sorted(rest.items()):
-        for backend, kernel in parts["kernel_ms"].items():
+        for (backend, C), ks in parts["kernel_ms"].items():
+            ch = parts["chunks"][C]
             row = {"section": "w4", "path": f"{prec}:{backend}", "mode": mode, "rows": parts["s_local"],
-                   "heads": parts["heads"]}
-            if isinstance(kernel, str):
-                row.update(status="unavailable", reason=kernel)
+                   "heads": parts["heads"], "overlap_chunks": C}
+            if isinstance(ks, str):
+                row.update(status="unavailable", reason=ks)
             else:
-                block = rest_ms + comm + kernel
-                row.update(status="ok", median_ms=block, rest_ms=rest_ms, kernel_ms=kernel,
-                           comm_ms=comm, step_s=block * args.step_blocks / 1e3)
+                if C == 1:
+                    layer = ch["pack_ms"] + a_in + ks[0] + a_out + ch["unpack_ms"]
+                else:
+                    layer = overlapped_ms(ch["pack_ms"], ch["unpack_ms"], a_in, a_out, ks, ch["widths"])
+                comm = ch["pack_ms"] + a_in + a_out + ch["unpack_ms"]
+                block = rest_ms + layer
+                row.update(status="ok", median_ms=block, rest_ms=rest_ms, kernel_ms=sum(ks),
+                           kernel_chunk_ms=ks, pack_ms=ch["pack_ms"], unpack_ms=ch["unpack_ms"],
+                           a2a_in_ms=a_in, a2a_out_ms=a_out, comm_ms=comm,
+                           hidden_ms=sum(ks) + comm - layer, step_s=block * args.step_blocks / 1e3)
             rows.append(row)
 
 
@@ -344,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                         "compiles ~10-20 s on an H200); 'none@w4' = the block's rest at 9,504 rows")
     p.add_argument("--sections", default="gemm,block,w4,accuracy")
     p.add_argument("--bandwidth-gbs", type=float, default=360.0, help="all-to-all bandwidth of the w4 model")
+    p.add_argument("--overlap", default="1,2,4",
+                   help="overlap_chunks C of the w4 model, comma-separated (1 = the plain path)")
     p.add_argument("--step-blocks", type=int, default=50, help="blocks per modeled denoise step")
     p.add_argument("--acc-layers", type=int, default=8, help="blocks of the accuracy model (steps: --acc-steps)")
     p.add_argument("--acc-steps", type=int, default=3)
@@ -351,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-reserve-s", type=float, default=20.0, help="budget a compiled row needs")
     add_common_args(p, iters=10, warmup=2, budget_s=270)
     args = p.parse_args(argv)
+    args.overlap = [int(c) for c in _names(args.overlap)]
     from diffusers.utils import logging as diffusers_logging
 
     from dist_attn.fp8_linear import fp8_unsupported_reason
@@ -382,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "fp8": "emulated (float32)" if emulate else "torchao Float8DynamicActivation"
                                          "Float8WeightConfig(PerRow), fp32 accumulation",
                                   "bandwidth_gbs": args.bandwidth_gbs, "step_blocks": args.step_blocks,
+                                  "overlap_chunks": args.overlap,
                                   "accuracy": {"layers": args.acc_layers, "steps": args.acc_steps},
                                   "compile": "torch.compile(block, fullgraph=True, dynamic=False)"})
     args.writer = writer

@@ -14,7 +14,7 @@ def targets(rows) -> dict:
     w4 = sorted((r for r in ok if r["section"] == "w4"), key=lambda r: r["step_s"])
     return {"block_w1_fp8_sage8_compiled_ms": block[0] if block else None, "block_w1_target_ms": 80.0,
             "w4_best_step_s": w4[0]["step_s"] if w4 else None,
-            "w4_best": f"{w4[0]['path']} {w4[0]['mode']}" if w4 else None, "w4_step_target_s": 1.0}
+            "w4_best": f"{w4[0]['path']} {w4[0]['mode']} C={w4[0].get('overlap_chunks', 1)}" if w4 else None, "w4_step_target_s": 1.0}
 
 
 def report(rows) -> list[tuple[str, str]]:
@@ -25,9 +25,11 @@ def report(rows) -> list[tuple[str, str]]:
             "block": [("path", "linears:attention", ""), ("mode", "mode", ""), ("rows", "rows", ""),
                       ("status", "status", ""), ("median_ms", "ms", ".2f"), ("wall_s", "wall s", ".1f"),
                       ("reason", "reason", "")],
-            "w4": [("path", "linears:attention", ""), ("mode", "rest mode", ""), ("status", "status", ""),
+            "w4": [("path", "linears:attention", ""), ("mode", "rest mode", ""),
+                   ("overlap_chunks", "C", ""), ("status", "status", ""),
                    ("rest_ms", "rest ms", ".2f"), ("kernel_ms", "attention ms", ".2f"),
-                   ("comm_ms", "pack+a2a+unpack ms", ".2f"), ("median_ms", "block ms", ".2f"),
+                   ("comm_ms", "pack+a2a+unpack ms", ".2f"), ("hidden_ms", "hidden ms", ".2f"),
+                   ("median_ms", "block ms", ".2f"),
                    ("step_s", "50-block step s", ".3f"), ("reason", "reason", "")],
             "accuracy": [("path", "linears:attention", ""), ("status", "status", ""), ("median_ms", "step ms", ".1f"),
                          ("video_rel_l2", "video rel-L2 vs bf16:sdpa", ".3e"),

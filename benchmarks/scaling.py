@@ -299,7 +299,7 @@ def _measure_one(what, be_name, C, n, sub, q, k, v, cu, bounds, lay, cfg, dev, p
 # ---------------------------------------------------------------------------------------------
 # modeled mode
 # ---------------------------------------------------------------------------------------------
-def _pipeline(pack: float, unpack: float, a_in: float, a_out: float, k_chunks: list[float],
+def overlapped_ms(pack: float, unpack: float, a_in: float, a_out: float, k_chunks: list[float],
               widths: list[int]) -> float:
     """End time of the overlapped layer (see MODEL_FORMULA)."""
     h = sum(widths)
@@ -451,7 +451,7 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
     if chunks == 1:
         total = pack + a_in + k_chunks[0] + a_out + unpack
     else:
-        total = _pipeline(pack, unpack, a_in, a_out, k_chunks, widths)
+        total = overlapped_ms(pack, unpack, a_in, a_out, k_chunks, widths)
     phases = {"pack": pack, "a2a_in": a_in, "kernel": sum(k_chunks), "a2a_out": a_out, "unpack": unpack}
     row = {"status": "ok", "effective_chunks": chunks, "phases_ms": phases,
            "hidden_ms": sum(phases.values()) - total, "kernel_chunk_ms": k_chunks,

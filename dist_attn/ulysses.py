@@ -29,16 +29,11 @@ from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
-from dist_attn.validation import (check_bounds, check_no_grad, check_qkv, check_softmax_scale,
-                                  host_bounds)
+from dist_attn.validation import (check_bounds, check_no_grad, check_overlap_chunks, check_qkv,
+                                  check_softmax_scale, host_bounds)
 from dist_attn.varlen import attend_varlen, segment_layout
 
 __all__ = ["UlyssesSageAttention", "ulysses_attention"]
-
-
-def _check_chunks(overlap_chunks) -> None:
-    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
-        raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
@@ -100,7 +95,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
     check_no_grad(q, k, v)
     check_softmax_scale(softmax_scale)
-    _check_chunks(overlap_chunks)
+    check_overlap_chunks(overlap_chunks)
     check_bounds(cu_seqlens, device=q.device)
     groups = parallel_groups(mesh=mesh, group=group)
     group, world, rank, n_ring = (groups.ulysses_group, groups.ulysses_size, groups.ulysses_rank,
@@ -256,7 +251,7 @@ class UlyssesSageAttention(nn.Module):
         if mesh is not None:
             check_mesh(mesh)
         check_softmax_scale(softmax_scale)
-        _check_chunks(overlap_chunks)
+        check_overlap_chunks(overlap_chunks)
         check_mesh_or_group(mesh, group)
         register_for_compile(group, mesh)  # eagerly, so a compiled forward finds its key
         self.num_heads = num_heads

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad", "as_host_int",
-           "check_softmax_scale"]
+           "check_softmax_scale", "check_overlap_chunks"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -175,3 +175,11 @@ def host_bounds(cu_seqlens, cu_seqlens_host: Sequence[int] | None, *, total: int
             f"{total_desc or total}"
         )
     return bounds
+
+
+def check_overlap_chunks(overlap_chunks) -> None:
+    """Checks ``overlap_chunks``: an int >= 1 (1 = the plain path); a bool is refused. The one
+    owner of this rule, for :func:`dist_attn.ulysses_attention`, :class:`dist_attn.
+    UlyssesSageAttention` and ``enable_ulysses``."""
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")

@@ -7,6 +7,7 @@ pytest-xdist workers never collide), as a user would launch them.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -199,7 +200,11 @@ def test_h3_fp8_smoke(tmp_path):
                  ("accuracy", "bf16:sdpa"), ("accuracy", "fp8:sdpa")]:
         assert want in ok, want
     w4 = next(r for r in rows if r["section"] == "w4" and r["path"] == "fp8:sdpa")
+    assert w4["overlap_chunks"] == 1  # 4 tiny heads over 4 ranks: one head a rank, one chunk
     assert w4["median_ms"] == pytest.approx(w4["rest_ms"] + w4["kernel_ms"] + w4["comm_ms"])
+    # each all-to-all counted once: q, k, v in (3 tensors), the output back (1)
+    assert w4["a2a_in_ms"] == pytest.approx(3 * w4["a2a_out_ms"]) and w4["comm_ms"] == pytest.approx(
+        w4["pack_ms"] + w4["a2a_in_ms"] + w4["a2a_out_ms"] + w4["unpack_ms"])
     assert w4["step_s"] == pytest.approx(50 * w4["median_ms"] / 1e3) and w4["rows"] == 80
     acc = {r["path"]: r for r in rows if r["section"] == "accuracy"}
     assert acc["bf16:sdpa"]["video_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["video_rel_l2"] < 5e-2
@@ -209,3 +214,27 @@ def test_h3_fp8_smoke(tmp_path):
     assert sage and all(r["status"] == "unavailable" and "sage8" in r["reason"] for r in sage)
     assert data["config"]["fp8"] == "emulated (float32)" and "torchao" in data["versions"]
     assert data["targets"]["block_w1_target_ms"] == 80.0 and data["targets"]["w4_best_step_s"] > 0
+
+
+def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
+    """The W = 4 block model: plain = rest + pack + A_in + kernel + A_out + unpack (a run before
+    2026-12-05 added the all-to-alls twice); C chunks pipelined hide part of the all-to-alls and
+    never beat the kernel plus the rest."""
+    from benchmarks import h3_fp8
+
+    parts = {"s_local": 9504, "heads": 14, "a_in_ms": 0.85, "a_out_ms": 0.28,
+             "chunks": {1: {"widths": [14], "pack_ms": 0.2, "unpack_ms": 0.1},
+                        4: {"widths": [4, 4, 3, 3], "pack_ms": 0.4, "unpack_ms": 0.13}},
+             "kernel_ms": {("sage8", 1): [12.6], ("sage8", 4): [3.7, 3.7, 2.8, 2.8],
+                           ("fa3", 1): "fa3: needs a CUDA GPU"}}
+    rows: list[dict] = []
+    h3_fp8.w4_rows(argparse.Namespace(step_blocks=50), parts, {("fp8", "compiled"): 6.7}, rows)
+    by = {(r["path"], r["overlap_chunks"]): r for r in rows}
+    plain, chunked = by["fp8:sage8", 1], by["fp8:sage8", 4]
+    assert plain["median_ms"] == pytest.approx(6.7 + 0.2 + 0.85 + 12.6 + 0.28 + 0.1)
+    assert plain["hidden_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert plain["step_s"] == pytest.approx(50 * plain["median_ms"] / 1e3)
+    # pipelined: pack + the first chunk's input + the 4 kernels + the last chunk's output + unpack
+    assert chunked["median_ms"] == pytest.approx(6.7 + 0.4 + 0.85 * 4 / 14 + 13.0 + 0.28 * 3 / 14 + 0.13)
+    assert 0 < chunked["hidden_ms"] < 0.85 + 0.28 and chunked["median_ms"] < plain["median_ms"]
+    assert by["fp8:fa3", 1]["status"] == "unavailable"

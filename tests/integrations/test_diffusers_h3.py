@@ -114,6 +114,7 @@ def _worker(rank, world):
     res = {"parity": _parity(CASES[world]), "cp": _against_diffusers_cp(world)}
     if world == 2:
         res.update(_errors_and_restore(rank))
+        res["overlap"] = _overlapped()
     if world == 4:
         res["ring"] = _ring_and_timer()
     return res
@@ -130,6 +131,26 @@ def _ring_and_timer() -> dict:
     with enable_ulysses(model, mesh=init_usp_mesh(2, 2, device_type="cpu"), backend="sdpa", timer=timer):
         out = _outputs(model, inputs)
     return {"max_diff": _max_diff(out, ref), "phase_counts": timer.counts()}
+
+
+def _overlapped() -> dict:
+    """enable_ulysses(overlap_chunks=2): each attention call pipelines two head chunks (2 heads a
+    rank at W = 2, one a chunk); a bad value is refused before the model is touched."""
+    from dist_attn import PhaseTimer
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    model, inputs = tiny_h3(4, layers=LAYERS), h3_inputs(2)
+    ref = _outputs(model, inputs)
+    timer = PhaseTimer()
+    with enable_ulysses(model, backend="sdpa", timer=timer, overlap_chunks=2):
+        out = _outputs(model, inputs)
+    try:
+        enable_ulysses(model, backend="sdpa", overlap_chunks=0)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"max_diff": _max_diff(out, ref), "phase_counts": timer.counts(), "refused": refused,
+            "untouched": not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())}
 
 
 def _errors_and_restore(rank) -> dict:
@@ -208,6 +229,11 @@ def test_h3_two_ranks_parity_collectives_and_errors(tmp_path):
         assert res["after_errors"] <= ATOL, res["after_errors"]
         assert res["restored_bitwise"], f"rank {rank}: output after remove() is not diffusers' own"
         assert res["processors_restored"] and res["hooks_left"] == 0, res
+        ov = res["overlap"]
+        assert ov["max_diff"] <= ATOL, ov
+        # one kernel per chunk, two chunks per block self-attention
+        assert ov["phase_counts"]["kernel"] == 2 * LAYERS, ov
+        assert ov["refused"] == "overlap_chunks=0 must be an int >= 1" and ov["untouched"], ov
 
 
 def test_h3_three_ranks_uneven_heads_and_lengths(tmp_path):

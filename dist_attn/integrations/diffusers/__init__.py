@@ -61,6 +61,7 @@ from dist_attn.integrations.diffusers._vae_decode import (DecodeStats, ParallelD
 from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.profiling import PhaseTimer
+from dist_attn.validation import check_overlap_chunks
 
 __all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "UlyssesHandle",
            "disable_ulysses", "enable_parallel_decode", "enable_ulysses", "quantize_linears",
@@ -140,7 +141,7 @@ class UlyssesHandle:
 
 
 def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: str = "auto",
-                   timer=None) -> UlyssesHandle:
+                   timer=None, overlap_chunks: int = 1) -> UlyssesHandle:
     """Makes ``transformer`` sequence-parallel over the ranks of ``group`` (or ``mesh``), in place.
 
     Afterwards every rank calls ``transformer(...)`` (or the pipeline that owns it) with the same
@@ -162,6 +163,9 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
             ``"sage8"``, ...; see :func:`dist_attn.available_backends`).
         timer: optional :class:`dist_attn.PhaseTimer` that every eager self-attention reports its
             phases to (pack, all-to-alls, kernel, ...); compiled attention reports nothing.
+        overlap_chunks: C > 1 cuts each attention call's heads into C chunks whose all-to-alls
+            run under the other chunks' kernels (see :func:`dist_attn.ulysses_attention`); 1 =
+            the plain path. The output is the same up to the kernel's per-head arithmetic.
 
     Returns:
         A :class:`UlyssesHandle`; ``handle.remove()`` (or leaving ``with handle:``) restores the
@@ -186,6 +190,7 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
         raise ValueError(f"backend={backend!r} must be one of {available_backends()}")
     if timer is not None and not isinstance(timer, PhaseTimer):
         raise TypeError(f"timer={timer!r} must be a dist_attn.PhaseTimer or None")
+    check_overlap_chunks(overlap_chunks)
     group_size_and_rank(group)  # a group without torch.distributed raises here, naming it
     check_mesh_or_group(mesh, group)
     if mesh is not None:
@@ -220,7 +225,8 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
 
     # Compiled attention names its group by a key that must be entered outside the traced code.
     register_for_compile(group, mesh)
-    runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer)
+    runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer,
+                      overlap_chunks=overlap_chunks)
     handle = UlyssesHandle(transformer=transformer, runtime=runtime)
     install_hooks(runtime, transformer)
     for _, attn in attns:
@@ -228,8 +234,8 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
         attn.set_processor(spec.make_processor(runtime))
     setattr(transformer, _HANDLE_ATTR, handle)
     logger.info("enable_ulysses: %s, %d self-attention modules through dist_attn (backend=%r, "
-                "%s)", type(transformer).__name__, len(attns), backend,
-                parallel_groups(mesh=mesh, group=group).desc)
+                "overlap_chunks=%d, %s)", type(transformer).__name__, len(attns), backend,
+                overlap_chunks, parallel_groups(mesh=mesh, group=group).desc)
     return handle
 
 

@@ -63,6 +63,8 @@ class Runtime:
     ``group``. Shard ``r*U + u`` sits at global rank ``r*U + u`` (checked by enable_ulysses)."""
     timer: Any = None
     """Optional :class:`~dist_attn.profiling.PhaseTimer` handed to every eager attention call."""
+    overlap_chunks: int = 1
+    """Head chunks each attention call pipelines against its all-to-alls (1 = the plain path)."""
     world_size: int = 1
     """W of the forward in flight (read from the group at each forward: the group may be
     initialised after enable_ulysses)."""
@@ -97,7 +99,8 @@ class Runtime:
         timer = None if torch.compiler.is_compiling() else self.timer
         return ulysses_attention(q, k, v, valid_len=shard.valid_len,
                                  group=self.group if self.mesh is None else None, mesh=self.mesh,
-                                 backend=self.backend, timer=timer)
+                                 backend=self.backend, timer=timer,
+                                 overlap_chunks=self.overlap_chunks)
 
 
 def _submodules(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
