@@ -1,4 +1,4 @@
-"""The diffusers example of the README runs as written under torchrun on 2 CPU ranks."""
+"""The complete diffusers script of docs/diffusers.md runs as written under torchrun on 2 CPU ranks."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ pytest.importorskip("diffusers", reason="the diffusers extra is not installed (p
 
 from tests.conftest import ROOT, free_port, subprocess_env  # noqa: E402
 
-# The script is the python block of README.md (what users read) that opens with this line.
+# The script is the python block of docs/diffusers.md (what users read; the README links it) that
+# opens with this line.
 MARKER = "# wan_ulysses.py"
-SOURCES = ("README.md",)
+SOURCES = ("docs/diffusers.md",)
 
 
 def _example() -> tuple[str, str]:

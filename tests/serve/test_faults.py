@@ -294,13 +294,13 @@ def test_a_corrupt_job_store_fails_the_launch_with_one_message(tmp_path):
 
 
 def test_the_readme_timeout_example_times_out(srv):
-    """The README's `timeout_s` example was 40 steps of the default request, ~2 s on the tiny
-    model: it never timed out. The test runs the README's own line."""
+    """The docs' `timeout_s` example (docs/serving.md, once the README's) was 40 steps of the
+    default request, ~2 s on the tiny model: it never timed out. The test runs the docs' own line."""
     import re
 
     from tests.conftest import ROOT
 
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "serving.md"), encoding="utf-8") as f:
         lines = [ln for ln in f if "/v1/generate" in ln and "timeout_s" in ln and "curl" in ln]
     assert len(lines) == 1, lines
     body = json.loads(re.search(r"-d '(\{.*?\})'", lines[0]).group(1))
