@@ -238,3 +238,16 @@ def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
     assert chunked["median_ms"] == pytest.approx(6.7 + 0.4 + 0.85 * 4 / 14 + 13.0 + 0.28 * 3 / 14 + 0.13)
     assert 0 < chunked["hidden_ms"] < 0.85 + 0.28 and chunked["median_ms"] < plain["median_ms"]
     assert by["fp8:fa3", 1]["status"] == "unavailable"
+
+
+def test_job_model_takes_the_double_counted_all_to_all_off_rows_written_before_the_fix():
+    """h3-fp8 w4 rows of 2026-12-04 (no ``a2a_in_ms``) counted q/k/v-in + out twice; the job
+    model takes one count off, computed from the run's own config; newer rows are read as they are."""
+    from benchmarks.job_model import w4_block_ms
+
+    config = {"model": {"num_attention_heads": 56, "attention_head_dim": 128}, "bandwidth_gbs": 360.0}
+    old = {"median_ms": 21.89, "rows": 9504, "heads": 14}
+    once = 4 * 9504 * 42 * 128 * 2 / 360e9 * 1e3  # 1.135 ms
+    assert w4_block_ms(old, config) == pytest.approx(21.89 - once) and once == pytest.approx(1.1354, abs=1e-3)
+    new = {**old, "a2a_in_ms": 0.85, "median_ms": 20.75}
+    assert w4_block_ms(new, config) == 20.75
