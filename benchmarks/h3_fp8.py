@@ -11,7 +11,7 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   ``scaled_mm[_fast]`` = the GEMM alone on pre-quantized operands; ``quant`` = the activation
   quantization alone. TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
   outlier channels; the layer's own init).
-* ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` linears x attention ``sdpa`` | ``sage8`` |
+* ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
   the q/k/v projections, as in h3-model's 30.8 ms compiled "none"); ``none@w4``: the rest at
@@ -24,8 +24,8 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   50 such blocks (refiner, embeddings and heads left out). Runs before 2026-12-05 counted the
   all-to-alls twice (+1.135 ms a block); ``benchmarks.job_model`` corrects their rows.
 * ``accuracy``: the served engine (configs/h3.toml, ``--acc-layers`` 8 x ``--acc-steps`` 3, its
-  default request of 38,222 rows, W = 1): final latents of bf16:sage8, fp8:sdpa, fp8:sage8 vs
-  bf16:sdpa.
+  default request of 38,222 rows, W = 1): final latents of bf16:sage8, fp8:sdpa, fp8:sage8,
+  fp8fast:sage8 vs bf16:sdpa.
 
     python -m benchmarks.h3_fp8                       # one H200, ~4.5 min (--budget-s 270)
     python -m benchmarks.h3_fp8 --smoke --modes eager   # CPU, the tiny config, seconds
@@ -53,7 +53,8 @@ __all__ = ["main"]
 THEME, _REPO = "h3-fp8", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = "skipped: the --budget-s wall-time budget was spent"
 _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
-_COMPILED = "fp8:sage8,bf16:sage8,fp8:none@w4,bf16:none@w4,fp8:sdpa,bf16:sdpa,fp8:native,bf16:native"
+_COMPILED = ("fp8:sage8,fp8fast:sage8,bf16:sage8,fp8:none@w4,fp8fast:none@w4,bf16:none@w4,bf16:native,"
+             "fp8:sdpa,bf16:sdpa,fp8:native")
 
 
 @torch.library.custom_op("h3fp8bench::no_attention", mutates_args=())
@@ -95,14 +96,16 @@ def _unavailable(backend: str, dev, cfg) -> str | None:
 
 
 def _models(cfg, dev, emulate: bool):
-    """(summary, {"bf16": model, "fp8": model}): 1 block, no refiner, the same weights."""
+    """(summary, {"bf16": model, "fp8": model, "fp8fast": model}): 1 block, no refiner, the same
+    weights; ``fp8fast`` = FP8 linears with fast accumulation (``fast_accum=True``)."""
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.model import build_h3
 
     one = dataclasses.replace(cfg.model, num_layers=1, num_refiner_layers=0)
     bf16 = build_h3(one, device=dev, dtype=torch.bfloat16)
-    fp8 = copy.deepcopy(bf16)
-    return quantize_linears(fp8, "fp8", emulate=emulate), {"bf16": bf16, "fp8": fp8}
+    fp8, fp8fast = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    quantize_linears(fp8fast, "fp8", emulate=emulate, fast_accum=True)
+    return quantize_linears(fp8, "fp8", emulate=emulate), {"bf16": bf16, "fp8": fp8, "fp8fast": fp8fast}
 
 
 def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
@@ -331,8 +334,9 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
 
     acc = apply_overrides(cfg, {"model.num_layers": args.acc_layers})
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
-    model, ref, ref_block0, quantized = None, None, None, False
-    for prec, backend in (("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8")):
+    model, ref, ref_block0, quantized = None, None, None, "bf16"
+    for prec, backend in (("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8"),
+                          ("fp8fast", "sage8")):
         row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": "eager",
                "layers": args.acc_layers, "steps": args.acc_steps}
         reason = _unavailable(backend, dev, cfg)
@@ -341,10 +345,15 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
             rows.append(row)
             continue
         try:
-            model = model or build_h3(acc.model, device=dev, dtype=torch.bfloat16)
-            if prec == "fp8" and not quantized:  # in place, after the bf16 paths
-                quantize_linears(model, "fp8", emulate=emulate)
-                quantized = True
+            if model is not None and quantized not in ("bf16", prec):  # another FP8 recipe
+                model = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            if model is None:  # the same weights each time (configs' weight_seed)
+                model, quantized = build_h3(acc.model, device=dev, dtype=torch.bfloat16), "bf16"
+            if prec != quantized:  # in place, after the bf16 paths
+                quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec == "fp8fast")
+                quantized = prec
             timer = PhaseTimer(dev)
             handle = parallelize(model, backend=backend, timer=timer)
             block0: list[torch.Tensor] = []  # the first block's output at the first step
