@@ -51,7 +51,7 @@ PHASES = ("text_encode", "denoise", "decode_audio", "decode_video", "mux", "afte
 
 
 def _real_components(layers: int, device: torch.device, dtype: torch.dtype,
-                     linear_precision: str = "bf16"):
+                     linear_precision: str = "bf16", fp8_fast_accum: bool = False):
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -72,7 +72,8 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     t0 = time.perf_counter()
-    transformer = build_h3(ModelConfig(num_layers=layers, linear_precision=linear_precision),
+    transformer = build_h3(ModelConfig(num_layers=layers, linear_precision=linear_precision,
+                                       fp8_fast_accum=fp8_fast_accum),
                            device=device, dtype=dtype)
     with torch.device(device):
         torch.manual_seed(0)
@@ -147,6 +148,8 @@ def main() -> None:
                         "on CUDA)")
     p.add_argument("--linear-precision", choices=("bf16", "fp8"), default="bf16",
                    help="the served model.linear_precision (fp8: the blocks' linears in FP8)")
+    p.add_argument("--fp8-fast-accum", action="store_true",
+                   help="the served model.fp8_fast_accum (with --linear-precision fp8)")
     p.add_argument("--diffusers", choices=("auto", "on", "off"), default="auto",
                    help="also run diffusers' own t2va pipeline first (auto: on the GPU)")
     p.add_argument("--decode-tiles-per-call", type=int, default=None)
@@ -165,7 +168,8 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
         dtype = torch.bfloat16
-        comps, built_s = _real_components(args.layers, device, dtype, args.linear_precision)
+        comps, built_s = _real_components(args.layers, device, dtype, args.linear_precision,
+                                          args.fp8_fast_accum)
         geometry = {"height": 768, "width": 1344, "frames": 124}
     else:
         from dist_attn.serve.tiny_h3 import ensure_tiny_checkpoint
@@ -237,6 +241,7 @@ def main() -> None:
               "dtype": str(dtype), "device": str(device), "jobs_timed": len(timed),
               "built_s": built_s, "real_configs": cuda, "backend": args.backend,
               "compile": compiled, "linear_precision": args.linear_precision,
+              "fp8_fast_accum": args.fp8_fast_accum,
               "video_vae_dtype": str(comps.vae.dtype),
               "diffusers_t2va": diffusers_row}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,

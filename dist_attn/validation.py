@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad", "as_host_int",
-           "check_softmax_scale", "check_overlap_chunks"]
+           "check_softmax_scale", "check_overlap_chunks", "overlap_chunks_rule"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -177,9 +177,18 @@ def host_bounds(cu_seqlens, cu_seqlens_host: Sequence[int] | None, *, total: int
     return bounds
 
 
-def check_overlap_chunks(overlap_chunks) -> None:
-    """Checks ``overlap_chunks``: an int >= 1 (1 = the plain path); a bool is refused. The one
-    owner of this rule, for :func:`dist_attn.ulysses_attention`, :class:`dist_attn.
-    UlyssesSageAttention` and ``enable_ulysses``."""
+def overlap_chunks_rule(overlap_chunks) -> str | None:
+    """The broken rule if ``overlap_chunks`` is not an int >= 1 (a bool is refused), else None.
+    The one owner of this rule: :func:`check_overlap_chunks` and the served config use it."""
     if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
-        raise ValueError(f"overlap_chunks={overlap_chunks!r} must be an int >= 1")
+        return "must be an int >= 1"
+    return None
+
+
+def check_overlap_chunks(overlap_chunks) -> None:
+    """Checks ``overlap_chunks`` (:func:`overlap_chunks_rule`; 1 = the plain path), for
+    :func:`dist_attn.ulysses_attention`, :class:`dist_attn.UlyssesSageAttention` and
+    ``enable_ulysses``."""
+    rule = overlap_chunks_rule(overlap_chunks)
+    if rule:
+        raise ValueError(f"overlap_chunks={overlap_chunks!r} {rule}")

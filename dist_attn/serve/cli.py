@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
                 "linear_precision": cfg.model.linear_precision,
+                "fp8_fast_accum": cfg.model.fp8_fast_accum,
+                "overlap_chunks": cfg.parallel.overlap_chunks,
                 "compiled": cfg.runtime.compiled(env.device.type),
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
@@ -286,14 +288,15 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
         # enable_ulysses gives it over the default group
         mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
                              device_type=env.device.type)
-    parallelize(model, mesh=mesh, backend=backend, timer=timer)
+    parallelize(model, mesh=mesh, backend=backend, timer=timer,
+                overlap_chunks=cfg.parallel.overlap_chunks)
     if cfg.runtime.compiled(env.device.type):
         compile_blocks(model)
     log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
              "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
              "backend %s%s", cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
              sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
-             cfg.model.linear_precision,
+             cfg.model.linear_precision + (" fast-accum" if cfg.model.fp8_fast_accum else ""),
              f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
              backend, ", blocks compiled" if cfg.runtime.compiled(env.device.type) else "")
     return model, timer

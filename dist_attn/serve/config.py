@@ -37,6 +37,7 @@ from dist_attn.serve.quality import (QualityTier, tier_backend_rule, tier_compil
                                      tier_linear_rule,
                                      tier_name_rule)
 from dist_attn.serve.tokens import PackedLayout, TokenConfig, request_layout
+from dist_attn.validation import overlap_chunks_rule
 
 __all__ = [
     "H3_ARCHITECTURE",
@@ -123,11 +124,21 @@ class ModelConfig:
     capability >= 8.9, bfloat16 blocks and the ``fp8`` extra; refused under quality="lossless").
     The float32 modules, the token refiner, the AdaLN projections and the output heads stay as
     they are (:func:`dist_attn.integrations.diffusers.quantize_linears`)."""
+    fp8_fast_accum: bool = False
+    """With ``linear_precision = "fp8"``: ``torch._scaled_mm(use_fast_accum=True)``, Hopper's FP8
+    accumulator without periodic float32 promotion (faster GEMMs, fewer bits kept over
+    K = 5,376-14,336; docs/serving.md gives the measured time and latents error). Never implied
+    by "fp8"; true with "bf16" linears is an error."""
 
     def __post_init__(self) -> None:
         if self.linear_precision not in LINEAR_PRECISIONS:
             raise field_error("ModelConfig", "linear_precision", self.linear_precision,
                               f"must be one of {', '.join(map(repr, LINEAR_PRECISIONS))}")
+        if not isinstance(self.fp8_fast_accum, bool):
+            raise field_error("ModelConfig", "fp8_fast_accum", self.fp8_fast_accum, "must be true or false")
+        if self.fp8_fast_accum and self.linear_precision != "fp8":
+            raise field_error("ModelConfig", "fp8_fast_accum", self.fp8_fast_accum,
+                              f"needs linear_precision='fp8', not {self.linear_precision!r}")
         require_positive(self, "num_attention_heads", "attention_head_dim", "hidden_size",
                          "num_layers", "ffn_dim", "in_channels", "audio_in_channels", "text_dim",
                          "freq_dim", "time_embed_hidden_dim", "time_embed_dim", "rope_freq_dim")
@@ -180,10 +191,18 @@ class ParallelConfig:
     returns a log-sum-exp."""
     tensor_parallel: int = 1
     """Tensor-parallel degree. dist_attn implements 1 only."""
+    overlap_chunks: int = 1
+    """C >= 1: every attention call splits its heads into C chunks and pipelines each chunk's
+    kernel against the next chunk's all-to-alls (``enable_ulysses(overlap_chunks=C)``). 1 is one
+    all-to-all each way; C > 1 pays C launches of everything for hiding all but one chunk's
+    communication (docs/library.md). Same results for every C."""
 
     def __post_init__(self) -> None:
         require_non_negative(self, "ulysses_degree")
         require_positive(self, "ring_degree", "tensor_parallel")
+        rule = overlap_chunks_rule(self.overlap_chunks)
+        if rule:
+            raise field_error("ParallelConfig", "overlap_chunks", self.overlap_chunks, rule)
 
     def resolved_ulysses(self, world_size: int) -> int:
         """The Ulysses degree for ``world_size`` ranks (0 -> world_size / (ring * tensor_parallel))."""

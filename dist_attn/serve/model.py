@@ -88,7 +88,7 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
     """The served ``MiniMaxH3Transformer3DModel`` on ``device``, in eval mode, no grad.
 
     With ``cfg.linear_precision = "fp8"`` the blocks' q/k/v/out and FFN linears are then quantized
-    in place (:func:`dist_attn.integrations.diffusers.quantize_linears`, which logs the layer
+    (with fast accumulation when ``cfg.fp8_fast_accum``) in place (:func:`dist_attn.integrations.diffusers.quantize_linears`, which logs the layer
     count and the bytes saved); on a device without FP8 GEMMs that raises, naming the device.
 
     Args:
@@ -109,16 +109,19 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
     if cfg.linear_precision != "bf16":
         from dist_attn.integrations.diffusers import quantize_linears
 
-        quantize_linears(model, cfg.linear_precision)
+        quantize_linears(model, cfg.linear_precision, fast_accum=cfg.fp8_fast_accum)
     return model
 
 
-def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any = None) -> Any:
-    """``enable_ulysses`` over the default group (or ``mesh`` for Ulysses x Ring); returns the
+def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any = None,
+                overlap_chunks: int = 1) -> Any:
+    """``enable_ulysses`` over the default group (or ``mesh`` for Ulysses x Ring), its attention
+    calls pipelined in ``overlap_chunks`` head chunks (``[parallel] overlap_chunks``); returns the
     handle. Single-process: the model runs as one rank with dist_attn's kernel."""
     from dist_attn.integrations.diffusers import enable_ulysses
 
-    return enable_ulysses(model, mesh=mesh, backend=backend, timer=timer)
+    return enable_ulysses(model, mesh=mesh, backend=backend, timer=timer,
+                          overlap_chunks=overlap_chunks)
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:

@@ -403,7 +403,8 @@ class H3Runner:
         if env.distributed and transformer is None:
             from dist_attn.integrations.diffusers import enable_ulysses
 
-            enable_ulysses(comps.transformer, backend=backend)
+            enable_ulysses(comps.transformer, backend=backend,
+                           overlap_chunks=cfg.parallel.overlap_chunks)
         pipe = H3Pipeline(comps, env, dtype)
         rules = None
         if env.rank == 0:

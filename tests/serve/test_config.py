@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 
@@ -59,6 +60,28 @@ def test_ulysses_times_ring_times_tp_is_world():
     with pytest.raises(ValueError, match=r"ParallelConfig.ulysses_degree=2 .* must equal the "
                                          r"world size 4"):
         cfg.check_world(4)
+
+
+def test_overlap_chunks_field_reaches_enable_ulysses():
+    assert load_config(None).parallel.overlap_chunks == 1
+    assert apply_overrides(load_config(None), {"parallel.overlap_chunks": 4}).parallel.overlap_chunks == 4
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=rf"ParallelConfig.overlap_chunks={bad!r} must be an "
+                                             r"int >= 1"):
+            apply_overrides(load_config(None), {"parallel.overlap_chunks": bad})
+    pytest.importorskip("diffusers")
+    import torch
+
+    from dist_attn.serve.model import build_h3, parallelize
+
+    cfg = load_config(None)
+    model = build_h3(dataclasses.replace(cfg.model, num_layers=1), device=torch.device("cpu"),
+                     dtype=torch.float32)
+    handle = parallelize(model, backend="sdpa", overlap_chunks=3)
+    try:
+        assert handle.runtime.overlap_chunks == 3
+    finally:
+        handle.remove()
 
 
 def test_head_dim_vs_backend():

@@ -27,6 +27,34 @@ def test_linear_precision_field():
         apply_overrides(load_config(None), {"model.linear_precision": "fp8", "runtime.dtype": "float32"})
 
 
+def test_fp8_fast_accum_field_is_explicit_and_needs_fp8(monkeypatch):
+    assert ModelConfig().fp8_fast_accum is False
+    cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8",
+                                              "model.fp8_fast_accum": True})
+    assert cfg.model.fp8_fast_accum is True
+    with pytest.raises(ValueError, match=r"ModelConfig.fp8_fast_accum=True needs "
+                                         r"linear_precision='fp8', not 'bf16'"):
+        apply_overrides(load_config(None), {"model.fp8_fast_accum": True})
+    with pytest.raises(ValueError, match=r"ModelConfig.fp8_fast_accum='yes' must be true or false"):
+        ModelConfig(linear_precision="fp8", fp8_fast_accum="yes")
+    with pytest.raises(ValueError, match=r"ModelConfig.fp8_fast_accum=True needs linear_precision='fp8'"):
+        apply_overrides(load_config(None), {"model.fp8_fast_accum": True, "runtime.quality": "lossless"})
+    # build_h3 hands the field to quantize_linears (the GEMM flag itself: tests/integrations)
+    pytest.importorskip("diffusers")
+    import dist_attn.integrations.diffusers as integration
+    from dist_attn.serve.model import build_h3
+
+    calls = []
+    monkeypatch.setattr(integration, "quantize_linears",
+                        lambda model, precision, **kw: calls.append((precision, kw)))
+    tiny = dataclasses.replace(cfg.model, num_layers=1, hidden_size=64, num_attention_heads=2,
+                               attention_head_dim=32, ffn_dim=128, text_dim=32,
+                               time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4,
+                               num_refiner_layers=0)
+    build_h3(tiny, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert calls == [("fp8", {"fast_accum": True})]
+
+
 def test_lossless_refuses_fp8_and_high_admits_it():
     rule = (r"ModelConfig.linear_precision='fp8' quantizes the blocks' linear layers to 8 bits "
             r"\(e4m3\), not allowed under quality='lossless' \(exact layers only; use 'bf16'\)")
