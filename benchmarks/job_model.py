@@ -61,7 +61,8 @@ def model(steps: int, path: str, mode: str, threading: str,
     """The job's terms for one ``path`` (``"<linears>:<attention>"``) in ``mode``."""
     linears, backend = path.split(":")
     job_theme = {("bf16", "eager"): "serve-h3-job-full", ("bf16", "compiled"):
-                 "serve-h3-job-full-compiled", ("fp8", "compiled"): "serve-h3-job-full-fp8"}
+                 "serve-h3-job-full-compiled", ("fp8", "compiled"): "serve-h3-job-full-fp8",
+                 ("fp8fast", "compiled"): "serve-h3-job-full-fp8fast"}
     job_name, job = _newest(f"{job_theme[(linears, mode)]}_h200_*.json")
     dec_name, dec = _newest("vae-decode_h200_*.json")
     timed = [r for r in job["rows"] if not r["warmup"]] or job["rows"]
