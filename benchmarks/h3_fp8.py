@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from benchmarks.h3_block import attach, block_inputs, h3_ref_layout, padded_total
 from benchmarks.h3_fp8_report import plot, report, targets
-from benchmarks.harness import Budget, ResultWriter, add_common_args, describe_exception, time_fn
+from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception, kernel_table,
+                                time_fn)
 from benchmarks.scaling import overlapped_ms
 
 __all__ = ["main"]
@@ -203,7 +204,8 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict) -> N
             row.update(status="skipped", reason=_SKIPPED)
         else:
             row.update(_block_row(models[prec].transformer_blocks[0], attn, mode, inputs[where],
-                                  lay.used, m, dev, args, budget))
+                                  lay.used, m, dev, args, budget,
+                                  profile=key in _names(args.profile)))
             if where == "w4" and row["status"] == "ok":
                 rest[(prec, mode)] = row["median_ms"]
         rows.append(row)
@@ -211,13 +213,15 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict) -> N
         print(row, flush=True)
 
 
-def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget) -> dict:
+def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profile=False) -> dict:
     t0 = time.perf_counter()
     try:
         _set_attention(block, attn, m.num_heads, m.head_dim, valid_len)
         fn = torch.compile(block, fullgraph=True, dynamic=False) if mode == "compiled" else block
         with torch.no_grad():
             out = _timed(lambda: fn(*inputs), dev, args, budget)
+            if profile:
+                out["kernels"] = kernel_table(lambda: fn(*inputs), dev)
         return {"status": "ok", **out, "wall_s": time.perf_counter() - t0}  # compile included
     except Exception as exc:  # noqa: BLE001
         return {"status": "error", "reason": describe_exception(exc)}
@@ -400,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", default="1,2,4",
                    help="overlap_chunks C of the w4 model, comma-separated (1 = the plain path)")
     p.add_argument("--step-blocks", type=int, default=50, help="blocks per modeled denoise step")
+    p.add_argument("--profile", default="",
+                   help="block paths (e.g. fp8fast:sage8) whose kernels are listed, in each mode: where "
+                        "the time goes, by torch.profiler over 3 calls after the timing")
     p.add_argument("--acc-layers", type=int, default=8, help="blocks of the accuracy model (steps: --acc-steps)")
     p.add_argument("--acc-steps", type=int, default=3)
     p.add_argument("--reserve-s", type=float, default=150.0, help="budget kept from the eager rows")

@@ -53,6 +53,13 @@ def report(rows) -> list[tuple[str, str]]:
         sel = [r for r in rows if r["section"] in pick.get(name, (name,))]
         if sel:
             out.append((name, markdown_table(sel, columns)))
+    kernels = [{"path": f"{r['path']} {r['mode']}", **k} for r in rows if r.get("kernels")
+               for k in r["kernels"]]
+    if kernels:  # --profile
+        out.append(("where the block's time goes (torch.profiler, per call)",
+                    markdown_table(kernels, [("path", "block", ""), ("kernel", "kernel", ""),
+                                             ("calls", "calls", ".0f"), ("ms", "ms", ".3f"),
+                                             ("share", "share", ".1%")])))
     return out
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "gpu_name",
     "hardware_tag",
     "init_distributed",
+    "kernel_table",
     "markdown_table",
     "time_fn",
     "utc_now",
@@ -296,6 +297,27 @@ class DistContext:
         out: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(out, obj)
         return out
+
+
+def kernel_table(fn: Callable[[], Any], device: torch.device, *, calls: int = 3,
+                 top: int = 12) -> list[dict[str, Any]]:
+    """Where ``fn``'s time goes: torch.profiler over ``calls`` calls (after the caller's warm-up),
+    the ``top`` kernels (CPU ops off CUDA) by self time, each with its calls and ms per ``fn``
+    call and its share of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return [{"kernel": e.key[:100], "calls": e.count / calls,
+             "ms": getattr(e, attr) / 1e3 / calls, "share": getattr(e, attr) / total}
+            for e in events[:top]]
 
 
 def init_distributed(backend: str = "auto", device: str = "auto", *,

@@ -181,7 +181,8 @@ def test_h3_fp8_smoke(tmp_path):
     fp8:sdpa differ from bf16:sdpa, CUDA-only kernels are rows that say why."""
     from benchmarks import h3_fp8
 
-    h3_fp8.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--modes", "eager"])
+    h3_fp8.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--modes", "eager",
+                 "--profile", "fp8:sdpa"])
     # (compiled rows: fullgraph inductor on CPU costs ~30 s a row here; run by hand with
     # --modes compiled, and on the H200 by default)
     data = _check_result(tmp_path, "h3-fp8")
@@ -212,6 +213,12 @@ def test_h3_fp8_smoke(tmp_path):
     assert acc["bf16:sdpa"]["block0_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["block0_rel_l2"] < 5e-2
     sage = [r for r in rows if r["path"].endswith(":sage8")]
     assert sage and all(r["status"] == "unavailable" and "sage8" in r["reason"] for r in sage)
+    prof = next(r for r in rows if r["section"] == "block" and r["path"] == "fp8:sdpa")["kernels"]
+    assert prof and all(k["ms"] > 0 and k["calls"] > 0 for k in prof)  # --profile: its kernels
+    assert 0 < sum(k["share"] for k in prof) <= 1.0 + 1e-9
+    assert not any("kernels" in r for r in rows if r["path"] != "fp8:sdpa")
+    (md,) = glob.glob(str(tmp_path / "h3-fp8_cpu_*.md"))
+    assert "where the block's time goes" in open(md).read()
     assert data["config"]["fp8"] == "emulated (float32)" and "torchao" in data["versions"]
     assert data["targets"]["block_w1_target_ms"] == 80.0 and data["targets"]["w4_best_step_s"] > 0
 
