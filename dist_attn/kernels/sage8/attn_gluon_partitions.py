@@ -23,6 +23,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dist_attn.kernels.sage8 import numerics
 
+#: nothing public: :mod:`.attn_gluon` imports ``_consumer`` and ``_producer`` by name (its kernel
+#: calls them as module globals)
+__all__: list[str] = []
+
 _MAGIC_I = gl.constexpr(numerics.MAGIC_I)
 _MAGIC_F = gl.constexpr(numerics.MAGIC_F)
 _LOG2_PSCALE = gl.constexpr(numerics.LOG2_PSCALE)
