@@ -109,7 +109,7 @@ sa2_start() {  # the SageAttention 2 build, ~4.5 min, in its own session: it out
 
 sa2_wait() {  # up to 6 min for the build; then its registers (cuobjdump), or why it is missing
     [ "$DRY" = 1 ] && { echo "sa2: wait for the build (<= 6 min), then put it before any sageattention wheel"; return 0; }
-    for _ in $(seq 1 90); do sa2_ready && break; sleep 4; done
+    for _ in $(seq 1 90); do sa2_ready || [ ! -d "$SA2" ] && break; sleep 4; done  # none started: no wait
     if sa2_ready; then
         say "SageAttention 2 built"
         local cuobj
@@ -190,7 +190,7 @@ step() {
                 --config configs/h3.toml --once --layers 8 --steps 3 $([ $mode = compile ] && echo --compile) \
                 --log-level WARNING
             [ "$DRY" = 1 ] || "$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); \
-print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-once-$mode.json"
+print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-once-$mode.json" 2>/dev/null
         done ;;
     decode)
         run 280 decode "$PY" -m benchmarks.vae_decode --out "$RES" --budget-s 250 ;;
