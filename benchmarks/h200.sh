@@ -3,38 +3,36 @@
 #
 #   bash benchmarks/h200.sh [--dry-run] SUBCOMMAND [SUBCOMMAND ...]   # run in order; a failed step
 #                                                                     # does not stop the next one
-#   tests               GPU tests of the core and the kernels, log gpu-tests_h200_<date>.log  (~5 min)
-#   fp8-tests           tests/integrations/test_fp8_gpu.py, log fp8-gpu-tests_h200_<date>.log (~1.5 min)
-#   kernels             kernels: every kernel at W = 4, 1, 8, 2: speed, error, bridge overhead (~2 min)
-#   kernels-side        kernels: sage8 vs SageAttention 2 vs cuDNN side by side, interleaved rounds,
-#                       each half apart; builds SageAttention 2 first (~5 min, +4.5 min build)
-#   accuracy            accuracy: every kernel against float64, served-DiT drift              (~3 min)
-#   accuracy-sage2      accuracy: sage8 beside SageAttention 2 (built as for kernels-side)    (~2.5 min)
-#   kernels-variants    kernels: sage8's non-default configs (variant:*) beside cuDNN, FA3    (~2.5 min)
-#   ncu                 dev/sage8_ncu under Nsight Compute: stall reasons of the v2 and v3 loops (~1 min)
-#   sage8-dev           dev/sage8_dev: hang-guarded variants, SASS, ceilings in one call      (~4.5 min)
-#   alltoall            alltoall: pack/unpack bandwidth, packed vs separate all-to-alls,
-#                       4 gloo ranks sharing the GPU (not NVLink)                             (~1 min)
-#   scaling             scaling: modeled N = 1, 2, 4, 8, then measured on 4 gloo ranks        (~2.5 min)
-#   h3                  h3_model: the real H3 model, every attention path, eager and
-#                       compiled; scaling modeled for its block at N = 1, 4                  (~4.5 min)
-#   fp8                 h3_fp8: FP8 vs bf16 linears on the real block, W = 4 modeled          (~5 min)
-#   serve-overhead      serve_overhead: per-request overhead at one h3 layer, load 1/4/50     (~2 min)
-#   serve-step          launch/serve.py --once, 8 layers x 3 steps, eager then --compile      (~5 min)
-#   decode              vae_decode: precision, seconds by batch, W = 4 modeled, MP4 mux       (~3 min)
-#   decode-mux          vae_decode: only the MP4 rows, streamed at the W = 4 decode's pace   (~20 s)
-#   job                 serve_h3_gpu: the served job, 8 of 50 blocks x 3 steps               (~3 min)
-#   job-full            serve_h3_gpu: 50 blocks x 2 steps beside diffusers' t2va             (~6 min)
-#   job-full-compiled   serve_h3_gpu: 50 blocks x 2 steps compiled, bf16 linears             (~2 min)
-#   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears              (~2 min)
-#   all                 every subcommand above, in this order (~70 min: several device calls)
+#   tests               GPU tests of the core and the kernels -> gpu-tests_h200_<date>.log       (~5 min)
+#   fp8-tests           tests/integrations/test_fp8_gpu.py -> fp8-gpu-tests_h200_<date>.log       (~1.5 min)
+#   kernels             kernels: every kernel at W = 4, 1, 8, 2: speed, error, bridge overhead   (~2 min)
+#   kernels-side        kernels: sage8 vs SageAttention 2 vs cuDNN side by side, each half apart (~5 min + build)
+#   accuracy            accuracy: every kernel against float64, served-DiT drift                 (~3 min)
+#   accuracy-sage2      accuracy: sage8 beside SageAttention 2                                   (~2.5 min + build)
+#   kernels-variants    kernels: sage8's non-default configs (variant:*) beside cuDNN and FA3    (~2.5 min)
+#   ncu                 dev/sage8_ncu under Nsight Compute: stall reasons, v2 loop vs v3 loop    (~1 min)
+#   sage8-dev           dev/sage8_dev: hang-guarded Gluon variants, SASS, ceilings               (~4.5 min)
+#   alltoall            alltoall: pack/unpack bandwidth, packed vs separate, 4 gloo ranks        (~1 min)
+#   scaling             scaling: modeled for N = 1, 2, 4, 8, then measured on 4 gloo ranks       (~2.5 min)
+#   h3                  h3_model: the real H3, every attention path; its block's scaling modeled (~4.5 min)
+#   fp8                 h3_fp8: FP8 vs bf16 linears on the real block, W = 4 modeled             (~5 min)
+#   serve-overhead      serve_overhead: per-request overhead at one h3 layer, load 1/4/50        (~2 min)
+#   serve-step          launch/serve.py --once, 8 layers x 3 steps, eager then --compile         (~5 min)
+#   decode              vae_decode: precision, seconds by batch, W = 4 modeled, MP4              (~3 min)
+#   decode-mux          vae_decode: only the MP4 rows, streamed at the W = 4 decode's pace      (~20 s)
+#   job                 serve_h3_gpu: the served job, 8 of 50 blocks x 3 steps                  (~3 min)
+#   job-full            serve_h3_gpu: 50 blocks x 2 steps beside diffusers' t2va                (~6 min)
+#   job-full-compiled   serve_h3_gpu: 50 blocks x 2 steps compiled, bf16 linears                (~2 min)
+#   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears                 (~2 min)
+#   all                 every subcommand above, in this order (~65 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
 # Needs: ${WHEELS:-.whl}/*.whl, the wheels the image lacks (installed into /tmp/site; the machine
 # reaches no package index): diffusers 0.42.1, av, starlette, uvicorn, torchao 0.18.0 (fp8),
 # sageattention 1.0.6 and fa3-fwd 0.0.3 (their rows), importlib_metadata. kernels-side and
-# accuracy-sage2 build SageAttention 2.2 from .third_party/SageAttention-2.2.0-src.tar.gz
-# (../shared/third_party/README.md) into .sa2build/ (git-ignored, never carried; started in the
+# accuracy-sage2 ("+ build": ~4.5 min) build SageAttention 2.2 from
+# .third_party/SageAttention-2.2.0-src.tar.gz (../shared/third_party/README.md; carried) into
+# .sa2build/ (git-ignored, so never carried and kept on the machine between calls; started in the
 # background when either is asked for, so it overlaps the steps before it, and kept while the
 # machine stays warm). Results and h200.log go to $OUT (the device tool) or benchmarks/results/.
 # Knobs: BUDGET (fp8's --budget-s), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
