@@ -33,8 +33,8 @@
 # accuracy-sage2 ("+ build": ~4.5 min) build SageAttention 2.2 from
 # .third_party/SageAttention-2.2.0-src.tar.gz (../shared/third_party/README.md; carried) into
 # .sa2build/ (git-ignored, so never carried and kept on the machine between calls; started in the
-# background when either is asked for, so it overlaps the steps before it, and kept while the
-# machine stays warm). Results and h200.log go to $OUT (the device tool) or benchmarks/results/.
+# background when either is asked for, so it overlaps the steps before it). Results and h200.log
+# go to $OUT (the device tool) or benchmarks/results/.
 # Knobs: BUDGET (fp8's --budget-s), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
 # kernels-side), ACC_KERNELS (accuracy's --kernels), PYTHON (python3).
 set -u -o pipefail
