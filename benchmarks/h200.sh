@@ -1,55 +1,228 @@
 #!/usr/bin/env bash
-# One driver for the runs on ONE H200 (the device tool), by what they measure:
+# Every benchmark run on ONE H200 (the device tool), by what it measures. From the repository root:
 #
-#   bash benchmarks/h200.sh decode      # benchmarks.vae_decode: precision, seconds, W = 4 model, mux (~3 min)
-#   bash benchmarks/h200.sh job         # benchmarks.serve_h3_gpu: 8 of 50 blocks x 3 steps (~3 min)
-#   bash benchmarks/h200.sh job-full    # the full-size job (50 blocks, 2 steps) beside diffusers' t2va (~6 min)
-#   bash benchmarks/h200.sh job-full-compiled  # the full-size job compiled, bf16 linears (~2 min)
-#   bash benchmarks/h200.sh job-full-fp8       # the full-size job compiled, FP8 linears (~2 min)
-#   bash benchmarks/h200.sh decode-mux  # only its MP4 rows, streamed at the W = 4 decode's pace (~20 s)
-#   bash benchmarks/h200.sh fp8-tests   # tests/integrations/test_fp8_gpu.py (cap 90 s)
-#   bash benchmarks/h200.sh fp8         # benchmarks.h3_fp8: FP8 vs bf16 linears, the real block (cap 285 s)
-#   bash benchmarks/h200.sh decode job  # several, in order
+#   bash benchmarks/h200.sh [--dry-run] SUBCOMMAND [SUBCOMMAND ...]   # run in order; a failed step
+#                                                                     # does not stop the next one
+#   tests               GPU tests of the core and the kernels -> gpu-tests_h200_<date>.log       (~5 min)
+#   fp8-tests           tests/integrations/test_fp8_gpu.py -> fp8-gpu-tests_h200_<date>.log       (~1.5 min)
+#   kernels             kernels: every kernel at W = 4, 1, 8, 2: speed, error, bridge overhead   (~2 min)
+#   kernels-side        kernels: sage8 vs SageAttention 2 vs cuDNN side by side, each half apart (~5 min + build)
+#   accuracy            accuracy: every kernel against float64, served-DiT drift                 (~3 min)
+#   accuracy-sage2      accuracy: sage8 beside SageAttention 2                                   (~2.5 min + build)
+#   kernels-variants    kernels: sage8's non-default configs (variant:*) beside cuDNN and FA3    (~2.5 min)
+#   ncu                 dev/sage8_ncu under Nsight Compute: stall reasons, v2 loop vs v3 loop    (~1 min)
+#   sage8-dev           dev/sage8_dev: hang-guarded Gluon variants, SASS, ceilings               (~4.5 min)
+#   alltoall            alltoall: pack/unpack bandwidth, packed vs separate, 4 gloo ranks        (~1 min)
+#   scaling             scaling: modeled for N = 1, 2, 4, 8, then measured on 4 gloo ranks       (~2.5 min)
+#   h3                  h3_model: the real H3, every attention path; its block's scaling modeled (~4.5 min)
+#   fp8                 h3_fp8: FP8 vs bf16 linears on the real block, W = 4 modeled             (~5 min)
+#   serve-overhead      serve_overhead: per-request overhead at one h3 layer, load 1/4/50        (~2 min)
+#   serve-step          launch/serve.py --once, 8 layers x 3 steps, eager then --compile         (~5 min)
+#   decode              vae_decode: precision, seconds by batch, W = 4 modeled, MP4              (~3 min)
+#   decode-mux          vae_decode: only the MP4 rows, streamed at the W = 4 decode's pace      (~20 s)
+#   job                 serve_h3_gpu: the served job, 8 of 50 blocks x 3 steps                  (~3 min)
+#   job-full            serve_h3_gpu: 50 blocks x 2 steps beside diffusers' t2va                (~6 min)
+#   job-full-compiled   serve_h3_gpu: 50 blocks x 2 steps compiled, bf16 linears                (~2 min)
+#   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears                 (~2 min)
+#   all                 every subcommand above, in this order (~65 min: several device calls)
 #
-# From the repo root, with the wheels the image lacks in ${WHEELS:-.whl} (diffusers 0.42.1, av,
-# starlette, uvicorn; torchao 0.18.0 for fp8). Results go to $OUT (the device tool) or
-# benchmarks/results/, with a log.
+# --dry-run prints each step's command and cap without setting up or running anything.
+# Needs: ${WHEELS:-.whl}/*.whl, the wheels the image lacks (installed into /tmp/site; the machine
+# reaches no package index): diffusers 0.42.1, av, starlette, uvicorn, torchao 0.18.0 (fp8),
+# sageattention 1.0.6 and fa3-fwd 0.0.3 (their rows), importlib_metadata. kernels-side and
+# accuracy-sage2 ("+ build": ~4.5 min) build SageAttention 2.2 from
+# .third_party/SageAttention-2.2.0-src.tar.gz (../shared/third_party/README.md; carried) into
+# .sa2build/ (git-ignored, so never carried and kept on the machine between calls; started in the
+# background when either is asked for, so it overlaps the steps before it). Results and h200.log
+# go to $OUT (the device tool) or benchmarks/results/.
+# Knobs: BUDGET (fp8's --budget-s), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
+# kernels-side), ACC_KERNELS (accuracy's --kernels), PYTHON (python3).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-. benchmarks/h200_env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 RES=${OUT:-benchmarks/results}
-mkdir -p "$RES"
 LOG="$RES/h200.log"
-h200_setup "${WHEELS:-.whl}" >>"$LOG" 2>&1  # not in a pipe: it exports PYTHONPATH
-tail -3 "$LOG"
-run() {  # run CAP_S NAME CMD...: one step, capped, logged; a failed step does not stop the rest
-    local cap=$1 name=$2; shift 2
-    echo "[h200 $(date -u +%T)] $name: $*" | tee -a "$LOG"
-    timeout "$cap" "$@" --out "$RES" 2>&1 | grep -v "torchao\|Enum subclass\|it/s]" | tee -a "$LOG"
-    echo "[h200 $(date -u +%T)] $name exited ${PIPESTATUS[0]}" | tee -a "$LOG"
+SA2=$PWD/.sa2build/SageAttention
+TODAY=$(date -u +%F)
+ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-variants ncu sage8-dev
+     alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
+     job-full-compiled job-full-fp8)
+DRY=0
+
+say() { echo "[h200 $(date -u +%T)] $*" | tee -a "$LOG"; }
+
+quiet() { grep -v "torchao\|Enum subclass\|it/s]\|Failed to load"; }
+
+# run CAP NAME [--log FILE] [--to FILE] CMD...: one step under a time cap, logged (--log: its output
+# also into FILE; --to: its stdout into FILE, its stderr into FILE.err); prints the last lines
+run() {
+    local cap=$1 name=$2 log="" to=""
+    shift 2
+    [ "$1" = --log ] && { log=$2; shift 2; }
+    [ "$1" = --to ] && { to=$2; shift 2; }
+    if [ "$DRY" = 1 ]; then
+        echo "$name (cap ${cap}s): $*${log:+ | tee $log}${to:+ > $to}"
+        return 0
+    fi
+    say "$name: $*"
+    if [ -n "$to" ]; then
+        timeout --kill-after=10 "$cap" "$@" >"$to" 2>"$to.err"
+        say "$name exited $?"
+        tail -5 "$to.err"
+        return 0
+    fi
+    timeout --kill-after=10 "$cap" "$@" 2>&1 | tee ${log:+"$log"} | quiet | tee -a "$LOG" | tail -60
+    say "$name exited ${PIPESTATUS[0]}"
 }
-for what in "$@"; do
-    case $what in
-        decode) run 280 decode python3 -m benchmarks.vae_decode --budget-s 250 ;;
-        job) run 280 job python3 -m benchmarks.serve_h3_gpu --layers 8 --steps 3 --jobs 1 \
-                 --diffusers off --theme serve-h3-job-8x3 --budget-s 250 ;;
-        job-full) run 560 job-full python3 -m benchmarks.serve_h3_gpu --layers 50 --steps 2 \
-                      --jobs 1 --diffusers on --compile off --theme serve-h3-job-full \
-                      --budget-s 520 ;;
-        job-full-compiled) run 280 job-full-compiled python3 -m benchmarks.serve_h3_gpu \
-                      --layers 50 --steps 2 --jobs 1 --diffusers off --compile on \
-                      --theme serve-h3-job-full-compiled --budget-s 250 ;;
-        job-full-fp8) run 280 job-full-fp8 python3 -m benchmarks.serve_h3_gpu --layers 50 \
-                      --steps 2 --jobs 1 --diffusers off --compile on --linear-precision fp8 \
-                      --theme serve-h3-job-full-fp8 --budget-s 250 ;;
-        decode-mux) run 120 decode-mux python3 -m benchmarks.vae_decode --skip precision time \
-                        --mux-pace-s "${MUX_PACE_S:-0.218}" --theme vae-decode-mux ;;
-        fp8-tests) echo "[h200 $(date -u +%T)] fp8-tests" | tee -a "$LOG"
-                   timeout 90 python3 -m pytest tests/integrations/test_fp8_gpu.py -rs -q -s \
-                       -p no:cacheprovider 2>&1 | grep -v "Failed to load" \
-                       | tee "$RES/fp8-gpu-tests_h200_$(date -u +%F).log" | tail -25 ;;
-        fp8) run 285 fp8 python3 -m benchmarks.h3_fp8 --budget-s "${BUDGET:-265}" ;;
-        *) echo "unknown run '$what' (see the header of $0)" >&2
-           exit 2 ;;
+
+setup() {
+    if [ "$DRY" = 1 ]; then
+        echo "setup: install ${WHEELS:-.whl}/*.whl into /tmp/site; PYTHONPATH=/tmp/site:$PWD"
+        return 0
+    fi
+    mkdir -p "$RES"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "${WHEELS:-.whl}"/*.whl 2>&1 | tail -2 | tee -a "$LOG"
+    export PYTHONPATH=/tmp/site:$PWD
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$LOG"
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
+        2>&1 | tee -a "$LOG"
+}
+
+sa2_ready() { ls "$SA2"/sageattention/_qattn_sm90*.so >/dev/null 2>&1; }
+
+sa2_start() {  # the SageAttention 2 build, ~4.5 min, in its own session: it outlives this call
+    [ "$DRY" = 1 ] && { echo "sa2: build SageAttention 2 into .sa2build/ in the background"; return 0; }
+    sa2_ready || [ -d "$SA2" ] && return 0
+    [ -f .third_party/SageAttention-2.2.0-src.tar.gz ] || { say "no .third_party/SageAttention-2.2.0-src.tar.gz"; return 0; }
+    rm -rf .sa2build && mkdir -p .sa2build/meta/sageattention-2.2.0.dist-info
+    printf 'Metadata-Version: 2.1\nName: sageattention\nVersion: 2.2.0\n' \
+        >.sa2build/meta/sageattention-2.2.0.dist-info/METADATA
+    tar -xzf .third_party/SageAttention-2.2.0-src.tar.gz -C .sa2build
+    (cd "$SA2" && setsid nohup env TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 EXT_PARALLEL=4 NVCC_APPEND_FLAGS="--threads=4" \
+        "$PY" setup.py build_ext --inplace >../build.log 2>&1 &)
+    say "SageAttention 2 build started"
+}
+
+sa2_wait() {  # up to 6 min for the build; then its registers (cuobjdump), or why it is missing
+    [ "$DRY" = 1 ] && { echo "sa2: wait for the build (<= 6 min), then put it before any sageattention wheel"; return 0; }
+    for _ in $(seq 1 90); do sa2_ready || [ ! -d "$SA2" ] && break; sleep 4; done  # none started: no wait
+    if sa2_ready; then
+        say "SageAttention 2 built"
+        local cuobj
+        cuobj=$("$PY" -c "import triton, os; print(os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump'))")
+        "$cuobj" -res-usage "$SA2"/sageattention/_qattn_sm90*.so 2>/dev/null | grep -A1 "attn_kernel" \
+            | grep -E "REG|Function" | head -8 | cut -c1-200
+    else
+        say "SageAttention 2 NOT built:"; tail -20 .sa2build/build.log 2>/dev/null
+    fi
+}
+
+sa2_env() { echo "PYTHONPATH=$SA2:$PWD/.sa2build/meta:${PYTHONPATH:-}"; }  # 2.x before the 1.0.6 wheel
+
+ncu_stalls() {  # the largest stall ratios of one ncu --csv log
+    awk -F'","' 'NF>5 {print $(NF-2)"="$NF}' "$1" | tr -d '"' | sort -t= -k2 -g -r | head -14
+}
+
+step() {
+    local c i=0 mode
+    case $1 in
+    tests)
+        run 330 tests --log "$RES/gpu-tests_h200_$TODAY.log" "$PY" -m pytest tests/core/test_gpu_core.py \
+            tests/core/test_gpu_fa3.py tests/core/test_kernel_sage8.py tests/core/test_kernel_accuracy.py \
+            -rs -q -s -p no:cacheprovider ;;
+    fp8-tests)
+        run 90 fp8-tests --log "$RES/fp8-gpu-tests_h200_$TODAY.log" "$PY" -m pytest \
+            tests/integrations/test_fp8_gpu.py -rs -q -s -p no:cacheprovider ;;
+    kernels)
+        run 130 kernels "$PY" -m benchmarks.kernels --out "$RES" --budget-s 110 --iters 20 --warmup 3 ;;
+    kernels-side)
+        sa2_wait
+        run 280 kernels-side env "$(sa2_env)" "$PY" -m benchmarks.kernels --out "$RES" --theme kernels-side \
+            --heads 14,56,7 --no-error --iters 20 --warmup 3 --rounds 3 --budget-s 260 --kernels \
+            "sdpa_cudnn,sage2_direct,dense:sage8,dense:sage8_gluon,sage2_quant,quant:sage8,sage2_attn,attn:sage8,${EXTRA:-}fa3_fp8_prequant" ;;
+    accuracy)
+        run 200 accuracy "$PY" -m benchmarks.accuracy --out "$RES" --budget-s 180 \
+            --kernels "${ACC_KERNELS:-sdpa,fa3,sage8,sage8_gluon}" --drift-backends fa3,sage8 ;;
+    accuracy-sage2)
+        sa2_wait
+        run 150 accuracy-sage2 env "$(sa2_env)" "$PY" -m benchmarks.accuracy --out "$RES" \
+            --theme accuracy-sage2 --drift-layers 0 --budget-s 130 --kernels sdpa,sage2_direct,sage8,sage8_gluon ;;
+    kernels-variants)
+        run 150 kernels-variants "$PY" -m benchmarks.kernels --out "$RES" --theme kernels-variants \
+            --heads 14,56,7 --no-error --iters 20 --warmup 3 --budget-s 130 \
+            --kernels 'sdpa_cudnn,fa3_fp8_prequant,dense:sage8,dense:sage8_gluon,variant:*' ;;
+    ncu)  # the v2 loop (P V summed in the FP8 MMA, no magic add) against the shipped config
+        for c in '{"pv_accum":"running","add_magic":false}' '{}'; do
+            i=$((i + 1))
+            run 120 "ncu $c" --log "$RES/ncu-$i-of-2_h200_$TODAY.csv" ncu --clock-control none \
+                --kernel-name _attn_ws_kernel --launch-skip 2 --launch-count 1 --csv --metrics \
+                'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg' \
+                "$PY" -m benchmarks.dev.sage8_ncu "$c"
+            [ "$DRY" = 1 ] || ncu_stalls "$RES/ncu-$i-of-2_h200_$TODAY.csv"
+        done ;;
+    sage8-dev)
+        run 290 sage8-dev "$PY" -m benchmarks.dev.sage8_dev --out "$RES" ;;
+    alltoall)
+        run 70 alltoall "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 -m benchmarks.alltoall \
+            --backend gloo --out "$RES" --budget-s 50 --iters 20 --warmup 1 --comm-iters 3 ;;
+    scaling)
+        run 70 scaling-modeled "$PY" -m benchmarks.scaling --modeled --bandwidth-gbs 360 --ranks 1,2,4,8 \
+            --overlap 1,2,4 --out "$RES" --budget-s 55 --iters 10 --warmup 2
+        run 90 scaling-gloo4 "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 -m benchmarks.scaling \
+            --comm-backend gloo --ranks 1,2,4 --overlap 1,2,4 --backends auto,sdpa --out "$RES" --budget-s 65 \
+            --iters 2 --warmup 1 ;;
+    h3)
+        run 225 h3-model "$PY" -m benchmarks.h3_model --out "$RES" --budget-s 190
+        run 45 h3-scaling-modeled "$PY" -m benchmarks.scaling --modeled --bandwidth-gbs 360 --ranks 1,4 \
+            --overlap 1,4 --backends sdpa,sage8 --out "$RES" --budget-s 35 --iters 5 --warmup 1 ;;
+    fp8)
+        run 285 fp8 "$PY" -m benchmarks.h3_fp8 --out "$RES" --budget-s "${BUDGET:-265}" ;;
+    serve-overhead)
+        run 120 serve-overhead "$PY" -m benchmarks.serve_overhead --config configs/h3.toml --layers 1 --nproc 1 \
+            --requests 20 --warmup 3 --load 1,4,50 --load-requests 60 --load-seconds 15 --out-dir "$RES" ;;
+    serve-step)
+        for mode in eager compile; do
+            run 150 "serve-step-$mode" --to "$RES/h3-8l-once-$mode.json" "$PY" launch/serve.py \
+                --config configs/h3.toml --once --layers 8 --steps 3 $([ $mode = compile ] && echo --compile) \
+                --log-level WARNING
+            [ "$DRY" = 1 ] || "$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); \
+print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-once-$mode.json" 2>/dev/null
+        done ;;
+    decode)
+        run 280 decode "$PY" -m benchmarks.vae_decode --out "$RES" --budget-s 250 ;;
+    decode-mux)
+        run 120 decode-mux "$PY" -m benchmarks.vae_decode --out "$RES" --skip precision time \
+            --mux-pace-s "${MUX_PACE_S:-0.218}" --theme vae-decode-mux ;;
+    job)
+        run 280 job "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 8 --steps 3 --jobs 1 --diffusers off \
+            --theme serve-h3-job-8x3 --budget-s 250 ;;
+    job-full)
+        run 560 job-full "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 50 --steps 2 --jobs 1 \
+            --diffusers on --compile off --theme serve-h3-job-full --budget-s 520 ;;
+    job-full-compiled)
+        run 280 job-full-compiled "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 50 --steps 2 --jobs 1 \
+            --diffusers off --compile on --theme serve-h3-job-full-compiled --budget-s 250 ;;
+    job-full-fp8)
+        run 280 job-full-fp8 "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 50 --steps 2 --jobs 1 \
+            --diffusers off --compile on --linear-precision fp8 --theme serve-h3-job-full-fp8 --budget-s 250 ;;
+    esac
+}
+
+# the arguments: checked whole before anything runs, so a typo costs no device time
+todo=()
+for a in "$@"; do
+    case $a in
+    --dry-run) DRY=1 ;;
+    -h | --help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    all) todo+=("${ALL[@]}") ;;
+    *) if [[ " ${ALL[*]} " == *" $a "* ]]; then todo+=("$a"); else
+           echo "h200.sh: unknown subcommand '$a' (bash benchmarks/h200.sh --help lists them)" >&2; exit 2; fi ;;
     esac
 done
+[ ${#todo[@]} -gt 0 ] || { echo "h200.sh: no subcommand (bash benchmarks/h200.sh --help lists them)" >&2; exit 2; }
+[ "$DRY" = 1 ] && LOG=/dev/null
+setup
+[[ " ${todo[*]} " == *" kernels-side "* || " ${todo[*]} " == *" accuracy-sage2 "* ]] && sa2_start
+for what in "${todo[@]}"; do step "$what"; done

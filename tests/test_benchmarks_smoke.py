@@ -1,8 +1,9 @@
 """Every benchmark's --smoke runs on CPU and leaves a complete, self-describing result.
 
-kernels.py runs in-process; alltoall.py and scaling.py run under
-``python -m torch.distributed.run --standalone --nproc-per-node 2`` (a free port per launch, so
-pytest-xdist workers never collide), as a user would launch them.
+The single-process ones (kernels, scaling --modeled, h3_model, vae_decode, h3_fp8) run in-process,
+sharing one interpreter's torch and diffusers imports; alltoall.py and the measured scaling.py run
+under ``python -m torch.distributed.run --standalone --nproc-per-node 2`` (a free port per launch,
+so pytest-xdist workers never collide), as a user would launch them.
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ def test_scaling_smoke_two_ranks_measured(tmp_path):
 
 @pytest.mark.parametrize("ranks", ["1,2,4"])
 def test_scaling_smoke_modeled(tmp_path, ranks):
-    _run([sys.executable, "-m", "benchmarks.scaling", "--smoke", "--modeled", "--out", str(tmp_path),
-          "--ranks", ranks, "--backends", "sdpa", "--overlap", "1,2", "--bandwidth-gbs", "0.001"])
+    from benchmarks import scaling
+
+    # in-process (one process, no process group): spares a second interpreter importing diffusers
+    scaling.main(["--smoke", "--modeled", "--out", str(tmp_path), "--device", "cpu", "--ranks", ranks,
+                  "--backends", "sdpa", "--overlap", "1,2", "--bandwidth-gbs", "0.001"])
     data = _check_result(tmp_path, "scaling-modeled")
     modeled = [r for r in data["rows"] if r["mode"] == "modeled" and r.get("status") == "ok"]
     assert modeled and data["config"]["formula"]
@@ -156,8 +160,9 @@ def test_h3_model_smoke(tmp_path):
 def test_vae_decode_smoke(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("av")
-    _run([sys.executable, "-m", "benchmarks.vae_decode", "--smoke", "--out", str(tmp_path),
-          "--tiles-per-call", "2", "4"])
+    from benchmarks import vae_decode
+
+    vae_decode.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--tiles-per-call", "2", "4"])
     data = _check_result(tmp_path, "vae-decode")
     rows = data["rows"]
     precision = [r for r in rows if r["section"] == "precision"]

@@ -3,7 +3,8 @@
 Modules: :mod:`.api` (entry points and checks; no triton), :mod:`.numerics` (the scheme's
 constants), :mod:`.reference` (the scheme in plain torch), :mod:`.ops` (torch.library custom ops),
 and, importing triton: :mod:`.quant` (pre-pass), :mod:`.attn_triton` and :mod:`.attn_gluon`
-(attention loops), :mod:`.launch` (one forward).
+(attention loops; the Gluon loop's warp partitions in :mod:`.attn_gluon_partitions`), :mod:`.launch`
+(one forward).
 """
 
 from dist_attn.kernels.sage8 import api

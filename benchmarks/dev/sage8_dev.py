@@ -1,8 +1,8 @@
 """Dev benchmark of the Sage8 kernels: correctness, speed of variants, pre-pass split, varlen, LSE
 cost, accuracy, registers and SASS, side by side with cuDNN, in ONE device call.
 
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.sage8_dev --out $OUT          # H200, ~4 minutes
-    python3 -m benchmarks.sage8_dev --check --out $OUT                      # correctness only
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.dev.sage8_dev --out $OUT          # H200, ~4 minutes
+    python3 -m benchmarks.dev.sage8_dev --check --out $OUT                      # correctness only
 
 Every Gluon variant is first checked in a child process with a time limit (``--check``): a wrong
 mbarrier phase hangs the GPU, and a hang must cost one variant, not the device call. Only variants
@@ -136,7 +136,7 @@ def _run_checks(names: list[str], limit_s: int) -> dict:
     results = {}
     for group in ([names[0]], names[1:]) if len(names) > 1 else ([names[0]],):
         path = os.path.join(tempfile.gettempdir(), f"sage8_check_{group[0]}.json")
-        cmd = [sys.executable, "-m", "benchmarks.sage8_dev", "--check", "--variants", ",".join(group),
+        cmd = [sys.executable, "-m", "benchmarks.dev.sage8_dev", "--check", "--variants", ",".join(group),
                "--check-out", path]
         t0 = time.time()
         try:

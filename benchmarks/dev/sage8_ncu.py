@@ -1,7 +1,7 @@
 """Runs the Gluon sage8 kernel three times at h3-ref x 14 heads with one launch config, for a
 profiler to pick one launch (``ncu --kernel-name _attn_ws_kernel --launch-skip 2 --launch-count 1``).
 
-    python3 -m benchmarks.sage8_ncu '{"pv_accum": "running"}'
+    python3 -m benchmarks.dev.sage8_ncu '{"pv_accum": "running"}'
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 import torch
 
 from dist_attn.kernels.sage8 import launch, sage8_dense
+
+__all__ = ["main"]
 
 
 def main(argv=None) -> None:

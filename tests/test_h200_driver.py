@@ -1,0 +1,78 @@
+"""benchmarks/h200.sh, the one driver of the H200 runs, checked on CPU through --dry-run: every
+subcommand its header lists expands to commands whose modules, tests and scripts exist, and a
+wrong subcommand is refused before anything runs (a typo must not cost a device call)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import ROOT
+
+DRIVER = os.path.join(ROOT, "benchmarks", "h200.sh")
+
+
+def _header_subcommands() -> list[str]:
+    with open(DRIVER, encoding="utf-8") as fh:
+        head = fh.read().split("\nset -u", 1)[0]
+    return re.findall(r"^#   ([a-z0-9][a-z0-9-]*) {2,}", head, flags=re.M)
+
+
+def _dry(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", DRIVER, "--dry-run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "OUT": "/nonexistent/out"})
+
+
+def _steps(out: str) -> list[str]:
+    """The step lines of a dry run ('NAME (cap Ns): COMMAND'), setup and build lines left out."""
+    return [ln for ln in out.splitlines() if re.match(r"^\S.* \(cap \d+s\): ", ln)]
+
+
+SUBCOMMANDS = _header_subcommands()
+
+
+def test_header_lists_the_runs_by_what_they_measure():
+    # the names the runs had before the scripts were merged keep working
+    kept = {"decode", "job", "job-full", "job-full-compiled", "job-full-fp8", "decode-mux", "fp8-tests", "fp8"}
+    assert kept <= set(SUBCOMMANDS) and {"tests", "kernels", "kernels-side", "accuracy", "h3", "all"} <= set(
+        SUBCOMMANDS), SUBCOMMANDS
+    assert len(SUBCOMMANDS) == len(set(SUBCOMMANDS))
+    with open(DRIVER, encoding="utf-8") as fh:
+        text = fh.read()
+    assert "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1" in text
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_each_subcommand_expands_to_commands_that_exist(sub):
+    res = _dry(sub)
+    assert res.returncode == 0, res.stderr
+    steps = _steps(res.stdout)
+    assert steps, res.stdout
+    for line in steps:
+        cmd = line.split("): ", 1)[1]
+        assert "/nonexistent/out" in cmd, line  # every step writes where $OUT says
+        targets = re.findall(r"-m (benchmarks(?:\.\w+)+)", cmd)
+        tests = re.findall(r"-m pytest ((?:tests/\S+\.py ?)+)", cmd)
+        scripts = re.findall(r"\b(launch/\w+\.py)\b", cmd)
+        assert targets or tests or scripts, line
+        for mod in targets:
+            assert os.path.isfile(os.path.join(ROOT, *mod.split(".")) + ".py"), line
+        for path in " ".join(tests).split() + scripts:
+            assert os.path.isfile(os.path.join(ROOT, path)), line
+
+
+def test_all_runs_every_subcommand_once_in_the_header_order():
+    every = _steps(_dry("all").stdout)
+    one_by_one = [s for sub in SUBCOMMANDS if sub != "all" for s in _steps(_dry(sub).stdout)]
+    assert every == one_by_one
+
+
+@pytest.mark.parametrize("args", [("bogus",), ("decode", "bogus"), ()])
+def test_a_wrong_or_missing_subcommand_is_refused_before_anything_runs(args):
+    res = _dry(*args)
+    assert res.returncode != 0
+    assert "h200.sh: " in res.stderr and ("unknown subcommand 'bogus'" in res.stderr or not args)
+    assert res.stdout == ""  # no setup, no step
