@@ -24,6 +24,7 @@
 #   job-full            serve_h3_gpu: 50 blocks x 2 steps beside diffusers' t2va                (~6 min)
 #   job-full-compiled   serve_h3_gpu: 50 blocks x 2 steps compiled, bf16 linears                (~2 min)
 #   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears                 (~2 min)
+#   job-full-fp8fast    serve_h3_gpu: the same, FP8 linears with fast accumulation              (~2 min)
 #   all                 every subcommand above, in this order (~65 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
@@ -35,7 +36,7 @@
 # .sa2build/ (git-ignored, so never carried and kept on the machine between calls; started in the
 # background when either is asked for, so it overlaps the steps before it). Results and h200.log
 # go to $OUT (the device tool) or benchmarks/results/.
-# Knobs: BUDGET (fp8's --budget-s), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
+# Knobs: BUDGET (fp8's --budget-s), PROFILE (fp8's --profile: block paths whose kernels it lists), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
 # kernels-side), ACC_KERNELS (accuracy's --kernels), PYTHON (python3).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,7 @@ SA2=$PWD/.sa2build/SageAttention
 TODAY=$(date -u +%F)
 ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-variants ncu sage8-dev
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
-     job-full-compiled job-full-fp8)
+     job-full-compiled job-full-fp8 job-full-fp8fast)
 DRY=0
 
 say() { echo "[h200 $(date -u +%T)] $*" | tee -a "$LOG"; }
@@ -178,7 +179,8 @@ step() {
         run 45 h3-scaling-modeled "$PY" -m benchmarks.scaling --modeled --bandwidth-gbs 360 --ranks 1,4 \
             --overlap 1,4 --backends sdpa,sage8 --out "$RES" --budget-s 35 --iters 5 --warmup 1 ;;
     fp8)
-        run 285 fp8 "$PY" -m benchmarks.h3_fp8 --out "$RES" --budget-s "${BUDGET:-265}" ;;
+        run $((${BUDGET:-330} + 25)) fp8 "$PY" -m benchmarks.h3_fp8 --out "$RES" --budget-s "${BUDGET:-330}" \
+            ${PROFILE:+--profile "$PROFILE"} ;;
     serve-overhead)
         run 120 serve-overhead "$PY" -m benchmarks.serve_overhead --config configs/h3.toml --layers 1 --nproc 1 \
             --requests 20 --warmup 3 --load 1,4,50 --load-requests 60 --load-seconds 15 --out-dir "$RES" ;;
@@ -207,6 +209,10 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
     job-full-fp8)
         run 280 job-full-fp8 "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 50 --steps 2 --jobs 1 \
             --diffusers off --compile on --linear-precision fp8 --theme serve-h3-job-full-fp8 --budget-s 250 ;;
+    job-full-fp8fast)
+        run 280 job-full-fp8fast "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 50 --steps 2 --jobs 1 \
+            --diffusers off --compile on --linear-precision fp8 --fp8-fast-accum \
+            --theme serve-h3-job-full-fp8fast --budget-s 250 ;;
     esac
 }
 
