@@ -26,7 +26,7 @@ from dist_attn.profiling import PhaseTimer
 from dist_attn.serve.config import Config
 from dist_attn.serve.jobs import Abort
 from dist_attn.serve.protocol import Request
-from dist_attn.serve.tokens import PackedLayout
+from dist_attn.serve.config.tokens import PackedLayout
 from dist_attn.serve.weights import prune_outputs, save_output
 from dist_attn.serve.wire import agree_abort
 

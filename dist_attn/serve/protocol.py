@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dist_attn.serve.config import Config, ServeConfig
-from dist_attn.serve.tokens import PackedLayout
+from dist_attn.serve.config.tokens import PackedLayout
 
 __all__ = ["RequestError", "Request", "WIRE_FIELDS", "decode_json", "parse_request",
            "request_from_wire"]

@@ -10,8 +10,8 @@ import pytest
 
 from dist_attn.serve.config import (DEFAULT_CONFIG_PATH, Config, ModelConfig, RuntimeConfig,
                                     ServeConfig, apply_overrides, load_config, parse_config)
-from dist_attn.serve.job_config import JobsConfig
-from dist_attn.serve.tokens import TokenConfig
+from dist_attn.serve.config.jobs import JobsConfig
+from dist_attn.serve.config.tokens import TokenConfig
 
 from tests.conftest import ROOT
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_attn.serve.config import ModelConfig, RuntimeConfig, apply_overrides, load_config
-from dist_attn.serve.quality import DeviceFacts, Topology, quality_failures, tier_linear_rule
+from dist_attn.serve.config.quality import DeviceFacts, Topology, quality_failures, tier_linear_rule
 
 __all__: list[str] = []
 

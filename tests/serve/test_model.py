@@ -14,7 +14,7 @@ pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extr
 
 from dist_attn.serve.config import ModelConfig, load_config  # noqa: E402
 from dist_attn.serve.model import build_h3, compile_blocks, fp32_module_names, parallelize  # noqa: E402
-from dist_attn.serve.tokens import TokenConfig, request_layout  # noqa: E402
+from dist_attn.serve.config.tokens import TokenConfig, request_layout  # noqa: E402
 
 from tests.conftest import ROOT  # noqa: E402
 from tests.integrations._tiny_models import h3_layout_functions  # noqa: E402

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dist_attn.serve.quality import (DeviceFacts, Topology, check_tier_name, gather_device_facts,
+from dist_attn.serve.config.quality import (DeviceFacts, Topology, check_tier_name, gather_device_facts,
                                is_8bit_backend, local_device_facts, quality_failures)
 
 H200_MEM = 150_000_000_000

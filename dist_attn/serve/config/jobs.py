@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from dist_attn.serve.fields import field_error, require_positive
+from dist_attn.serve.config.fields import field_error, require_positive
 
 __all__ = ["JobsConfig", "RunnerName"]
 

@@ -1,42 +1,18 @@
-"""Serving configuration: kw-only dataclasses that validate themselves, loaded from TOML.
-
-A config file has one table per dataclass::
-
-    [model]     -> ModelConfig     (the arguments of diffusers' MiniMaxH3Transformer3DModel)
-    [tokens]    -> TokenConfig     (H3's pipeline rules: request -> packed rows, the schedules)
-    [parallel]  -> ParallelConfig  (Ulysses / ring / tensor-parallel degrees)
-    [runtime]   -> RuntimeConfig   (backend, dtype, quality tier, timeouts)
-    [request]   -> RequestConfig   (the default request: ``--once`` and the benchmark)
-    [serve]     -> ServeConfig     (HTTP server and request limits)
-    [jobs]      -> JobsConfig      (video jobs: store, output directory, runner)
-
-Every ``__post_init__`` raises :class:`ValueError` naming the field, its value and the rule it
-breaks. Rules that need the world size (heads vs Ulysses degree, the parallel degrees)
-are checked by :meth:`Config.check_world`, which the launcher calls on every rank before the
-process group is used.
-
-``load_config(None)`` reads the repository's ``configs/tiny.toml`` (the one copy of the default),
-so ``torchrun --nproc-per-node 4 launch/serve.py`` works with no arguments from a checkout or an
-editable install (``pip install -e .``).
-"""
+"""The sections of a serving config, one kw-only dataclass per TOML table (``[tokens]`` is
+:class:`dist_attn.serve.config.tokens.TokenConfig`, ``[jobs]``
+:class:`dist_attn.serve.config.jobs.JobsConfig`). Every ``__post_init__`` raises
+:class:`ValueError` naming the field, its value and the rule it breaks; rules across sections are
+:class:`dist_attn.serve.config.deployment.Config`'s."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import tomllib
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from dist_attn.fp8_linear import LINEAR_PRECISIONS, LinearPrecision
-from dist_attn.plan import heads_per_rank
-from dist_attn.serve.fields import field_error, require_non_negative, require_positive
-from dist_attn.serve.job_config import JobsConfig
-from dist_attn.serve.quality import (QualityTier, tier_backend_rule, tier_compile_rule,
-                                     tier_linear_rule,
-                                     tier_name_rule)
-from dist_attn.serve.tokens import PackedLayout, TokenConfig, request_layout
+from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
+from dist_attn.serve.config.quality import (QualityTier, tier_backend_rule, tier_compile_rule,
+                                            tier_name_rule)
 from dist_attn.validation import overlap_chunks_rule
 
 __all__ = [
@@ -46,19 +22,11 @@ __all__ = [
     "RuntimeConfig",
     "RequestConfig",
     "ServeConfig",
-    "Config",
-    "DEFAULT_CONFIG_PATH",
-    "load_config",
-    "parse_config",
-    "apply_overrides",
+    "registered_backend",
+    "warmup_shapes_rule",
 ]
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
-
-#: The default config: the repository's configs/tiny.toml (found from this file, so a checkout or
-#: an editable install reads the one copy; a plain wheel install has no configs/ and must pass a
-#: path).
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 
 
 #: The fields of ModelConfig that are arguments of diffusers' MiniMaxH3Transformer3DModel.
@@ -260,7 +228,7 @@ class RuntimeConfig:
         rule = tier_name_rule(self.quality)
         if rule:
             raise field_error("RuntimeConfig", "quality", self.quality, rule)
-        rule = tier_backend_rule(self.quality, self.backend, _registered(self.backend))
+        rule = tier_backend_rule(self.quality, self.backend, registered_backend(self.backend))
         if rule:
             raise field_error("RuntimeConfig", "backend", self.backend, rule)
         rule = tier_compile_rule(self.quality, self.compile)
@@ -295,7 +263,7 @@ def warmup_shapes_rule(shapes: Any) -> str | None:
     return None
 
 
-def _registered(name: str):
+def registered_backend(name: str):
     """The core's backend object called ``name``, or None when no such backend is registered."""
     from dist_attn import available_backends, get_backend
 
@@ -379,154 +347,3 @@ class ServeConfig:
                         f"ranks {_TORCHRUN_KILL_GRACE_S} s after its SIGTERM; 5 s are left for "
                         "the shutdown itself)")
 
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "tokens": TokenConfig,
-    "parallel": ParallelConfig,
-    "runtime": RuntimeConfig,
-    "request": RequestConfig,
-    "serve": ServeConfig,
-    "jobs": JobsConfig,
-}
-
-
-@dataclass(kw_only=True, frozen=True)
-class Config:
-    """The whole deployment. Cross-section rules are checked here; world-size rules in
-    :meth:`check_world`."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tokens: TokenConfig = field(default_factory=TokenConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    request: RequestConfig = field(default_factory=RequestConfig)
-    serve: ServeConfig = field(default_factory=ServeConfig)
-    jobs: JobsConfig = field(default_factory=JobsConfig)
-
-    def __post_init__(self) -> None:
-        self.check_backend(self.runtime.backend)
-        precision = self.model.linear_precision
-        rule = tier_linear_rule(self.runtime.quality, precision)
-        if rule:
-            raise field_error("ModelConfig", "linear_precision", precision, rule)
-        if precision == "fp8" and self.runtime.dtype in ("float16", "float32"):
-            raise field_error("ModelConfig", "linear_precision", precision,
-                              f"needs bfloat16 blocks, not runtime.dtype={self.runtime.dtype!r} "
-                              "(torchao's per-row FP8 quantizes bf16 weights; use 'auto' or "
-                              "'bfloat16')")
-        self._check_warmup_shapes()
-        r = self.request
-        try:
-            rows = self.layout(frames=r.frames, height=r.height, width=r.width)
-        except ValueError as e:
-            raise ValueError(f"the default request ([request]) is invalid: {e}") from None
-        if rows.used > self.serve.max_tokens:
-            raise field_error("RequestConfig", "frames", r.frames,
-                              f"gives {rows.used} rows, above serve.max_tokens={self.serve.max_tokens}")
-
-    def rows_rule(self, layout: PackedLayout) -> str | None:
-        """The broken rule if a request of ``layout`` has more rows than ``serve.max_tokens``
-        (the one owner: requests, warm-up shapes and the default request all ask here)."""
-        if layout.used > self.serve.max_tokens:
-            return (f"request has {layout.used} rows ({layout.text} text, {layout.audio} audio, "
-                    f"{layout.video} video), above serve.max_tokens={self.serve.max_tokens}")
-        return None
-
-    def _check_warmup_shapes(self) -> None:
-        """Each ``runtime.warmup_shapes`` geometry must be a valid request (H3's frame and size
-        rules, ``serve.max_tokens``): a ValueError names the entry."""
-        for i, (frames, height, width) in enumerate(self.runtime.warmup_shapes):
-            try:
-                rule = self.rows_rule(self.layout(frames=frames, height=height, width=width))
-            except ValueError as e:
-                rule = str(e)
-            if rule:
-                raise ValueError(f"RuntimeConfig.warmup_shapes[{i}]={[frames, height, width]!r} "
-                                 f"is not a valid request: {rule}")
-
-    def layout(self, *, frames: int, height: int, width: int) -> PackedLayout:
-        """The packed rows of a ``frames`` x ``height`` x ``width`` request (H3's rules)."""
-        return request_layout(self.tokens, self.model.patch_size, frames=frames, height=height,
-                              width=width)
-
-    def check_backend(self, backend: str) -> None:
-        """Raises if ``backend`` (a name, possibly resolved from "auto") cannot run head_dim."""
-        registered = _registered(backend)
-        allowed = registered.head_dims if registered is not None else None
-        if allowed is not None and self.model.head_dim not in allowed:
-            raise field_error("ModelConfig", "attention_head_dim", self.model.head_dim,
-                        f"is not supported by backend {backend!r} (accepts head_dim in "
-                        f"{list(allowed)})")
-
-    def check_world(self, world_size: int) -> None:
-        """Raises :class:`ValueError` if this config cannot run on ``world_size`` ranks.
-
-        Rules: ulysses * ring * tensor_parallel == world size; the core's head split accepts
-        num_heads on the Ulysses degree (at least one head per rank; uneven splits are fine).
-        Any packed length works: the attention pads it to a multiple of the world size.
-        """
-        p = self.parallel
-        ulysses = p.resolved_ulysses(world_size)
-        if ulysses * p.ring_degree * p.tensor_parallel != world_size:
-            raise field_error("ParallelConfig", "ulysses_degree", ulysses,
-                        f"times ring_degree={p.ring_degree} times tensor_parallel="
-                        f"{p.tensor_parallel} must equal the world size {world_size}")
-        try:
-            heads_per_rank(self.model.num_heads, ulysses)
-        except ValueError as e:
-            raise field_error("ModelConfig", "num_attention_heads", self.model.num_heads,
-                        f"cannot be split over the Ulysses degree {ulysses}: {e}") from None
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain nested dict (for logs and benchmark result files)."""
-        return dataclasses.asdict(self)
-
-
-def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
-    """Builds a :class:`Config` from a nested dict (as ``tomllib`` returns); unknown sections and
-    fields are errors that name them."""
-    unknown = set(data) - set(_SECTIONS)
-    if unknown:
-        raise ValueError(f"{source}: unknown config section(s) {sorted(unknown)}; "
-                         f"valid: {sorted(_SECTIONS)}")
-    sections = {}
-    for name, cls in _SECTIONS.items():
-        table = data.get(name, {})
-        if not isinstance(table, dict):
-            raise ValueError(f"{source}: [{name}] must be a table, got {table!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        bad = set(table) - names
-        if bad:
-            raise ValueError(f"{source}: unknown field(s) {sorted(bad)} in [{name}]; "
-                             f"valid: {sorted(names)}")
-        sections[name] = cls(**table)
-    return Config(**sections)
-
-
-def load_config(path: str | os.PathLike | None = None) -> Config:
-    """Loads a TOML config file; ``None`` loads :data:`DEFAULT_CONFIG_PATH`."""
-    if path is None:
-        if not DEFAULT_CONFIG_PATH.is_file():
-            raise ValueError(f"no default config: {DEFAULT_CONFIG_PATH} does not exist (the "
-                             "package was installed without its repository); pass a config path")
-        path = DEFAULT_CONFIG_PATH
-    with open(path, "rb") as f:
-        return parse_config(tomllib.load(f), source=str(path))
-
-
-def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """Returns a new config with ``{"section.field": value}`` replaced, re-validating everything.
-
-    A value of ``None`` leaves the field unchanged (an argparse flag that was not given), except
-    for ``runtime.quality`` where the launcher passes only given values.
-    """
-    data = cfg.to_dict()
-    for key, value in overrides.items():
-        section, _, name = key.partition(".")
-        if section not in _SECTIONS or name not in {f.name for f in
-                                                    dataclasses.fields(_SECTIONS[section])}:
-            raise ValueError(f"override {key!r}: no such config field (use section.field, "
-                             f"sections {sorted(_SECTIONS)})")
-        data[section][name] = value
-    return parse_config(data, source="<overrides>")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dist_attn.serve.fields import field_error, require_non_negative, require_positive
+from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
 
 __all__ = ["TokenConfig", "PackedLayout", "request_layout", "VIDEO_TAG", "TEXT_TAG", "AUDIO_TAG"]
 
