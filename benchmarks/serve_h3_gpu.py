@@ -156,7 +156,7 @@ def main() -> None:
     add_common_args(p, iters=1, warmup=1, budget_s=400)
     args = p.parse_args()
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.jobs import Abort
+    from dist_attn.serve.wire import Abort
     from dist_attn.serve.model import compile_blocks, parallelize
     from dist_attn.serve.pipeline import H3Pipeline, H3Runner, load_components
     from dist_attn.serve.videos import parse_video_request

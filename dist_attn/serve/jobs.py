@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import enum
 import math
 import threading
 import time
@@ -18,24 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dist_attn.serve.protocol import Request
+from dist_attn.serve.wire.abort import Abort
 
-__all__ = ["Abort", "JobError", "Job", "QueueFull", "JobQueue", "Liveness", "StepTimes"]
-
-
-class Abort(enum.IntEnum):
-    """Why a job stops early; travels between ranks as an integer (max over ranks wins)."""
-
-    NONE = 0
-    CLIENT_GONE = 1
-    DEADLINE = 2
-    SHUTDOWN = 3
-    CANCELLED = 4
-    """The client cancelled the job (DELETE /v1/videos/{id})."""
-
-    @property
-    def label(self) -> str:
-        """The metrics label of this reason."""
-        return self.name.lower()
+__all__ = ["JobError", "Job", "QueueFull", "JobQueue", "Liveness", "StepTimes"]
 
 
 class JobError(Exception):

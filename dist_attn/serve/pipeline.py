@@ -47,17 +47,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.jobs import Abort
 from dist_attn.serve.decode import JobDecoder, video_vae_dtype
 from dist_attn.serve.runner import StepHook, VideoOutcome
 from dist_attn.serve.videos import VideoRequest, VideoRules
-from dist_attn.serve.wire import agree_abort
+from dist_attn.serve.wire.abort import Abort, agree_abort
+from dist_attn.serve.wire.prompt import broadcast_prompt
 
 __all__ = ["H3Components", "load_components", "H3Pipeline", "H3Runner",
-           "TextOnlyQwen3VLProcessor", "ServedDenoise", "broadcast_prompt"]
+           "TextOnlyQwen3VLProcessor", "ServedDenoise"]
 
 log = logging.getLogger(__name__)
 
@@ -265,39 +264,6 @@ def _served_denoise_cls() -> type:
 def ServedDenoise() -> Any:  # noqa: N802 - a class made lazily
     """An instance of the served t2va denoise blocks (see :func:`_served_denoise_cls`)."""
     return _served_denoise_cls()()
-
-
-def _comm_device(env: DistEnv) -> torch.device:
-    return env.device if env.backend == "nccl" else torch.device("cpu")
-
-
-def broadcast_prompt(embeds: torch.Tensor | None, tags: torch.Tensor | None, env: DistEnv,
-                     *, dtype: torch.dtype, device: torch.device
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank 0's prompt encoding on every rank: two broadcasts (the shape, then the values).
-
-    Args:
-        embeds: [1, T, D] the text encoder's hidden state (rank 0; None elsewhere).
-        tags: [T] int64 modality tags of the text rows (rank 0; None elsewhere).
-    Returns:
-        ([1, T, D] in ``dtype`` on ``device``, [T] int64 on ``device``) on every rank.
-    """
-    if not env.distributed:
-        assert embeds is not None and tags is not None
-        return embeds.to(device, dtype), tags.to(device)
-    cd = _comm_device(env)
-    shape = torch.zeros(2, dtype=torch.int64, device=cd)
-    if env.rank == 0:
-        shape[0], shape[1] = embeds.shape[1], embeds.shape[2]
-    dist.broadcast(shape, src=0)
-    t, d = (int(x) for x in shape.tolist())
-    # float32 on the wire: gloo has no bfloat16 broadcast on every build, and 5 MB is nothing
-    buf = torch.empty(1, t, d + 1, dtype=torch.float32, device=cd)
-    if env.rank == 0:
-        buf[0, :, :d] = embeds[0].to(cd, torch.float32)
-        buf[0, :, d] = tags.to(cd, torch.float32)
-    dist.broadcast(buf, src=0)
-    return buf[:, :, :d].to(device, dtype), buf[0, :, d].round().to(device, torch.int64)
 
 
 class H3Pipeline:

@@ -15,12 +15,11 @@ from typing import Any
 
 from dist_attn.serve.config import Config, ServeConfig
 from dist_attn.serve.config.tokens import PackedLayout
+from dist_attn.serve.wire.control import WIRE_FIELDS
 
-__all__ = ["RequestError", "Request", "WIRE_FIELDS", "decode_json", "parse_request",
+__all__ = ["RequestError", "Request", "decode_json", "parse_request",
            "request_from_wire"]
 
-#: The integer fields of a request, in the order they travel to the other ranks.
-WIRE_FIELDS = ("frames", "height", "width", "steps", "seed")
 _FIELDS = (*WIRE_FIELDS, "timeout_s")
 
 

@@ -23,11 +23,10 @@ from typing import Callable, Protocol
 import numpy as np
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.jobs import Abort
 from dist_attn.serve.mp4 import VideoFile, write_mp4
-from dist_attn.serve.protocol import WIRE_FIELDS
 from dist_attn.serve.videos import VideoRequest, VideoRules
-from dist_attn.serve.wire import agree_abort
+from dist_attn.serve.wire.abort import Abort, agree_abort
+from dist_attn.serve.wire.control import WIRE_FIELDS
 
 __all__ = ["StepHook", "VideoOutcome", "VideoRunner", "SyntheticRunner", "video_wire",
            "video_from_wire"]

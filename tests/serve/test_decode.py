@@ -49,7 +49,7 @@ def _job(rank, world, cache, out_dir):
     import torch.distributed as dist
 
     from dist_attn.serve.config import load_config
-    from dist_attn.serve.jobs import Abort
+    from dist_attn.serve.wire import Abort
     from dist_attn.serve.pipeline import H3Runner
     from dist_attn.serve.videos import parse_video_request, VideoRequest
 

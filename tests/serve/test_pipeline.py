@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from dist_attn.distributed import DistEnv  # noqa: E402
 from dist_attn.serve.config import load_config  # noqa: E402
-from dist_attn.serve.jobs import Abort  # noqa: E402
+from dist_attn.serve.wire import Abort  # noqa: E402
 from dist_attn.serve.mp4 import probe_mp4  # noqa: E402
 from dist_attn.serve.videos import parse_video_request  # noqa: E402
 

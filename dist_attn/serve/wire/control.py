@@ -1,4 +1,4 @@
-"""What the ranks say to each other outside attention: control messages and abort votes.
+"""The control messages rank 0 sends every other rank (the rank loops' one channel).
 
 Control messages travel as ONE int64 broadcast from rank 0: ``[op, frames, height, width,
 steps, seed]`` (one small tensor costs ~1 ms on loaded CPU gloo where
@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.jobs import Abort
-from dist_attn.serve.protocol import WIRE_FIELDS
 
-__all__ = ["Op", "Control", "exchange", "agree_abort"]
+__all__ = ["Op", "Control", "WIRE_FIELDS", "comm_device", "exchange"]
+
+#: The integer fields of a request, in the order they travel to the other ranks (the slots of a
+#: RUN or VIDEO message after its op).
+WIRE_FIELDS = ("frames", "height", "width", "steps", "seed")
 
 
 class Op(enum.IntEnum):
@@ -41,8 +43,9 @@ class Control:
     request: tuple[int, ...] = ()
 
 
-def _device(env: DistEnv) -> torch.device:
-    # NCCL moves device tensors only; gloo is fastest on host tensors.
+def comm_device(env: DistEnv) -> torch.device:
+    """Where a tensor sent between ranks lives: NCCL moves device tensors only; gloo is fastest on
+    host tensors."""
     return env.device if env.backend == "nccl" else torch.device("cpu")
 
 
@@ -57,7 +60,7 @@ def exchange(msg: Control | None, env: DistEnv) -> Control:
         wire[0] = int(msg.op)
         if msg.request:
             wire[1:] = torch.tensor(msg.request, dtype=torch.int64)
-    wire = wire.to(_device(env))
+    wire = wire.to(comm_device(env))
     dist.broadcast(wire, src=0)
     got = msg
     if got is None:
@@ -65,15 +68,5 @@ def exchange(msg: Control | None, env: DistEnv) -> Control:
         op = Op(values[0])
         got = Control(op, tuple(values[1:]) if op in (Op.RUN, Op.VIDEO) else ())
     if got.op is Op.HEARTBEAT:
-        dist.all_reduce(torch.ones(1, dtype=torch.int64, device=_device(env)))
+        dist.all_reduce(torch.ones(1, dtype=torch.int64, device=comm_device(env)))
     return got
-
-
-def agree_abort(local: Abort, env: DistEnv) -> Abort:
-    """Every rank's vote in, the same verdict out on every rank (the largest reason wins), so all
-    ranks leave a denoise loop at the same step. One all-reduce of one integer."""
-    if not env.distributed:
-        return local
-    vote = torch.tensor([int(local)], dtype=torch.int64, device=_device(env))
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-    return Abort(int(vote.item()))
