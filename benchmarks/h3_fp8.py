@@ -330,7 +330,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
     from dist_attn.serve.config import apply_overrides
     from dist_attn.serve.engine import Engine
     from dist_attn.serve.model import build_h3, parallelize
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.jobs.requests import parse_request
 
     acc = apply_overrides(cfg, {"model.num_layers": args.acc_layers})
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)

@@ -269,7 +269,7 @@ def _serve(cfg, dev, dtype, args, budget, rows) -> None:
     from dist_attn.distributed import DistEnv
     from dist_attn.serve.engine import Engine
     from dist_attn.serve.model import build_h3, compile_blocks, parallelize
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.jobs.requests import parse_request
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
     model = None

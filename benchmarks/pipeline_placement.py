@@ -81,7 +81,7 @@ def main() -> None:
     from dist_attn.serve.config import load_config
     from dist_attn.serve.pipeline import H3Runner
     from dist_attn.serve.wire import broadcast_prompt
-    from dist_attn.serve.videos import parse_video_request
+    from dist_attn.serve.jobs.videos import parse_video_request
 
     runner = H3Runner.build(load_config(None), env, dtype=torch.float32, backend="sdpa",
                             checkpoint=None)

@@ -97,7 +97,7 @@ def _diffusers_job(comps, req, device, mp4_path: str) -> dict:
     attention, its decode (one tile a call, the VAE's dtype), then the MP4 with our writer."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
 
-    from dist_attn.serve.mp4 import write_mp4
+    from dist_attn.serve.jobs.mp4 import write_mp4
 
     pipe = MiniMaxH3Blocks().init_pipeline()
     pipe.update_components(transformer=comps.transformer, scheduler=comps.scheduler,
@@ -159,7 +159,7 @@ def main() -> None:
     from dist_attn.serve.wire import Abort
     from dist_attn.serve.model import compile_blocks, parallelize
     from dist_attn.serve.pipeline import H3Pipeline, H3Runner, load_components
-    from dist_attn.serve.videos import parse_video_request
+    from dist_attn.serve.jobs.videos import parse_video_request
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device != "cpu" and not args.smoke

@@ -1,6 +1,6 @@
 """The jobs API over HTTP: ``/v1/videos``.
 
-- ``POST /v1/videos`` validates the request (:func:`dist_attn.serve.videos.parse_video_request`),
+- ``POST /v1/videos`` validates the request (:func:`dist_attn.serve.jobs.videos.parse_video_request`),
   stores the job (committed before the answer) and answers **202** with the job and a
   ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 503 while shutting down.
 - ``GET /v1/videos/{id}``: the job: status (queued, running, succeeded, failed, cancelled),
@@ -27,10 +27,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from dist_attn.serve.jobs import StepTimes
-from dist_attn.serve.protocol import RequestError
-from dist_attn.serve.store import JobRecord, JobStatus, JobStore
-from dist_attn.serve.videos import VideoRules, parse_video_request
+from dist_attn.serve.jobs.queue import StepTimes
+from dist_attn.serve.jobs.requests import RequestError
+from dist_attn.serve.jobs.store import JobRecord, JobStatus, JobStore
+from dist_attn.serve.jobs.videos import VideoRules, parse_video_request
 
 if TYPE_CHECKING:
     from dist_attn.serve.http import ServerState

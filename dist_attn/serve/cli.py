@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_attn.serve.logs import setup_logging
     from dist_attn.serve.process import (bind_listener, exposure_warnings, resolve_api_key,
                                          set_parent_death_signal)
-    from dist_attn.serve.protocol import RequestError, parse_request
+    from dist_attn.serve.jobs.requests import RequestError, parse_request
 
     setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
     set_parent_death_signal()
@@ -316,8 +316,8 @@ def _open_store(cfg: Any, failures: list[str]) -> Any:
     raw tracebacks on every rank, issue 24) is one failed launch condition naming the file."""
     if cfg.jobs.runner == "off":
         return None
-    from dist_attn.serve.store import StoreError
-    from dist_attn.serve.store_open import open_job_store
+    from dist_attn.serve.jobs.store import StoreError
+    from dist_attn.serve.jobs.store_open import open_job_store
 
     try:
         return open_job_store(cfg.jobs.output_dir)
@@ -335,8 +335,8 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
     and, on rank 0, what HTTP shares about the jobs over ``store`` (opened by
     :func:`_open_store`); ``(None, None)`` with ``jobs.runner = "off"``."""
     from dist_attn.serve.api_videos import VideoJobs
-    from dist_attn.serve.runner import SyntheticRunner
-    from dist_attn.serve.videos import VideoRules
+    from dist_attn.serve.jobs.synthetic import SyntheticRunner
+    from dist_attn.serve.jobs.videos import VideoRules
 
     jobs = cfg.jobs
     if jobs.runner == "off":

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.mp4 import EncoderThread, Mp4Writer, VideoFile
+from dist_attn.serve.jobs.mp4 import EncoderThread, Mp4Writer, VideoFile
 
 __all__ = ["DecodeResult", "JobDecoder", "cast_like_from_pretrained", "video_vae_dtype"]
 

@@ -29,10 +29,10 @@ from starlette.routing import Route
 from dist_attn.serve.api_videos import VideoJobs, video_routes
 from dist_attn.serve.config import Config
 from dist_attn.serve.http_protocol import GuardedH11Protocol
-from dist_attn.serve.jobs import Job, JobError, JobQueue, Liveness, QueueFull, StepTimes
+from dist_attn.serve.jobs.queue import Job, JobError, JobQueue, Liveness, QueueFull, StepTimes
 from dist_attn.serve.metrics import CONTENT_TYPE, Metrics
-from dist_attn.serve.protocol import RequestError, decode_json, parse_request
-from dist_attn.serve.store import StoreError
+from dist_attn.serve.jobs.requests import RequestError, decode_json, parse_request
+from dist_attn.serve.jobs.store import StoreError
 from dist_attn.serve.wire.abort import Abort
 
 __all__ = ["ServerState", "build_app", "HttpServer"]

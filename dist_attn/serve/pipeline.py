@@ -50,8 +50,8 @@ import torch
 
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.decode import JobDecoder, video_vae_dtype
-from dist_attn.serve.runner import StepHook, VideoOutcome
-from dist_attn.serve.videos import VideoRequest, VideoRules
+from dist_attn.serve.jobs.runner import StepHook, VideoOutcome
+from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
 from dist_attn.serve.wire.abort import Abort, agree_abort
 from dist_attn.serve.wire.prompt import broadcast_prompt
 
@@ -344,7 +344,7 @@ class H3Pipeline:
 
 
 class H3Runner:
-    """:class:`dist_attn.serve.runner.VideoRunner` over :class:`H3Pipeline`."""
+    """:class:`dist_attn.serve.jobs.runner.VideoRunner` over :class:`H3Pipeline`."""
 
     def __init__(self, pipe: H3Pipeline, rules: VideoRules | None) -> None:
         self.pipe = pipe

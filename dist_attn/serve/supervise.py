@@ -23,7 +23,7 @@ supervisor now starts torchrun again when the job fails after it served (rank 0 
 named by ``$DIST_ATTN_SUPERVISOR_READY`` once its HTTP port serves, :func:`mark_ready`), at most
 ``--max-restarts`` times (3) within :data:`RESTART_WINDOW_S` (10 minutes). The job store then
 re-queues the job that was running, as after any crash (a job started twice already is failed,
-not retried: :data:`dist_attn.serve.store.MAX_ATTEMPTS`). A job that fails before it serves (a
+not retried: :data:`dist_attn.serve.jobs.store.MAX_ATTEMPTS`). A job that fails before it serves (a
 bad config, a port in use, a corrupt job store) is not restarted: it would fail the same way.
 The restarted job is a fresh torchrun (new ranks, the model built again), on the same port.
 torchrun's own ``--max-restarts`` is not used: it restarts launch failures too, and its count

@@ -42,7 +42,7 @@ class WarmupRun:
 
 def warmup_request(cfg: "Config", index: int) -> Any:
     """The request that warms ``cfg.runtime.warmup_shapes[index]``: one step, seed 0."""
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.jobs.requests import parse_request
 
     frames, height, width = cfg.runtime.warmup_shapes[index]
     return parse_request({"frames": frames, "height": height, "width": width, "steps": 1,

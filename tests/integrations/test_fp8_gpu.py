@@ -152,7 +152,7 @@ def test_served_engine_and_launch_check_with_fp8():
     from dist_attn.serve.checks import linear_precision_failures
     from dist_attn.serve.engine import Engine
     from dist_attn.serve.model import parallelize
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.jobs.requests import parse_request
 
     cfg, model = _served("fp8")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend=None,

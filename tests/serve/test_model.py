@@ -129,7 +129,7 @@ def test_engine_is_diffusers_model_stepped_by_minimax_h3_scheduler():
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
     from dist_attn.serve.engine import Engine
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.jobs.requests import parse_request
 
     cfg = load_config(None)
     model = build_h3(cfg.model, device=CPU, dtype=torch.float32)

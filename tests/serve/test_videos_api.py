@@ -22,11 +22,11 @@ from dist_attn.serve.api_videos import VideoJobs  # noqa: E402
 from dist_attn.serve.config import apply_overrides, load_config  # noqa: E402
 from dist_attn.serve.http import HttpServer  # noqa: E402
 from dist_attn.serve.loop import _Rank0  # noqa: E402
-from dist_attn.serve.mp4 import probe_mp4  # noqa: E402
+from dist_attn.serve.jobs.mp4 import probe_mp4  # noqa: E402
 from dist_attn.serve.process import bind_listener  # noqa: E402
-from dist_attn.serve.runner import SyntheticRunner  # noqa: E402
-from dist_attn.serve.store import JobStatus, JobStore  # noqa: E402
-from dist_attn.serve.videos import VideoRules  # noqa: E402
+from dist_attn.serve.jobs.synthetic import SyntheticRunner  # noqa: E402
+from dist_attn.serve.jobs.store import JobStatus, JobStore  # noqa: E402
+from dist_attn.serve.jobs.videos import VideoRules  # noqa: E402
 
 from tests.serve._server import metric_samples  # noqa: E402
 
@@ -207,7 +207,7 @@ def test_a_file_removed_from_disk_is_410_not_500(api):
 
 def test_disk_errors_fail_the_job_alone(api, monkeypatch):
     """Rank-0-only failures (the directory, the MP4 write) fail that job; the next one runs."""
-    import dist_attn.serve.runner as runner_module
+    import dist_attn.serve.jobs.synthetic as runner_module
 
     first = api.call("POST", "/v1/videos", GOOD)[1]
     with open(os.path.join(api.dir, "videos"), "w") as f:  # a file where the directory goes
@@ -281,7 +281,7 @@ def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
     """A full disk answered a generic 500. SQLite's real SQLITE_FULL is made here by capping the
     file's pages: SQLite also rolled the transaction back itself, and the store's ROLLBACK then
     raised 'no transaction is active', hiding the error."""
-    from dist_attn.serve.videos import parse_video_request
+    from dist_attn.serve.jobs.videos import parse_video_request
 
     api = _Api(tmp_path, max_queued=10_000)
     try:
@@ -334,7 +334,7 @@ def test_a_store_that_cannot_start_the_next_job_leaves_it_queued(api, monkeypatc
     stays queued, the error is logged once a minute, the loop serves on."""
     import logging
 
-    from dist_attn.serve.store import StoreError
+    from dist_attn.serve.jobs.store import StoreError
 
     job = api.call("POST", "/v1/videos", GOOD)[1]
 

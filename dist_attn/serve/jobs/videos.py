@@ -14,7 +14,7 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from dist_attn.serve.protocol import RequestError
+from dist_attn.serve.jobs.requests import RequestError
 
 __all__ = ["VideoRules", "VideoRequest", "parse_video_request", "FIELDS"]
 

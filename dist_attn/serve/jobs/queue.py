@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from dist_attn.serve.protocol import Request
+from dist_attn.serve.jobs.requests import Request
 from dist_attn.serve.wire.abort import Abort
 
 __all__ = ["JobError", "Job", "QueueFull", "JobQueue", "Liveness", "StepTimes"]

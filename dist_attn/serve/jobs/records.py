@@ -1,6 +1,6 @@
 """The job store's records and its error: what a job is (:class:`JobRecord`), where it is
 (:class:`JobStatus`), what a restart did (:class:`Recovery`), and :class:`StoreError`. Split from
-:mod:`dist_attn.serve.store` (the SQLite store), which re-exports every name here."""
+:mod:`dist_attn.serve.jobs.store` (the SQLite store), which re-exports every name here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dist_attn.serve.videos import VideoRequest
+from dist_attn.serve.jobs.videos import VideoRequest
 
 __all__ = ["JobStatus", "JobRecord", "Recovery", "StoreError", "new_job_id"]
 

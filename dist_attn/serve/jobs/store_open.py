@@ -4,7 +4,7 @@ MP4s of jobs the store does not list.
 
 Why before the model: a corrupt ``jobs.sqlite3`` raised inside the job set-up, after minutes of
 weight loading, as a raw traceback on rank 0 while the other ranks waited in a collective
-(issue 24). Opened here, its :class:`~dist_attn.serve.store.StoreError` joins the launch checks
+(issue 24). Opened here, its :class:`~dist_attn.serve.jobs.store.StoreError` joins the launch checks
 (:func:`dist_attn.serve.checks.run_launch_checks`): one message naming the file and what to do,
 every rank exits 1.
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import os
 
-from dist_attn.serve.mp4 import TMP_MARKER, remove_stale_temporaries
-from dist_attn.serve.store import STORE_NAME, JobStore
+from dist_attn.serve.jobs.mp4 import TMP_MARKER, remove_stale_temporaries
+from dist_attn.serve.jobs.store import STORE_NAME, JobStore
 
 __all__ = ["open_job_store", "unlisted_videos"]
 
@@ -44,7 +44,7 @@ def unlisted_videos(store: JobStore) -> list[str]:
 
 def open_job_store(output_dir: str) -> JobStore:
     """The job store of ``output_dir`` after its restart recovery, logged. Raises
-    :class:`~dist_attn.serve.store.StoreError` (a file that is not a readable SQLite database:
+    :class:`~dist_attn.serve.jobs.store.StoreError` (a file that is not a readable SQLite database:
     the message names it and what to do) or OSError (the directory cannot be made)."""
     store = JobStore(output_dir)
     try:

@@ -39,8 +39,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-from dist_attn.serve.job_records import JobRecord, JobStatus, Recovery, StoreError, new_job_id
-from dist_attn.serve.videos import VideoRequest
+from dist_attn.serve.jobs.records import JobRecord, JobStatus, Recovery, StoreError, new_job_id
+from dist_attn.serve.jobs.videos import VideoRequest
 
 __all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STORE_NAME",
            "MAX_ATTEMPTS", "new_job_id"]
