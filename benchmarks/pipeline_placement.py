@@ -79,7 +79,7 @@ def main() -> None:
     ctx = init_distributed(backend="gloo", device="cpu")
     env = ctx.env
     from dist_attn.serve.config import load_config
-    from dist_attn.serve.pipeline import H3Runner
+    from dist_attn.serve.h3.pipeline import H3Runner
     from dist_attn.serve.wire import broadcast_prompt
     from dist_attn.serve.jobs.videos import parse_video_request
 
@@ -88,12 +88,12 @@ def main() -> None:
     pipe = runner.pipe
     # Every rank gets a text pipeline for the "every rank" variant (the server builds it on rank 0)
     if env.rank != 0:
-        from dist_attn.serve.pipeline import load_components
+        from dist_attn.serve.h3.components import load_components
 
-        from dist_attn.serve.tiny_h3 import tiny_checkpoint_path
+        from dist_attn.serve.h3.tiny import tiny_checkpoint_path
         full = load_components(tiny_checkpoint_path(), device=env.device, dtype=torch.float32,
                                rank0=True, transformer=pipe.comps.transformer)
-        from dist_attn.serve.pipeline import H3Pipeline
+        from dist_attn.serve.h3.pipeline import H3Pipeline
         local = H3Pipeline(full, env.__class__(rank=0, world_size=1, local_rank=0,
                                                device=env.device, backend=None), torch.float32)
     else:

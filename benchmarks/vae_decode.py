@@ -68,7 +68,7 @@ def _draw_scales(vae, std: float = 0.1) -> None:
 
 
 def _cast(vae, dtype):
-    from dist_attn.serve.decode import cast_like_from_pretrained
+    from dist_attn.serve.h3.decode import cast_like_from_pretrained
 
     return cast_like_from_pretrained(copy.deepcopy(vae), dtype)
 

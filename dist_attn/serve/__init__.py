@@ -12,9 +12,9 @@ checks ``warmup``'s shape rules, which import the layers above them only when ca
 """
 
 from dist_attn.serve.config import Config, load_config
-from dist_attn.serve.model import build_h3, compile_blocks, parallelize
+from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
 from dist_attn.serve.config.quality import DeviceFacts, Topology, quality_failures
-from dist_attn.serve.weights import WeightsError, load_output, save_output
+from dist_attn.serve.h3.weights import WeightsError, load_output, save_output
 
 __all__ = [
     "Config",

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"quality={cfg.runtime.quality or 'none'}, backend {backend}, device "
                       f"{env.device})", flush=True)
             return 0
-        from dist_attn.serve.engine import Engine
+        from dist_attn.serve.h3.engine import Engine
         from dist_attn.serve.loop import serve
 
         model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank)
@@ -271,8 +271,8 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
     """Builds the sequence-parallel H3 on every rank; a bad checkpoint fails on every rank alike
     (all read the same files, before any collective) and is reported once."""
     from dist_attn.profiling import PhaseTimer
-    from dist_attn.serve.model import build_h3, compile_blocks, parallelize
-    from dist_attn.serve.weights import WeightsError
+    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.serve.h3.weights import WeightsError
 
     try:
         model = build_h3(cfg.model, device=env.device, dtype=dtype, checkpoint=checkpoint)
@@ -346,7 +346,7 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
                            max_steps=cfg.serve.max_steps, max_rows=cfg.serve.max_tokens)
         runner: Any = SyntheticRunner(env, step_s=jobs.synthetic_step_s, rules=rules)
     else:
-        from dist_attn.serve.pipeline import H3Runner
+        from dist_attn.serve.h3.pipeline import H3Runner
 
         if checkpoint is not None and _transformer_dir(checkpoint) == checkpoint:
             raise ValueError(f"--checkpoint {checkpoint} is a bare transformer checkpoint; the "

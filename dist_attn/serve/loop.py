@@ -26,7 +26,7 @@ from typing import Any
 
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.config import Config
-from dist_attn.serve.engine import Engine, RunResult
+from dist_attn.serve.h3.engine import Engine, RunResult
 from dist_attn.serve.http import HttpServer, ServerState
 from dist_attn.serve.jobs.queue import Job, JobQueue, Liveness
 from dist_attn.serve.metrics import Metrics

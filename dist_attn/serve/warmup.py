@@ -54,7 +54,7 @@ def warm_up(engine: Any, cfg: "Config") -> list[WarmupRun]:
     every rank, in the same place); returns what each took. Empty list when none is configured.
 
     Args:
-        engine: the :class:`dist_attn.serve.engine.Engine` that will serve.
+        engine: the :class:`dist_attn.serve.h3.engine.Engine` that will serve.
         cfg: the validated config.
     """
     runs = []

@@ -72,7 +72,7 @@ def test_overlap_chunks_field_reaches_enable_ulysses():
     pytest.importorskip("diffusers")
     import torch
 
-    from dist_attn.serve.model import build_h3, parallelize
+    from dist_attn.serve.h3.model import build_h3, parallelize
 
     cfg = load_config(None)
     model = build_h3(dataclasses.replace(cfg.model, num_layers=1), device=torch.device("cpu"),

@@ -100,7 +100,7 @@ def test_generate_answers_a_relative_output_name_and_keeps_the_newest_latents(sr
     """/v1/generate with --output-dir answered the absolute server path of the latents it saved
     (the README promises no server paths) and kept one file per request forever: now the file's
     name relative to the output directory, and the newest jobs.latents_kept (2 here) files."""
-    from dist_attn.serve.weights import load_output
+    from dist_attn.serve.h3.weights import load_output
 
     names = []
     for _ in range(3):

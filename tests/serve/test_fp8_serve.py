@@ -42,7 +42,7 @@ def test_fp8_fast_accum_field_is_explicit_and_needs_fp8(monkeypatch):
     # build_h3 hands the field to quantize_linears (the GEMM flag itself: tests/integrations)
     pytest.importorskip("diffusers")
     import dist_attn.integrations.diffusers as integration
-    from dist_attn.serve.model import build_h3
+    from dist_attn.serve.h3.model import build_h3
 
     calls = []
     monkeypatch.setattr(integration, "quantize_linears",
@@ -88,7 +88,7 @@ def test_warmup_shapes_rules():
 
 def test_build_h3_fp8_on_cpu_names_the_device():
     pytest.importorskip("diffusers")
-    from dist_attn.serve.model import build_h3
+    from dist_attn.serve.h3.model import build_h3
 
     cfg = dataclasses.replace(load_config(None).model, num_layers=1, linear_precision="fp8")
     with pytest.raises(RuntimeError, match=r"device cpu has no FP8 matrix multiply"):

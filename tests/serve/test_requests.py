@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_attn.serve.config import load_config
-from dist_attn.serve.engine import latent_checksum
+from dist_attn.serve.h3.engine import latent_checksum
 from dist_attn.serve.jobs.queue import Job, JobQueue, QueueFull
 from dist_attn.serve.wire import Abort
 from dist_attn.serve.metrics import Metrics

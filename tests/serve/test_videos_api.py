@@ -238,7 +238,7 @@ def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):
     import dataclasses
 
     pytest.importorskip("transformers")
-    from dist_attn.serve.tiny_h3 import _tokenizer
+    from dist_attn.serve.h3.tiny import _tokenizer
 
     tok = _tokenizer()
     rules = dataclasses.replace(

@@ -8,7 +8,7 @@ decides) whether to go on, so a cancel or a shutdown stops every rank at the sam
 rank 0 does (decoding, muxing, writing) fails the job alone: the outcome carries the error and the
 server serves on.
 
-Runners: :class:`dist_attn.serve.pipeline.H3Runner` (the MiniMax-H3 pipeline) and
+Runners: :class:`dist_attn.serve.h3.pipeline.H3Runner` (the MiniMax-H3 pipeline) and
 :class:`dist_attn.serve.jobs.synthetic.SyntheticRunner` (a test pattern and a tone, no model: the
 serving layer's own cost, for tests and load tests of the jobs API).
 """

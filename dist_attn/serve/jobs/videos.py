@@ -25,7 +25,7 @@ FIELDS = ("prompt", "negative_prompt", "frames", "height", "width", "steps", "gu
 @dataclass(kw_only=True, frozen=True)
 class VideoRules:
     """What the served pipeline accepts, and its defaults. Built by the runner from the loaded
-    components (see :meth:`dist_attn.serve.pipeline.H3Pipeline.rules`)."""
+    components (see :meth:`dist_attn.serve.h3.pipeline.H3Pipeline.rules`)."""
 
     canvas_multiple: int = 32
     """height and width are multiples of this (the VAE's spatial compression x the patch)."""

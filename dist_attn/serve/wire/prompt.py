@@ -1,5 +1,5 @@
 """Rank 0's prompt encoding on every rank: the text encoder runs once, on rank 0
-(:mod:`dist_attn.serve.pipeline` says why), and its output travels as two broadcasts."""
+(:mod:`dist_attn.serve.h3.pipeline` says why), and its output travels as two broadcasts."""
 
 from __future__ import annotations
 

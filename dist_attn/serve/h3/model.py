@@ -17,23 +17,11 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dist_attn.serve.config import ModelConfig
+from dist_attn.serve.config.sections import ModelConfig
+from dist_attn.serve.h3.transformer import h3_class
+from dist_attn.serve.h3.weights import load_checkpoint
 
-__all__ = ["H3_CLASS_NAME", "build_h3", "compile_blocks", "fp32_module_names", "h3_class",
-           "parallelize"]
-
-#: The diffusers class the server runs.
-H3_CLASS_NAME = "MiniMaxH3Transformer3DModel"
-
-
-def h3_class() -> type:
-    """``diffusers.MiniMaxH3Transformer3DModel``; a clear ImportError names the extra if absent."""
-    try:
-        from diffusers import MiniMaxH3Transformer3DModel
-    except ImportError as e:
-        raise ImportError("the served DiT is diffusers' MiniMaxH3Transformer3DModel, and diffusers is "
-                          "not installed: pip install 'dist-attn[serve,diffusers]'") from e
-    return MiniMaxH3Transformer3DModel
+__all__ = ["build_h3", "compile_blocks", "fp32_module_names", "parallelize"]
 
 
 @contextlib.contextmanager
@@ -102,8 +90,6 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
     if checkpoint is None:
         model = _own_init(cfg, device, dtype)
     else:
-        from dist_attn.serve.weights import load_checkpoint
-
         model = load_checkpoint(checkpoint, cfg, device=device, dtype=dtype)
     model = model.eval().requires_grad_(False)
     if cfg.linear_precision != "bf16":

@@ -12,7 +12,7 @@ README's "Serve H3" section):
 - **Transformer on every rank**, sequence-parallel through ``enable_ulysses``: every rank calls
   it with the same full inputs and gets the same full outputs.
 - **Video VAE decode on every rank, audio decode and muxing on rank 0**
-  (:mod:`dist_attn.serve.decode`). Every rank already holds the denoised latents (the
+  (:mod:`dist_attn.serve.h3.decode`). Every rank already holds the denoised latents (the
   transformer's outputs are gathered); the video's (clip, tile) decoder calls are dealt over the
   ranks (:func:`dist_attn.integrations.diffusers.enable_parallel_decode`, float16 on CUDA) and
   rank 0 encodes each clip's frames while later ones decode. The audio VAE (~0.05 s) stays on
@@ -43,227 +43,24 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.decode import JobDecoder, video_vae_dtype
+from dist_attn.serve.h3.components import (H3Components, check_fit, checkpoint_is_tiny,
+                                           load_components)
+from dist_attn.serve.h3.decode import JobDecoder
+from dist_attn.serve.h3.denoise import DenoiseHook, ServedDenoise
+from dist_attn.serve.h3.tiny import ensure_tiny_checkpoint
 from dist_attn.serve.jobs.runner import StepHook, VideoOutcome
 from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
 from dist_attn.serve.wire.abort import Abort, agree_abort
 from dist_attn.serve.wire.prompt import broadcast_prompt
 
-__all__ = ["H3Components", "load_components", "H3Pipeline", "H3Runner",
-           "TextOnlyQwen3VLProcessor", "ServedDenoise"]
+__all__ = ["H3Pipeline", "H3Runner"]
 
 log = logging.getLogger(__name__)
-
-#: A denoise hook inside the pipeline: ``hook(k, n)`` after step k of n -> the verdict of every rank.
-DenoiseHook = Callable[[int, int], Abort]
-
-
-def _text_only_processor_cls() -> type:
-    from transformers.processing_utils import ProcessorMixin
-
-    class TextOnlyQwen3VLProcessor(ProcessorMixin):
-        """A processor over the tokenizer alone, for text-only ``t2va``: transformers'
-        ``create_mm_token_type_ids`` with the image/video pad ids Qwen3VLProcessor would read."""
-
-        def __init__(self, tokenizer: Any) -> None:
-            self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-            self.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-            super().__init__(tokenizer)
-
-    return TextOnlyQwen3VLProcessor
-
-
-def TextOnlyQwen3VLProcessor(tokenizer: Any) -> Any:  # noqa: N802 - a class made lazily
-    """See :func:`_text_only_processor_cls` (transformers is imported on first use only)."""
-    return _text_only_processor_cls()(tokenizer)
-
-
-@dataclass(kw_only=True)
-class H3Components:
-    """What one rank holds. ``text_encoder``/``tokenizer``/``processor`` are None off rank 0;
-    ``audio_vae`` is on the meta device off rank 0 (geometry only)."""
-
-    transformer: Any
-    scheduler: Any
-    audio_scheduler: Any
-    vae: Any
-    audio_vae: Any
-    text_encoder: Any = None
-    tokenizer: Any = None
-    processor: Any = None
-
-
-def _meta_model(cls: Any, path: str) -> Any:
-    """``cls`` built from its config on the meta device: its geometry, no weights."""
-    with torch.device("meta"):
-        return cls.from_config(cls.load_config(path))
-
-
-def load_components(checkpoint: str, *, device: torch.device, dtype: torch.dtype, rank0: bool,
-                    transformer: Any = None) -> H3Components:
-    """Loads a diffusers-format H3 directory, each component with its own ``from_pretrained``
-    (the classes' ``_keep_in_fp32_modules`` stay float32). ``transformer`` reuses a transformer
-    already built (the served DiT's) instead of loading a second copy."""
-    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio,
-                           MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel)
-
-    def sub(name: str) -> str:
-        path = os.path.join(checkpoint, name)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"--checkpoint {checkpoint}: no {name}/ directory (a "
-                                    "diffusers-format MiniMax-H3 checkpoint has transformer/, "
-                                    "scheduler/, audio_scheduler/, vae/, audio_vae/, "
-                                    "text_encoder/, tokenizer/)")
-        return path
-
-    if transformer is None:
-        transformer = MiniMaxH3Transformer3DModel.from_pretrained(sub("transformer"),
-                                                                  torch_dtype=dtype)
-        transformer = transformer.to(device).eval().requires_grad_(False)
-    comps = H3Components(
-        transformer=transformer,
-        scheduler=MiniMaxH3Scheduler.from_pretrained(sub("scheduler")),
-        audio_scheduler=MiniMaxH3Scheduler.from_pretrained(sub("audio_scheduler")),
-        vae=None, audio_vae=None)
-    # Every rank decodes a share of the video: its VAE is real everywhere, the decoder block
-    # stack in float16 on CUDA (dist_attn.serve.decode says why), its float32 modules kept.
-    comps.vae = AutoencoderKLMiniMaxH3.from_pretrained(
-        sub("vae"), torch_dtype=video_vae_dtype(device)).to(device).eval().requires_grad_(False)
-    if not rank0:
-        comps.audio_vae = _meta_model(AutoencoderKLMiniMaxH3Audio, sub("audio_vae"))
-        return comps
-    from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
-
-    # The audio VAE keeps its float32 modules (it degrades audibly in bf16, per its class).
-    comps.audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(sub("audio_vae")).to(
-        device).eval().requires_grad_(False)
-    comps.text_encoder = _load_text_encoder(Qwen3VLForConditionalGeneration, sub("text_encoder"),
-                                            dtype=dtype, device=device)
-    comps.tokenizer = Qwen2TokenizerFast.from_pretrained(sub("tokenizer"))
-    comps.processor = _load_processor(checkpoint, comps.tokenizer)
-    return comps
-
-
-#: The Qwen3-VL hidden state H3 conditions on (``MiniMaxH3ModularPipeline.text_encoder_layer``).
-H3_TEXT_LAYER = 50
-
-
-def _load_text_encoder(cls: Any, path: str, *, dtype: torch.dtype, device: torch.device) -> Any:
-    """The text encoder with only the decoder layers H3 reads: ``hidden_states[50]`` is the
-    output of layer 50 whatever follows it, so layers 51+ are not loaded (the 64-layer, 5,120-wide
-    Qwen3-VL is ~67 GB in bf16; 51 layers ~54 GB, next to a 66 GB transformer on rank 0). One
-    layer more than 50 is kept: the pipeline refuses a stack of exactly 50 (its last state is
-    post-norm)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    full = config.text_config.num_hidden_layers
-    keep = min(full, H3_TEXT_LAYER + 1)
-    config.text_config.num_hidden_layers = keep
-    if hasattr(config.text_config, "layer_types") and config.text_config.layer_types:
-        config.text_config.layer_types = config.text_config.layer_types[:keep]
-    if keep < full:
-        log.info("text encoder: loading %d of its %d decoder layers (H3 reads hidden_states[%d])",
-                 keep, full, H3_TEXT_LAYER)
-    model = cls.from_pretrained(path, config=config, dtype=dtype)
-    return model.to(device).eval().requires_grad_(False)
-
-
-def _load_processor(checkpoint: str, tokenizer: Any) -> Any:
-    path = os.path.join(checkpoint, "processor")
-    reason = f"{path} does not exist"
-    if os.path.isdir(path):
-        try:
-            from transformers import Qwen3VLProcessor
-
-            return Qwen3VLProcessor.from_pretrained(path)
-        except (ImportError, AttributeError, TypeError, ValueError) as e:
-            # Without torchvision, transformers' video-processor mapping is a placeholder and
-            # building the processor fails inside transformers.
-            reason = f"Qwen3VLProcessor could not be built ({type(e).__name__}: {e}; it needs " \
-                     "torchvision for its video processor)"
-    log.info("processor: %s; t2va uses it only to mark image/video tokens (none in a text "
-             "prompt), so a text-only processor over the same tokenizer stands in", reason)
-    return TextOnlyQwen3VLProcessor(tokenizer)
-
-
-def _served_denoise_cls() -> type:
-    """The t2va core denoise of diffusers' blocks with our loop, built lazily (diffusers and
-    transformers load on first use)."""
-    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
-    from diffusers.modular_pipelines import SequentialPipelineBlocks
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-        MiniMaxH3NoKeyframeAnchorsStep, MiniMaxH3PrepareLatentsStep, MiniMaxH3PrepareLayoutStep,
-        MiniMaxH3SetTimestepsStep)
-    from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AfterDenoiseStep
-    from diffusers.modular_pipelines.minimax_h3.denoise import (MiniMaxH3DenoiseLoopWrapper,
-                                                                MiniMaxH3LoopDenoiser,
-                                                                MiniMaxH3LoopSchedulerStep)
-    from diffusers.modular_pipelines.modular_pipeline_utils import (ComponentSpec, InputParam,
-                                                                    OutputParam)
-
-    class ServedDenoiseLoop(MiniMaxH3DenoiseLoopWrapper):
-        """diffusers' loop body (one forward, one scheduler step per modality); after each step
-        ``step_hook(k, n)`` returns every rank's verdict, and the loop stops on a non-NONE one."""
-
-        model_name = "minimax-h3"
-        block_classes = [MiniMaxH3LoopDenoiser, MiniMaxH3LoopSchedulerStep]
-        block_names = ["denoiser", "update"]
-
-        @property
-        def loop_inputs(self) -> list:
-            return [*super().loop_inputs,
-                    InputParam(name="step_hook", required=True,
-                               description="hook(k, n) after step k of n -> Abort verdict")]
-
-        @property
-        def loop_intermediate_outputs(self) -> list:
-            return [OutputParam("aborted", description="Abort verdict that stopped the loop"),
-                    OutputParam("steps_done", type_hint=int, description="Steps that ran")]
-
-        @torch.no_grad()
-        def __call__(self, components: Any, state: Any) -> tuple[Any, Any]:
-            block_state = self.get_block_state(state)
-            n = len(block_state.timesteps)
-            block_state.aborted, block_state.steps_done = Abort.NONE, 0
-            for i, t in enumerate(block_state.timesteps):
-                components, block_state = self.loop_step(components, block_state, i=i, t=t)
-                block_state.steps_done = i + 1
-                verdict = block_state.step_hook(i + 1, n)
-                if verdict is not Abort.NONE:
-                    block_state.aborted = verdict
-                    break
-            self.set_block_state(state, block_state)
-            return components, state
-
-    class ServedDenoise(SequentialPipelineBlocks):
-        """diffusers' t2va core denoise (``MiniMaxH3CoreDenoiseStep``'s blocks) with
-        :class:`ServedDenoiseLoop`; declares the VAEs, whose geometry the layout reads."""
-
-        model_name = "minimax-h3"
-        block_classes = [MiniMaxH3NoKeyframeAnchorsStep, MiniMaxH3PrepareLayoutStep,
-                         MiniMaxH3PrepareLatentsStep, MiniMaxH3SetTimestepsStep,
-                         ServedDenoiseLoop, MiniMaxH3AfterDenoiseStep]
-        block_names = ["no_keyframe_anchors", "prepare_layout", "prepare_latents",
-                       "set_timesteps", "denoise", "after_denoise"]
-
-        @property
-        def expected_components(self) -> list:
-            return [*super().expected_components, ComponentSpec("vae", AutoencoderKLMiniMaxH3),
-                    ComponentSpec("audio_vae", AutoencoderKLMiniMaxH3Audio)]
-
-    return ServedDenoise
-
-
-def ServedDenoise() -> Any:  # noqa: N802 - a class made lazily
-    """An instance of the served t2va denoise blocks (see :func:`_served_denoise_cls`)."""
-    return _served_denoise_cls()()
 
 
 class H3Pipeline:
@@ -356,8 +153,6 @@ class H3Runner:
               checkpoint: str | None, transformer: Any = None) -> "H3Runner":
         """Loads ``checkpoint`` (or the tiny random one, built once into the cache) on every
         rank, makes the transformer sequence-parallel, and reads the request rules."""
-        from dist_attn.serve.tiny_h3 import ensure_tiny_checkpoint
-
         if checkpoint is None:
             served = dict(transformer.config) if transformer is not None else None
             keys = set(cfg.model.diffusers_config()) if transformer is not None else set()
@@ -437,27 +232,3 @@ class H3Runner:
         except Exception:  # noqa: BLE001
             # rank 0 raised at the same point and fails the job; this rank serves on
             log.exception("the video decode failed")
-
-
-def check_fit(comps: H3Components, checkpoint: str) -> None:
-    """Raises ValueError naming each field where the transformer and the other components of
-    ``checkpoint`` disagree (the served DiT may come from another config than the checkpoint)."""
-    t = comps.transformer.config
-    pairs = [("text_dim", t.text_dim, "text_encoder hidden_size",
-              comps.text_encoder.config.text_config.hidden_size if comps.text_encoder is not None
-              else t.text_dim),
-             ("in_channels", t.in_channels, "vae latent_channels", comps.vae.config.latent_channels),
-             ("audio_in_channels", t.audio_in_channels, "audio_vae latent_channels",
-              comps.audio_vae.config.latent_channels)]
-    bad = [f"transformer {a}={x} but {b}={y}" for a, x, b, y in pairs if x != y]
-    if bad:
-        raise ValueError(f"the served DiT does not fit the pipeline of {checkpoint}: "
-                         + "; ".join(bad) + " (pass --checkpoint with a full H3 pipeline whose "
-                         "transformer/ the served config matches)")
-
-
-def checkpoint_is_tiny(path: str) -> bool:
-    """Whether ``path`` is the generated tiny checkpoint (its marker file)."""
-    from dist_attn.serve.tiny_h3 import MARKER
-
-    return os.path.isfile(os.path.join(path, MARKER))

@@ -18,7 +18,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from dist_attn.serve.config import H3_ARCHITECTURE, ModelConfig
+from dist_attn.serve.config.sections import H3_ARCHITECTURE, ModelConfig
+from dist_attn.serve.h3.transformer import H3_CLASS_NAME, h3_class
 
 __all__ = ["WeightsError", "check_checkpoint", "load_checkpoint", "save_output", "load_output",
            "prune_outputs", "SERVED_OUTPUTS"]
@@ -50,10 +51,10 @@ def check_checkpoint(path: str | os.PathLike, cfg: ModelConfig) -> dict:
                            "checkpoint)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise WeightsError(f"--checkpoint {config_file}: cannot be read as JSON ({e})") from None
-    if not isinstance(found, dict) or found.get("_class_name") != "MiniMaxH3Transformer3DModel":
+    if not isinstance(found, dict) or found.get("_class_name") != H3_CLASS_NAME:
         got = found.get("_class_name") if isinstance(found, dict) else type(found).__name__
         raise WeightsError(f"--checkpoint {config_file}: _class_name={got!r}, expected "
-                           "'MiniMaxH3Transformer3DModel'")
+                           f"{H3_CLASS_NAME!r}")
     expected = cfg.diffusers_config()
     diffs = []
     for name in H3_ARCHITECTURE:
@@ -82,8 +83,6 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig, *, device: torch.
     except ImportError:
         raise WeightsError("--checkpoint needs the accelerate package (diffusers loads a checkpoint "
                            "into place with it): pip install 'dist-attn[serve]'") from None
-    from dist_attn.serve.model import h3_class
-
     try:
         return h3_class().from_pretrained(os.fspath(path), torch_dtype=dtype,
                                           device_map={"": str(device)})
