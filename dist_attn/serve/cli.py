@@ -334,7 +334,7 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
     """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
     and, on rank 0, what HTTP shares about the jobs over ``store`` (opened by
     :func:`_open_store`); ``(None, None)`` with ``jobs.runner = "off"``."""
-    from dist_attn.serve.api_videos import VideoJobs
+    from dist_attn.serve.http.state import VideoJobs
     from dist_attn.serve.jobs.synthetic import SyntheticRunner
     from dist_attn.serve.jobs.videos import VideoRules
 

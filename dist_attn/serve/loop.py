@@ -27,14 +27,14 @@ from typing import Any
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.config import Config
 from dist_attn.serve.h3.engine import Engine, RunResult
-from dist_attn.serve.http import HttpServer, ServerState
+from dist_attn.serve.http.app import HttpServer
+from dist_attn.serve.http.state import ServerState, VideoJobs, VideoProgress
 from dist_attn.serve.jobs.queue import Job, JobQueue, Liveness
-from dist_attn.serve.metrics import Metrics
+from dist_attn.serve.http.metrics import Metrics
 from dist_attn.serve.process import Shutdown
 from dist_attn.serve.jobs.requests import Request, request_from_wire
 from dist_attn.serve.wire.abort import Abort
 from dist_attn.serve.wire.control import Control, Op, exchange
-from dist_attn.serve.api_videos import VideoJobs, VideoProgress
 from dist_attn.serve.jobs.runner import VideoRunner, video_from_wire, video_wire
 from dist_attn.serve.jobs.store import JobRecord, JobStatus, StoreError
 from dist_attn.serve.supervise import mark_ready

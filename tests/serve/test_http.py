@@ -14,7 +14,7 @@ import pytest
 from dist_attn.serve.config import apply_overrides, load_config
 from dist_attn.serve.http import HttpServer, ServerState
 from dist_attn.serve.jobs.queue import JobQueue, Liveness
-from dist_attn.serve.metrics import Metrics
+from dist_attn.serve.http.metrics import Metrics
 from dist_attn.serve.process import bind_listener
 
 from tests.serve._server import metric_samples
@@ -448,7 +448,7 @@ def test_a_malformed_chunked_body_is_400_logged_at_info_without_traceback(app, c
 
 def test_a_500_is_json_and_counted(app, monkeypatch):
     """Every error answer is counted in dist_attn_request_errors_total; 500s were not."""
-    import dist_attn.serve.http as http_module
+    import dist_attn.serve.http.generate as http_module
 
     def broken(*_a, **_k):
         raise RuntimeError("a bug")

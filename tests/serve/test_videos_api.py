@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("av")
 
 from dist_attn.distributed import DistEnv  # noqa: E402
-from dist_attn.serve.api_videos import VideoJobs  # noqa: E402
+from dist_attn.serve.http.state import VideoJobs  # noqa: E402
 from dist_attn.serve.config import apply_overrides, load_config  # noqa: E402
 from dist_attn.serve.http import HttpServer  # noqa: E402
 from dist_attn.serve.loop import _Rank0  # noqa: E402

@@ -1,24 +1,23 @@
 """The request schema: what a client may send to ``/v1/generate`` and how it is checked.
 
 Everything here runs on rank 0 before anything is broadcast; a rejected request costs no
-collective. Limits are checked before the costly step they guard: the JSON nesting depth and
-integer length before parsing, the geometry before multiplying it out.
+collective. Limits are checked before the costly step they guard: the geometry before multiplying
+it out (the body's JSON nesting depth and integer length before parsing:
+:func:`dist_attn.serve.http.gate.decode_json`).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dist_attn.serve.config import Config, ServeConfig
+from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.config.tokens import PackedLayout
 from dist_attn.serve.wire.control import WIRE_FIELDS
 
-__all__ = ["RequestError", "Request", "decode_json", "parse_request",
-           "request_from_wire"]
+__all__ = ["RequestError", "Request", "parse_request", "request_from_wire"]
 
 _FIELDS = (*WIRE_FIELDS, "timeout_s")
 
@@ -64,65 +63,6 @@ _ids = itertools.count(1)
 
 def _new_request_id() -> str:
     return f"req-{next(_ids):06d}-{uuid.uuid4().hex[:8]}"
-
-
-def _nesting_depth(body: bytes) -> int:
-    """Deepest [ / { nesting of a JSON text, strings skipped (no recursion, O(len))."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in body:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # closing quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys appear once. json.loads kept the last of a repeated key, so
-    ``{"steps": 1000, "steps": 2}`` was a 202 for 2 steps; what a client meant is unknown."""
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise RequestError(400, f"duplicate key {key!r} in a JSON object ({key!r}: "
-                                    f"{obj[key]!r}, then {value!r}): each key may appear once")
-        obj[key] = value
-    return obj
-
-
-def decode_json(body: bytes, limits: ServeConfig) -> Any:
-    """Parses a request body within ``limits``; raises :class:`RequestError` (400) naming the
-    limit. Integers longer than max_int_digits, NaN/Infinity and a key repeated in one object
-    are refused during parsing."""
-    depth = _nesting_depth(body)
-    if depth > limits.max_json_depth:
-        raise RequestError(400, f"JSON nesting depth {depth} exceeds serve.max_json_depth="
-                                f"{limits.max_json_depth}")
-
-    def parse_int(text: str) -> int:
-        if len(text.lstrip("-")) > limits.max_int_digits:
-            raise RequestError(400, f"integer literal of {len(text.lstrip('-'))} digits exceeds "
-                                    f"serve.max_int_digits={limits.max_int_digits}")
-        return int(text)
-
-    def parse_constant(text: str) -> Any:
-        raise RequestError(400, f"{text} is not valid JSON")
-
-    try:
-        return json.loads(body.decode("utf-8"), parse_int=parse_int,
-                          parse_constant=parse_constant, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RequestError(400, f"body is not valid JSON: {e}") from None
 
 
 def parse_request(payload: Any, cfg: Config, *, request_id: str | None = None) -> Request:

@@ -1,6 +1,6 @@
 """The HTTP/1.1 protocol under the app: uvicorn's h11 protocol with what it lacks for a server
-facing hostile clients (:class:`GuardedH11Protocol`). Split from :mod:`dist_attn.serve.http` (the
-app and the server thread), which builds one subclass per server."""
+facing hostile clients (:class:`GuardedH11Protocol`). :class:`dist_attn.serve.http.app.HttpServer`
+builds one subclass per server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from dist_attn.serve.metrics import Metrics
+from dist_attn.serve.http.metrics import Metrics
 
 __all__ = ["GuardedH11Protocol"]
 

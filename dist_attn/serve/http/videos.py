@@ -19,67 +19,23 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from dist_attn.serve.http.gate import Gate
+from dist_attn.serve.http.state import ServerState, VideoJobs
 from dist_attn.serve.jobs.queue import StepTimes
+from dist_attn.serve.jobs.records import JobRecord, JobStatus
 from dist_attn.serve.jobs.requests import RequestError
-from dist_attn.serve.jobs.store import JobRecord, JobStatus, JobStore
-from dist_attn.serve.jobs.videos import VideoRules, parse_video_request
+from dist_attn.serve.jobs.videos import parse_video_request
 
-if TYPE_CHECKING:
-    from dist_attn.serve.http import ServerState
-
-__all__ = ["VideoProgress", "VideoJobs", "job_json", "video_routes"]
+__all__ = ["job_json", "video_routes"]
 
 _MAX_LIST = 100
-
-
-@dataclass(kw_only=True)
-class VideoProgress:
-    """The running video job, as the rank-0 loop updates it after every step."""
-
-    job_id: str
-    rows: int
-    steps: int
-    step: int = 0
-    """Steps done."""
-    started: float = field(default_factory=time.time)
-    """Unix time the run started."""
-
-
-@dataclass(kw_only=True)
-class VideoJobs:
-    """What the HTTP thread and the rank-0 loop share about video jobs."""
-
-    store: JobStore
-    rules: VideoRules
-    max_queued: int
-    output_dir: str
-    """Where the store and the videos live (files are named relative to it)."""
-    thumbnail: bool = True
-    """Write the first frame as a PNG beside each MP4."""
-    running: VideoProgress | None = None
-    cancels: set[str] = field(default_factory=set)
-    """Running jobs whose DELETE arrived (the loop votes CANCELLED at the next step)."""
-
-    def remaining_s(self, times: StepTimes) -> float:
-        """Expected seconds until the running video job is done (0 when none)."""
-        run = self.running
-        if run is None:
-            return 0.0
-        return times.job_s(run.rows, run.steps, "video", steps_done=run.step)
-
-    def backlog_s(self, times: StepTimes, queued: list[JobRecord] | None = None) -> float:
-        """Expected seconds until every queued video job is done."""
-        queued = self.store.queued() if queued is None else queued
-        return self.remaining_s(times) + sum(
-            times.job_s(j.request.rows, j.request.steps, "video") for j in queued)
 
 
 class _FileResponse(FileResponse):
@@ -162,22 +118,18 @@ def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any
     return out
 
 
-def video_routes(state: "ServerState", *, refused: Callable[[HttpRequest], Response | None],
-                 fail: Callable[..., JSONResponse],
-                 read_json: Callable[[HttpRequest], Awaitable[Any]]) -> list[Route]:
-    """The routes of :mod:`this module <dist_attn.serve.api_videos>` over ``state.videos``.
-
-    ``read_json`` returns the decoded body or a ready error Response (the limits of
-    ``/v1/generate`` apply alike).
-    """
+def video_routes(state: ServerState, gate: Gate) -> list[Route]:
+    """The routes of :mod:`this module <dist_attn.serve.http.videos>` over ``state.videos``,
+    through ``gate`` (the token and the body limits of ``/v1/generate`` apply alike)."""
     jobs: VideoJobs = state.videos
     times = state.step_times
+    refused, fail = gate.refused, gate.fail
 
     async def submit(request: HttpRequest) -> Response:
         denied = refused(request)
         if denied:
             return denied
-        payload = await read_json(request)
+        payload = await gate.read_json(request)
         if isinstance(payload, Response):
             return payload
         try:
