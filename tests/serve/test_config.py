@@ -169,7 +169,7 @@ def test_default_request_must_fit_max_tokens():
 
 
 def test_command_line_flags_override_config_fields():
-    from dist_attn.serve import cli as launcher
+    from dist_attn.serve.launch import cli as launcher
 
     args = launcher.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "configs", "h3.toml"), "--layers", "1", "--backend",

@@ -100,7 +100,7 @@ def launcher(monkeypatch):
     """launch/serve.py's main() in this process as world 1, logging restored afterwards."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    from dist_attn.serve import cli
+    from dist_attn.serve.launch import cli
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -126,7 +126,8 @@ def test_launch_refuses_fp8_before_the_model(launcher, capsys):
 
 def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, capsys):
     pytest.importorskip("diffusers")
-    from dist_attn.serve import loop, warmup
+    from dist_attn.serve.launch import warmup
+    from dist_attn.serve.ranks import loop
 
     events = []
     real_warm, real_serve = warmup.warm_up, loop.serve
@@ -156,7 +157,7 @@ def test_launch_check_names_the_extra_without_torchao(monkeypatch):
     import sys
 
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve import checks
+    from dist_attn.serve.launch import checks
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
     cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})

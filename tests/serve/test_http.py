@@ -15,7 +15,7 @@ from dist_attn.serve.config import apply_overrides, load_config
 from dist_attn.serve.http import HttpServer, ServerState
 from dist_attn.serve.jobs.queue import JobQueue, Liveness
 from dist_attn.serve.http.metrics import Metrics
-from dist_attn.serve.process import bind_listener
+from dist_attn.serve.launch.process import bind_listener
 
 from tests.serve._server import metric_samples
 

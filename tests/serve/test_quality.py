@@ -154,7 +154,7 @@ def test_auto_under_lossless_chooses_an_exact_kernel(monkeypatch):
 
     from dist_attn import AttentionBackend, get_backend, register_backend
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.checks import resolve_backend_name
+    from dist_attn.serve.launch.checks import resolve_backend_name
     from dist_attn.serve.config import load_config
 
     class Runnable8bit(AttentionBackend):

@@ -11,7 +11,7 @@ from dist_attn.serve.h3.engine import latent_checksum
 from dist_attn.serve.jobs.queue import Job, JobQueue, QueueFull
 from dist_attn.serve.wire import Abort
 from dist_attn.serve.http.metrics import Metrics
-from dist_attn.serve.process import exposure_warnings, is_loopback
+from dist_attn.serve.launch.process import exposure_warnings, is_loopback
 from dist_attn.serve.http import decode_json
 from dist_attn.serve.jobs.requests import RequestError, parse_request
 
@@ -125,7 +125,7 @@ def test_an_empty_api_key_is_no_key_and_a_key_no_client_can_send_is_refused(capl
     import logging
 
     from dist_attn.serve.http import ServerState
-    from dist_attn.serve.process import resolve_api_key
+    from dist_attn.serve.launch.process import resolve_api_key
 
     caplog.set_level(logging.INFO)
     assert resolve_api_key(None, {}) is None

@@ -120,7 +120,7 @@ def test_server_under_torchrun(tmp_path, world):
         # every rank left through the shutdown message
         log = srv.log()
         for rank in range(world):
-            assert f"[rank {rank}] INFO dist_attn.serve.loop: shut down cleanly" in log, log[-3000:]
+            assert f"[rank {rank}] INFO dist_attn.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
 
 
 # --------------------------------------------------------------------------- launch checks
@@ -163,7 +163,7 @@ def launcher(monkeypatch):
     """launch/serve.py's main() in this process as world 1 (no torchrun env), logging restored."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    from dist_attn.serve import cli as serve
+    from dist_attn.serve.launch import cli as serve
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -208,7 +208,7 @@ def test_once_with_compile_compiles_the_served_blocks(launcher, monkeypatch, cap
 def test_max_restarts_is_the_supervisors_and_must_be_non_negative(capsys):
     """--max-restarts bounds the supervisor's restarts (a killed rank ended the server for good:
     issue 24); it names its value and rule, and is refused where no supervisor runs."""
-    from dist_attn.serve import cli
+    from dist_attn.serve.launch import cli
 
     assert cli.main(["--nproc-per-node", "2", "--max-restarts", "-1"]) == 1
     assert ("--max-restarts=-1 must be a non-negative integer (restarts within 600 s; 0: never "

@@ -4,7 +4,7 @@ The first forward of a shape pays for what later ones reuse: torch.compile of th
 (``runtime.compile``; 10-20 s for an H3 block on an H200), the Triton JIT of the sage8 kernels,
 cuBLAS/cuDNN heuristics and, with ``model.linear_precision = "fp8"``, the activation quantizers.
 ``runtime.warmup_shapes`` lists ``(frames, height, width)`` geometries; every rank runs
-:func:`warm_up` after the model is built and before :func:`dist_attn.serve.loop.serve` starts the
+:func:`warm_up` after the model is built and before :func:`dist_attn.serve.ranks.loop.serve` starts the
 HTTP server, so ``/health`` only answers (and answers ok) once they are warm. Every rank runs the
 same steps in the same order: the forward's collectives line up as for a request.
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # config imports this module for its rules
-    from dist_attn.serve.config import Config
+from dist_attn.serve.config.deployment import Config
+from dist_attn.serve.jobs.requests import Request, parse_request
 
 __all__ = ["WarmupRun", "warm_up", "warmup_request"]
 
@@ -40,16 +40,14 @@ class WarmupRun:
     """Wall time of its one denoise step on this rank, compilation included."""
 
 
-def warmup_request(cfg: "Config", index: int) -> Any:
+def warmup_request(cfg: Config, index: int) -> Request:
     """The request that warms ``cfg.runtime.warmup_shapes[index]``: one step, seed 0."""
-    from dist_attn.serve.jobs.requests import parse_request
-
     frames, height, width = cfg.runtime.warmup_shapes[index]
     return parse_request({"frames": frames, "height": height, "width": width, "steps": 1,
                           "seed": 0}, cfg, request_id=f"warmup-{index}")
 
 
-def warm_up(engine: Any, cfg: "Config") -> list[WarmupRun]:
+def warm_up(engine: Any, cfg: Config) -> list[WarmupRun]:
     """Runs one denoise step of every ``runtime.warmup_shapes`` geometry on this rank (call it on
     every rank, in the same place); returns what each took. Empty list when none is configured.
 

@@ -20,7 +20,8 @@ SIGKILL: it ignores SIGTERM) and each rank gets its own parent-death SIGTERM and
 
 Restarts: a ``kill -9`` of one rank ended the server for good (the job exited 1; issue 24). The
 supervisor now starts torchrun again when the job fails after it served (rank 0 writes the file
-named by ``$DIST_ATTN_SUPERVISOR_READY`` once its HTTP port serves, :func:`mark_ready`), at most
+named by ``$DIST_ATTN_SUPERVISOR_READY`` once its HTTP port serves,
+:func:`dist_attn.serve.ranks.lifecycle.mark_ready`), at most
 ``--max-restarts`` times (3) within :data:`RESTART_WINDOW_S` (10 minutes). The job store then
 re-queues the job that was running, as after any crash (a job started twice already is failed,
 not retried: :data:`dist_attn.serve.jobs.store.MAX_ATTEMPTS`). A job that fails before it serves (a
@@ -33,7 +34,6 @@ never resets, so a server up for months would run out of restarts.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import subprocess
@@ -42,13 +42,11 @@ import tempfile
 import time
 from typing import Any
 
+from dist_attn.serve.ranks.lifecycle import READY_ENV
+
 __all__ = ["under_torchrun", "strip_flag", "restore_default_signals", "rank_pids", "supervise",
-           "mark_ready", "READY_ENV", "DEFAULT_MAX_RESTARTS", "RESTART_WINDOW_S"]
+           "DEFAULT_MAX_RESTARTS", "RESTART_WINDOW_S"]
 
-log = logging.getLogger(__name__)
-
-#: The variable naming the file rank 0 writes once it serves (set by the supervisor).
-READY_ENV = "DIST_ATTN_SUPERVISOR_READY"
 #: Restarts allowed within :data:`RESTART_WINDOW_S` (``--max-restarts``).
 DEFAULT_MAX_RESTARTS = 3
 #: The window over which restarts are counted: a rare fault never exhausts them.
@@ -101,20 +99,6 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
         if b"RANK" in env:
             pids[int(env[b"RANK"])] = pid
     return pids
-
-
-def mark_ready() -> None:
-    """Rank 0, once it serves: tells the supervisor (when there is one) that a later failure of
-    this job is a fault to restart from, not a launch failure."""
-    path = os.environ.get(READY_ENV)
-    if not path:
-        return
-    try:
-        with open(path, "w") as f:
-            f.write(f"{os.getpid()}\n")
-    except OSError as e:  # the server serves on; only a restart after a fault is lost
-        log.warning("could not tell the supervisor that the server serves (%s: %s): a fault "
-                    "will end the job instead of restarting it", path, e.strerror or e)
 
 
 def _agent_preexec() -> None:

@@ -3,8 +3,7 @@
 - Parent death: under torchrun every rank asks Linux for SIGTERM when its parent (the agent)
   dies, so a ``kill -9`` of the agent cannot leave ranks serving forever (they drained and
   exited within the drain bound instead of running on for 75 s and more).
-- SIGTERM/SIGINT: the first one starts a drain (the loop's business) and arms a hard exit, so a
-  rank stuck anyway leaves before torchrun's SIGKILL; a second one is logged and ignored.
+- SIGTERM/SIGINT: the serving rank's own (:class:`dist_attn.serve.ranks.lifecycle.Shutdown`).
 - The listening socket is bound on rank 0 before the model is built, so a port in use fails the
   launch with one message instead of a traceback after minutes of weight loading.
 """
@@ -18,11 +17,9 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
-__all__ = ["set_parent_death_signal", "Shutdown", "bind_listener", "is_loopback",
+__all__ = ["set_parent_death_signal", "bind_listener", "is_loopback",
            "exposure_warnings", "API_KEY_ENV", "resolve_api_key"]
 
 #: Environment variable holding the API key (keeps the secret off the command line).
@@ -47,49 +44,6 @@ def set_parent_death_signal(sig: signal.Signals = signal.SIGTERM) -> None:
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), sig)
-
-
-class Shutdown:
-    """The first SIGTERM/SIGINT sets :attr:`requested`, runs ``on_request`` in a new thread and
-    arms ``os._exit(1)`` after ``hard_exit_after_s``. Signal handlers run on the main thread
-    between bytecodes, so a rank blocked in a collective sees the signal when it returns (at
-    the next heartbeat at the latest)."""
-
-    def __init__(self, *, hard_exit_after_s: float,
-                 on_request: Callable[[], None] | None = None) -> None:
-        self.hard_exit_after_s = hard_exit_after_s
-        self.on_request = on_request
-        self.requested = threading.Event()
-        self.since: float | None = None
-        """``time.perf_counter()`` of the first signal."""
-
-    def install(self) -> None:
-        """Installs the handlers for SIGTERM and SIGINT (main thread only)."""
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-
-    def request(self, why: str) -> None:
-        """Starts the shutdown as a signal would."""
-        if self.requested.is_set():
-            log.info("%s while already shutting down; ignored", why)
-            return
-        log.info("%s; shutting down (hard exit after %.1f s)", why, self.hard_exit_after_s)
-        self.since = time.perf_counter()
-        self.requested.set()
-        if self.on_request is not None:
-            threading.Thread(target=self.on_request, name="drain", daemon=True).start()
-        timer = threading.Timer(self.hard_exit_after_s, self._hard_exit)
-        timer.daemon = True
-        timer.start()
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        self.request(f"received {signal.Signals(signum).name}")
-
-    def _hard_exit(self) -> None:
-        log.error("still running %.1f s after the shutdown request; exiting with status 1",
-                  self.hard_exit_after_s)
-        logging.shutdown()
-        os._exit(1)
 
 
 def bind_listener(host: str, port: int, backlog: int) -> socket.socket:

@@ -141,7 +141,7 @@ def _rank0_error(rank: int, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dist_attn.serve.supervise import (restore_default_signals, strip_flag, supervise,
+    from dist_attn.serve.launch.supervise import (restore_default_signals, strip_flag, supervise,
                                            under_torchrun)
 
     argv = sys.argv[1:] if argv is None else argv
@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dist_attn.distributed import init_distributed
-    from dist_attn.serve.checks import run_launch_checks
-    from dist_attn.serve.logs import setup_logging
-    from dist_attn.serve.process import (bind_listener, exposure_warnings, resolve_api_key,
+    from dist_attn.serve.launch.checks import run_launch_checks
+    from dist_attn.serve.launch.logs import setup_logging
+    from dist_attn.serve.launch.process import (bind_listener, exposure_warnings, resolve_api_key,
                                          set_parent_death_signal)
     from dist_attn.serve.jobs.requests import RequestError, parse_request
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{env.device})", flush=True)
             return 0
         from dist_attn.serve.h3.engine import Engine
-        from dist_attn.serve.loop import serve
+        from dist_attn.serve.ranks.loop import serve
 
         model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank)
         if model is None:
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 _rank0_error(rank, f"video pipeline: {e}")
                 return 1
         if cfg.runtime.warmup_shapes:  # every rank, before HTTP answers /health
-            from dist_attn.serve.warmup import warm_up
+            from dist_attn.serve.launch.warmup import warm_up
 
             warm_up(engine, cfg)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
