@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -18,6 +18,8 @@ from dist_attn.serve.http.state import ServerState
 from dist_attn.serve.jobs.requests import RequestError
 
 __all__ = ["Gate", "decode_json", "error_response"]
+
+_Parsed = TypeVar("_Parsed")
 
 
 def error_response(status: int, message: str, *, close: bool = False,
@@ -145,3 +147,22 @@ class Gate:
             return decode_json(body, limits)
         except RequestError as e:
             return self.fail(e.status, str(e))
+
+    async def admit(self, request: HttpRequest,
+                    parse: Callable[[Any], _Parsed]) -> _Parsed | Response:
+        """What a route that takes work does first: the token, the JSON body within the limits,
+        ``parse`` of it (a :class:`RequestError` is the answer) and a 503 once a shutdown
+        started. The parsed request, or the error Response to send."""
+        denied = self.refused(request)
+        if denied:
+            return denied
+        payload = await self.read_json(request)
+        if isinstance(payload, Response):
+            return payload
+        try:
+            parsed = parse(payload)
+        except RequestError as e:
+            return self.fail(e.status, str(e))
+        if self.state.liveness.stopping:
+            return self.fail(503, "server is shutting down")
+        return parsed

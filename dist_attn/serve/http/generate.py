@@ -16,7 +16,7 @@ from starlette.routing import Route
 from dist_attn.serve.http.gate import Gate, error_response
 from dist_attn.serve.http.state import ServerState
 from dist_attn.serve.jobs.queue import Job, JobError, QueueFull, StepTimes
-from dist_attn.serve.jobs.requests import RequestError, parse_request
+from dist_attn.serve.jobs.requests import parse_request
 from dist_attn.serve.wire.abort import Abort
 
 __all__ = ["generate_routes"]
@@ -41,18 +41,9 @@ def generate_routes(state: ServerState, gate: Gate) -> list[Route]:
 
     async def generate(request: HttpRequest) -> Response:
         received = time.perf_counter()
-        denied = gate.refused(request)
-        if denied:
-            return denied
-        payload = await gate.read_json(request)
-        if isinstance(payload, Response):
-            return payload
-        try:
-            req = parse_request(payload, cfg)
-        except RequestError as e:
-            return fail(e.status, str(e))
-        if state.liveness.stopping:
-            return fail(503, "server is shutting down")
+        req = await gate.admit(request, lambda payload: parse_request(payload, cfg))
+        if isinstance(req, Response):
+            return req
         job = Job(request=req, received=received, rows=req.layout(cfg).used,
                   deadline=received + (req.timeout_s or limits.request_timeout_s))
         try:

@@ -30,7 +30,6 @@ from dist_attn.serve.http.gate import Gate
 from dist_attn.serve.http.state import ServerState, VideoJobs
 from dist_attn.serve.jobs.queue import StepTimes
 from dist_attn.serve.jobs.records import JobRecord, JobStatus
-from dist_attn.serve.jobs.requests import RequestError
 from dist_attn.serve.jobs.videos import parse_video_request
 
 __all__ = ["job_json", "video_routes"]
@@ -126,18 +125,9 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
     refused, fail = gate.refused, gate.fail
 
     async def submit(request: HttpRequest) -> Response:
-        denied = refused(request)
-        if denied:
-            return denied
-        payload = await gate.read_json(request)
-        if isinstance(payload, Response):
-            return payload
-        try:
-            req = parse_video_request(payload, jobs.rules)
-        except RequestError as e:
-            return fail(e.status, str(e))
-        if state.liveness.stopping:
-            return fail(503, "server is shutting down")
+        req = await gate.admit(request, lambda payload: parse_video_request(payload, jobs.rules))
+        if isinstance(req, Response):
+            return req
         job = await run_in_threadpool(jobs.store.submit, req, max_queued=jobs.max_queued)
         if job is None:
             retry = StepTimes.retry_after(await run_in_threadpool(jobs.backlog_s, times))
