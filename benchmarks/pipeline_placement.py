@@ -80,8 +80,8 @@ def main() -> None:
     env = ctx.env
     from dist_attn.serve.config import load_config
     from dist_attn.serve.h3.pipeline import H3Runner
-    from dist_attn.serve.wire import broadcast_prompt
     from dist_attn.serve.jobs.videos import parse_video_request
+    from dist_attn.serve.wire import broadcast_prompt
 
     runner = H3Runner.build(load_config(None), env, dtype=torch.float32, backend="sdpa",
                             checkpoint=None)

@@ -56,9 +56,9 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype,
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     from dist_attn.serve.config import ModelConfig
+    from dist_attn.serve.h3.components import H3Components
     from dist_attn.serve.h3.decode import cast_like_from_pretrained, video_vae_dtype
     from dist_attn.serve.h3.model import build_h3
-    from dist_attn.serve.h3.components import H3Components
     from dist_attn.serve.h3.text import TextOnlyQwen3VLProcessor
     from dist_attn.serve.h3.tiny import _tokenizer
 
@@ -157,11 +157,11 @@ def main() -> None:
     add_common_args(p, iters=1, warmup=1, budget_s=400)
     args = p.parse_args()
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.wire import Abort
-    from dist_attn.serve.h3.model import compile_blocks, parallelize
     from dist_attn.serve.h3.components import load_components
+    from dist_attn.serve.h3.model import compile_blocks, parallelize
     from dist_attn.serve.h3.pipeline import H3Pipeline, H3Runner
     from dist_attn.serve.jobs.videos import parse_video_request
+    from dist_attn.serve.wire import Abort
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device != "cpu" and not args.smoke

@@ -149,10 +149,10 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled():
 def test_served_engine_and_launch_check_with_fp8():
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.launch.checks import linear_precision_failures
     from dist_attn.serve.h3.engine import Engine
     from dist_attn.serve.h3.model import parallelize
     from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.serve.launch.checks import linear_precision_failures
 
     cfg, model = _served("fp8")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend=None,

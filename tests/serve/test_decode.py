@@ -49,9 +49,9 @@ def _job(rank, world, cache, out_dir):
     import torch.distributed as dist
 
     from dist_attn.serve.config import load_config
-    from dist_attn.serve.wire import Abort
     from dist_attn.serve.h3.pipeline import H3Runner
     from dist_attn.serve.jobs.videos import parse_video_request, VideoRequest
+    from dist_attn.serve.wire import Abort
 
     os.environ["DIST_ATTN_CACHE"] = cache
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),

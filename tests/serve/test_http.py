@@ -13,8 +13,8 @@ import pytest
 
 from dist_attn.serve.config import apply_overrides, load_config
 from dist_attn.serve.http import HttpServer, ServerState
-from dist_attn.serve.jobs.queue import JobQueue, Liveness
 from dist_attn.serve.http.metrics import Metrics
+from dist_attn.serve.jobs.queue import JobQueue, Liveness
 from dist_attn.serve.launch.process import bind_listener
 
 from tests.serve._server import metric_samples

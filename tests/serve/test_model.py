@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extra")
 
 from dist_attn.serve.config import ModelConfig, load_config  # noqa: E402
-from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names, parallelize  # noqa: E402
 from dist_attn.serve.config.tokens import TokenConfig, request_layout  # noqa: E402
+from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names, parallelize  # noqa: E402
 
 from tests.conftest import ROOT  # noqa: E402
 from tests.integrations._tiny_models import h3_layout_functions  # noqa: E402

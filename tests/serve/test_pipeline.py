@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 
 from dist_attn.distributed import DistEnv  # noqa: E402
 from dist_attn.serve.config import load_config  # noqa: E402
-from dist_attn.serve.wire import Abort  # noqa: E402
 from dist_attn.serve.jobs.mp4 import probe_mp4  # noqa: E402
 from dist_attn.serve.jobs.videos import parse_video_request  # noqa: E402
+from dist_attn.serve.wire import Abort  # noqa: E402
 
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
 

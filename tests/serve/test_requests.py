@@ -8,12 +8,12 @@ import torch
 
 from dist_attn.serve.config import load_config
 from dist_attn.serve.h3.engine import latent_checksum
-from dist_attn.serve.jobs.queue import Job, JobQueue, QueueFull
-from dist_attn.serve.wire import Abort
-from dist_attn.serve.http.metrics import Metrics
-from dist_attn.serve.launch.process import exposure_warnings, is_loopback
 from dist_attn.serve.http import decode_json
+from dist_attn.serve.http.metrics import Metrics
+from dist_attn.serve.jobs.queue import Job, JobQueue, QueueFull
 from dist_attn.serve.jobs.requests import RequestError, parse_request
+from dist_attn.serve.launch.process import exposure_warnings, is_loopback
+from dist_attn.serve.wire import Abort
 
 from tests.serve._server import metric_samples
 

@@ -103,8 +103,8 @@ def test_statuses_round_trip(tmp_path, status):
 def test_a_video_job_fits_the_control_message():
     """The worker ranks rebuild the job from the control message's integers (a field the message
     does not carry once crashed the rank-0 loop at the first video job)."""
-    from dist_attn.serve.wire import WIRE_FIELDS
     from dist_attn.serve.jobs.runner import video_from_wire, video_wire
+    from dist_attn.serve.wire import WIRE_FIELDS
 
     wire = video_wire(REQ)
     assert len(wire) == len(WIRE_FIELDS)

@@ -18,15 +18,15 @@ import torch
 pytest.importorskip("av")
 
 from dist_attn.distributed import DistEnv  # noqa: E402
-from dist_attn.serve.http.state import VideoJobs  # noqa: E402
 from dist_attn.serve.config import apply_overrides, load_config  # noqa: E402
 from dist_attn.serve.http import HttpServer  # noqa: E402
-from dist_attn.serve.ranks.loop import Rank0  # noqa: E402
+from dist_attn.serve.http.state import VideoJobs  # noqa: E402
 from dist_attn.serve.jobs.mp4 import probe_mp4  # noqa: E402
-from dist_attn.serve.launch.process import bind_listener  # noqa: E402
-from dist_attn.serve.jobs.synthetic import SyntheticRunner  # noqa: E402
 from dist_attn.serve.jobs.store import JobStatus, JobStore  # noqa: E402
+from dist_attn.serve.jobs.synthetic import SyntheticRunner  # noqa: E402
 from dist_attn.serve.jobs.videos import VideoRules  # noqa: E402
+from dist_attn.serve.launch.process import bind_listener  # noqa: E402
+from dist_attn.serve.ranks.loop import Rank0  # noqa: E402
 
 from tests.serve._server import metric_samples  # noqa: E402
 

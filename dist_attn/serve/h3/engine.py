@@ -24,9 +24,9 @@ import torch
 from dist_attn.distributed import DistEnv
 from dist_attn.profiling import PhaseTimer
 from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.jobs.requests import Request
 from dist_attn.serve.config.tokens import PackedLayout
 from dist_attn.serve.h3.weights import prune_outputs, save_output
+from dist_attn.serve.jobs.requests import Request
 from dist_attn.serve.wire.abort import Abort, agree_abort
 
 __all__ = ["Checksum", "TokenCounts", "RunResult", "Engine", "latent_checksum", "patchify",
