@@ -1,4 +1,5 @@
-"""``python -m dist_attn.serve`` (or ``torchrun ... -m dist_attn.serve``): see :mod:`dist_attn.serve.launch.cli`."""
+"""``python -m dist_attn.serve`` (or ``torchrun ... -m dist_attn.serve``): see
+:mod:`dist_attn.serve.launch.cli`."""
 
 import sys
 

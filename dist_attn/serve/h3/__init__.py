@@ -1,5 +1,5 @@
-"""The served model: diffusers' MiniMax-H3 built, loaded, made sequence-parallel and compiled; the
-/v1/generate denoise engine; the t2va pipeline that runs video jobs; and the CPU default's tiny checkpoint."""
+"""The served model: diffusers' MiniMax-H3 built, loaded, made sequence-parallel and compiled, the
+/v1/generate denoise engine, the t2va pipeline that runs video jobs, the CPU default's checkpoint."""
 
 from dist_attn.serve.h3.engine import Engine, RunResult
 from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize

@@ -1,7 +1,7 @@
 """The jobs API over HTTP: ``/v1/videos``.
 
-- ``POST /v1/videos`` validates the request (:func:`dist_attn.serve.jobs.videos.parse_video_request`),
-  stores the job (committed before the answer) and answers **202** with the job and a
+- ``POST /v1/videos`` validates the request
+  (:func:`dist_attn.serve.jobs.videos.parse_video_request`), stores the job (committed before the answer) and answers **202** with the job and a
   ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 503 while shutting down.
 - ``GET /v1/videos/{id}``: the job: status (queued, running, succeeded, failed, cancelled),
   progress (step k of n, elapsed, estimated remaining, queue position), timings, errors.

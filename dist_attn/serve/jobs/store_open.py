@@ -4,9 +4,9 @@ MP4s of jobs the store does not list.
 
 Why before the model: a corrupt ``jobs.sqlite3`` raised inside the job set-up, after minutes of
 weight loading, as a raw traceback on rank 0 while the other ranks waited in a collective
-(issue 24). Opened here, its :class:`~dist_attn.serve.jobs.store.StoreError` joins the launch checks
-(:func:`dist_attn.serve.launch.checks.run_launch_checks`): one message naming the file and what to do,
-every rank exits 1.
+(issue 24). Opened here, its :class:`~dist_attn.serve.jobs.store.StoreError` joins the launch
+checks (:func:`dist_attn.serve.launch.checks.run_launch_checks`): one message naming the file and
+what to do, every rank exits 1.
 
 Why the warning: the jobs lived in the SQLite WAL (``jobs.sqlite3-wal``; the main file stayed at
 4 KB), so a store restored without its WAL started empty and said nothing, although ``videos/``

@@ -4,8 +4,8 @@ The first forward of a shape pays for what later ones reuse: torch.compile of th
 (``runtime.compile``; 10-20 s for an H3 block on an H200), the Triton JIT of the sage8 kernels,
 cuBLAS/cuDNN heuristics and, with ``model.linear_precision = "fp8"``, the activation quantizers.
 ``runtime.warmup_shapes`` lists ``(frames, height, width)`` geometries; every rank runs
-:func:`warm_up` after the model is built and before :func:`dist_attn.serve.ranks.loop.serve` starts the
-HTTP server, so ``/health`` only answers (and answers ok) once they are warm. Every rank runs the
+:func:`warm_up` after the model is built and before :func:`dist_attn.serve.ranks.loop.serve`
+starts the HTTP server, so ``/health`` only answers (and answers ok) once they are warm. Every rank runs the
 same steps in the same order: the forward's collectives line up as for a request.
 
 Video jobs run the same transformer module through the pipeline, so its compiled code and kernels
