@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dist_attn.serve.config import ModelConfig
-from dist_attn.serve.tokens import PackedLayout
+from dist_attn.serve.config.tokens import PackedLayout
 
 __all__ = ["LayerRuntime", "attach", "block_inputs", "build_block", "h3_ref_layout", "model_inputs",
            "padded_total"]

@@ -100,7 +100,7 @@ def _models(cfg, dev, emulate: bool):
     """(summary, {"bf16": model, "fp8": model, "fp8fast": model}): 1 block, no refiner, the same
     weights; ``fp8fast`` = FP8 linears with fast accumulation (``fast_accum=True``)."""
     from dist_attn.integrations.diffusers import quantize_linears
-    from dist_attn.serve.model import build_h3
+    from dist_attn.serve.h3.model import build_h3
 
     one = dataclasses.replace(cfg.model, num_layers=1, num_refiner_layers=0)
     bf16 = build_h3(one, device=dev, dtype=torch.bfloat16)
@@ -332,9 +332,9 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
     from dist_attn.distributed import DistEnv
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.config import apply_overrides
-    from dist_attn.serve.engine import Engine
-    from dist_attn.serve.model import build_h3, parallelize
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.h3.engine import Engine
+    from dist_attn.serve.h3.model import build_h3, parallelize
+    from dist_attn.serve.jobs.requests import parse_request
 
     acc = apply_overrides(cfg, {"model.num_layers": args.acc_layers})
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)

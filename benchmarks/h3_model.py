@@ -84,7 +84,7 @@ def _config(args):
 
 
 def _build(cfg, dev, dtype):
-    from dist_attn.serve.model import build_h3
+    from dist_attn.serve.h3.model import build_h3
 
     return build_h3(cfg.model, device=dev, dtype=dtype)
 
@@ -267,9 +267,9 @@ def _serve(cfg, dev, dtype, args, budget, rows) -> None:
     """The served engine's steady step: Engine.run of the default request at W = 1."""
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.engine import Engine
-    from dist_attn.serve.model import build_h3, compile_blocks, parallelize
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.h3.engine import Engine
+    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.serve.jobs.requests import parse_request
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
     model = None

@@ -8,7 +8,7 @@ Measured, per part, median of ``--iters``:
 
 - ``text encode, rank 0``: rank 0 encodes alone (the others wait, as they do when serving);
 - ``text encode, every rank``: all ranks encode at once; the wall time of the slowest;
-- ``broadcast``: :func:`dist_attn.serve.pipeline.broadcast_prompt` of the tiny embedding and of an
+- ``broadcast``: :func:`dist_attn.serve.wire.broadcast_prompt` of the tiny embedding and of an
   H3-sized one ([1, 512, 5120]: 512 prompt tokens of the 5,120-wide Qwen3-VL state);
 - ``decode, rank 0`` / ``decode, every rank``: the video and audio VAE decode of one job.
 
@@ -79,20 +79,21 @@ def main() -> None:
     ctx = init_distributed(backend="gloo", device="cpu")
     env = ctx.env
     from dist_attn.serve.config import load_config
-    from dist_attn.serve.pipeline import H3Runner, broadcast_prompt
-    from dist_attn.serve.videos import parse_video_request
+    from dist_attn.serve.h3.pipeline import H3Runner
+    from dist_attn.serve.jobs.videos import parse_video_request
+    from dist_attn.serve.wire import broadcast_prompt
 
     runner = H3Runner.build(load_config(None), env, dtype=torch.float32, backend="sdpa",
                             checkpoint=None)
     pipe = runner.pipe
     # Every rank gets a text pipeline for the "every rank" variant (the server builds it on rank 0)
     if env.rank != 0:
-        from dist_attn.serve.pipeline import load_components
+        from dist_attn.serve.h3.components import load_components
 
-        from dist_attn.serve.tiny_h3 import tiny_checkpoint_path
+        from dist_attn.serve.h3.tiny import tiny_checkpoint_path
         full = load_components(tiny_checkpoint_path(), device=env.device, dtype=torch.float32,
                                rank0=True, transformer=pipe.comps.transformer)
-        from dist_attn.serve.pipeline import H3Pipeline
+        from dist_attn.serve.h3.pipeline import H3Pipeline
         local = H3Pipeline(full, env.__class__(rank=0, world_size=1, local_rank=0,
                                                device=env.device, backend=None), torch.float32)
     else:

@@ -50,7 +50,7 @@ import urllib.request
 from typing import Any
 
 from benchmarks.harness import collect_versions
-from dist_attn.serve.process import is_loopback
+from dist_attn.serve.launch.process import is_loopback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

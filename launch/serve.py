@@ -6,7 +6,7 @@
 
 import sys
 
-from dist_attn.serve.cli import main
+from dist_attn.serve.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

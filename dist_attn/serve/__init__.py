@@ -1,20 +1,28 @@
 """The served MiniMax H3 (diffusers' ``MiniMaxH3Transformer3DModel``), built on the dist_attn
 library (which never imports this package).
 
-Layers, bottom up: ``fields`` / ``tokens`` / ``quality`` -> ``config`` -> ``model`` / ``weights``
--> ``protocol`` (request schema) -> ``jobs`` (rank-0 bookkeeping) -> ``wire`` (rank-to-rank
-control) -> ``engine`` (denoise loop) -> ``metrics`` / ``http`` (rank 0) -> ``loop`` (rank
-loops) -> ``process`` / ``checks`` / ``logs`` / ``warmup`` -> ``cli`` (the one launcher; ``config``
-checks ``warmup``'s shape rules, which import the layers above them only when called). Entry point:
-``python -m dist_attn.serve`` or ``torchrun ... launch/serve.py``. Needs the ``serve`` extra
-(starlette, uvicorn, prometheus_client, safetensors, accelerate) and the ``diffusers`` extra
-(the model).
+Sub-packages, top down; each imports only those below it (``tests/serve/test_layout.py``):
+
+- ``launch``: the process, from flags to the rank loops (CLI, launch checks, logging, OS,
+  warm-up, the ``--nproc-per-node`` supervisor);
+- ``ranks``: the rank loops: rank 0 serves HTTP and drives each job on every rank, the others
+  follow;
+- ``http``: rank 0's front door (the app, the /v1/generate and /v1/videos routes, metrics);
+- ``h3``: the model (builder, checkpoints, the /v1/generate engine, the t2va pipeline);
+- ``jobs``: the work apart from the model and HTTP (request schemas, queue, store, runner
+  contract, MP4);
+- ``wire``: what the ranks say to each other (control messages, abort votes, the prompt);
+- ``config``: the deployment, validated (sections, H3's packing rules, quality tiers).
+
+Entry point: ``python -m dist_attn.serve`` or ``torchrun ... launch/serve.py``. Needs the
+``serve`` extra (starlette, uvicorn, prometheus_client, safetensors, accelerate) and the
+``diffusers`` extra (the model).
 """
 
 from dist_attn.serve.config import Config, load_config
-from dist_attn.serve.model import build_h3, compile_blocks, parallelize
-from dist_attn.serve.quality import DeviceFacts, Topology, quality_failures
-from dist_attn.serve.weights import WeightsError, load_output, save_output
+from dist_attn.serve.config.quality import DeviceFacts, Topology, quality_failures
+from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
+from dist_attn.serve.h3.weights import WeightsError, load_output, save_output
 
 __all__ = [
     "Config",

@@ -169,8 +169,8 @@ def test_core_and_server_import_without_torchao():
     integration import, a bf16 config validates, and an fp8 config still validates (the device
     and torchao are launch checks); nothing imported torchao on the way."""
     code = _BLOCK_TORCHAO + """
-import dist_attn, dist_attn.fp8_linear, dist_attn.serve.config, dist_attn.serve.checks
-import dist_attn.serve.cli, dist_attn.serve.model
+import dist_attn, dist_attn.fp8_linear, dist_attn.serve.config, dist_attn.serve.launch.checks
+import dist_attn.serve.launch.cli, dist_attn.serve.h3.model
 from dist_attn.serve.config import apply_overrides, load_config
 cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})
 assert cfg.model.linear_precision == "fp8"

@@ -102,7 +102,7 @@ def _served(precision: str):
     import dataclasses
 
     from dist_attn.serve.config import load_config
-    from dist_attn.serve.model import build_h3
+    from dist_attn.serve.h3.model import build_h3
 
     cfg = load_config(None)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, linear_precision=precision))
@@ -110,7 +110,7 @@ def _served(precision: str):
 
 
 def _inputs(cfg):
-    from dist_attn.serve.engine import initial_state
+    from dist_attn.serve.h3.engine import initial_state
 
     layout = cfg.layout(frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)
     video, audio, text = initial_state(cfg, layout, 0, torch.device("cuda"), torch.bfloat16)
@@ -124,7 +124,7 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled():
     """build_h3(linear_precision='fp8') on CUDA: torchao weights in the 12 block linears; its
     output vs the emulated model (same bf16 weights) and compiled fullgraph (inductor) vs eager."""
     from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
-    from dist_attn.serve.model import compile_blocks
+    from dist_attn.serve.h3.model import compile_blocks
 
     cfg, bf16 = _served("bf16")
     emulated = copy.deepcopy(bf16)
@@ -149,10 +149,10 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled():
 def test_served_engine_and_launch_check_with_fp8():
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.checks import linear_precision_failures
-    from dist_attn.serve.engine import Engine
-    from dist_attn.serve.model import parallelize
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.h3.engine import Engine
+    from dist_attn.serve.h3.model import parallelize
+    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.serve.launch.checks import linear_precision_failures
 
     cfg, model = _served("fp8")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend=None,

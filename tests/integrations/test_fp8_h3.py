@@ -17,8 +17,8 @@ pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 from dist_attn.fp8_linear import EmulatedFp8Linear  # noqa: E402
 from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears  # noqa: E402
 from dist_attn.serve.config import load_config  # noqa: E402
-from dist_attn.serve.engine import initial_state  # noqa: E402
-from dist_attn.serve.model import build_h3, compile_blocks, fp32_module_names  # noqa: E402
+from dist_attn.serve.h3.engine import initial_state  # noqa: E402
+from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
 

@@ -10,8 +10,8 @@ import pytest
 
 from dist_attn.serve.config import (DEFAULT_CONFIG_PATH, Config, ModelConfig, RuntimeConfig,
                                     ServeConfig, apply_overrides, load_config, parse_config)
-from dist_attn.serve.job_config import JobsConfig
-from dist_attn.serve.tokens import TokenConfig
+from dist_attn.serve.config.jobs import JobsConfig
+from dist_attn.serve.config.tokens import TokenConfig
 
 from tests.conftest import ROOT
 
@@ -72,7 +72,7 @@ def test_overlap_chunks_field_reaches_enable_ulysses():
     pytest.importorskip("diffusers")
     import torch
 
-    from dist_attn.serve.model import build_h3, parallelize
+    from dist_attn.serve.h3.model import build_h3, parallelize
 
     cfg = load_config(None)
     model = build_h3(dataclasses.replace(cfg.model, num_layers=1), device=torch.device("cpu"),
@@ -169,7 +169,7 @@ def test_default_request_must_fit_max_tokens():
 
 
 def test_command_line_flags_override_config_fields():
-    from dist_attn.serve import cli as launcher
+    from dist_attn.serve.launch import cli as launcher
 
     args = launcher.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "configs", "h3.toml"), "--layers", "1", "--backend",

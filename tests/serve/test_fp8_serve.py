@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_attn.serve.config import ModelConfig, RuntimeConfig, apply_overrides, load_config
-from dist_attn.serve.quality import DeviceFacts, Topology, quality_failures, tier_linear_rule
+from dist_attn.serve.config.quality import DeviceFacts, Topology, quality_failures, tier_linear_rule
 
 __all__: list[str] = []
 
@@ -42,7 +42,7 @@ def test_fp8_fast_accum_field_is_explicit_and_needs_fp8(monkeypatch):
     # build_h3 hands the field to quantize_linears (the GEMM flag itself: tests/integrations)
     pytest.importorskip("diffusers")
     import dist_attn.integrations.diffusers as integration
-    from dist_attn.serve.model import build_h3
+    from dist_attn.serve.h3.model import build_h3
 
     calls = []
     monkeypatch.setattr(integration, "quantize_linears",
@@ -88,7 +88,7 @@ def test_warmup_shapes_rules():
 
 def test_build_h3_fp8_on_cpu_names_the_device():
     pytest.importorskip("diffusers")
-    from dist_attn.serve.model import build_h3
+    from dist_attn.serve.h3.model import build_h3
 
     cfg = dataclasses.replace(load_config(None).model, num_layers=1, linear_precision="fp8")
     with pytest.raises(RuntimeError, match=r"device cpu has no FP8 matrix multiply"):
@@ -100,7 +100,7 @@ def launcher(monkeypatch):
     """launch/serve.py's main() in this process as world 1, logging restored afterwards."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    from dist_attn.serve import cli
+    from dist_attn.serve.launch import cli
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -126,7 +126,8 @@ def test_launch_refuses_fp8_before_the_model(launcher, capsys):
 
 def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, capsys):
     pytest.importorskip("diffusers")
-    from dist_attn.serve import loop, warmup
+    from dist_attn.serve.launch import warmup
+    from dist_attn.serve.ranks import loop
 
     events = []
     real_warm, real_serve = warmup.warm_up, loop.serve
@@ -156,7 +157,7 @@ def test_launch_check_names_the_extra_without_torchao(monkeypatch):
     import sys
 
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve import checks
+    from dist_attn.serve.launch import checks
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
     cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})

@@ -13,9 +13,9 @@ import pytest
 
 from dist_attn.serve.config import apply_overrides, load_config
 from dist_attn.serve.http import HttpServer, ServerState
-from dist_attn.serve.jobs import JobQueue, Liveness
-from dist_attn.serve.metrics import Metrics
-from dist_attn.serve.process import bind_listener
+from dist_attn.serve.http.metrics import Metrics
+from dist_attn.serve.jobs.queue import JobQueue, Liveness
+from dist_attn.serve.launch.process import bind_listener
 
 from tests.serve._server import metric_samples
 
@@ -346,8 +346,8 @@ def test_a_client_gone_while_its_job_runs_logs_info_not_an_asyncio_error(app, ca
 def test_retry_after_comes_from_measured_step_times(app):
     """It was a mean of whole runs times the queue length (41-76 s said, ~30 s to drain); now it
     is the measured time of the work ahead: the running job's steps left and the queued jobs."""
-    from dist_attn.serve.jobs import Job
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.jobs.queue import Job
+    from dist_attn.serve.jobs.requests import parse_request
 
     rows = parse_request({"steps": 4}, app.cfg).layout(app.cfg).used
     app.step_times.observe_step(rows, 0.5)
@@ -367,7 +367,7 @@ def test_retry_after_comes_from_measured_step_times(app):
 
 
 def test_step_times_estimate_unmeasured_lengths_from_the_nearest():
-    from dist_attn.serve.jobs import StepTimes
+    from dist_attn.serve.jobs.queue import StepTimes
 
     times = StepTimes(default_step_s=2.0)
     assert times.step_s(100) == 2.0  # nothing measured yet
@@ -448,7 +448,7 @@ def test_a_malformed_chunked_body_is_400_logged_at_info_without_traceback(app, c
 
 def test_a_500_is_json_and_counted(app, monkeypatch):
     """Every error answer is counted in dist_attn_request_errors_total; 500s were not."""
-    import dist_attn.serve.http as http_module
+    import dist_attn.serve.http.generate as http_module
 
     def broken(*_a, **_k):
         raise RuntimeError("a bug")

@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extra")
 
 from dist_attn.serve.config import ModelConfig, load_config  # noqa: E402
-from dist_attn.serve.model import build_h3, compile_blocks, fp32_module_names, parallelize  # noqa: E402
-from dist_attn.serve.tokens import TokenConfig, request_layout  # noqa: E402
+from dist_attn.serve.config.tokens import TokenConfig, request_layout  # noqa: E402
+from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names, parallelize  # noqa: E402
 
 from tests.conftest import ROOT  # noqa: E402
 from tests.integrations._tiny_models import h3_layout_functions  # noqa: E402
@@ -107,7 +107,7 @@ def _hand_loop(model, cfg, layout, seed, steps):
     """H3's denoise loop written out with diffusers alone (no dist_attn): the reference."""
     from diffusers import MiniMaxH3Scheduler
 
-    from dist_attn.serve.engine import initial_state
+    from dist_attn.serve.h3.engine import initial_state
 
     video, audio, text = initial_state(cfg, layout, seed, CPU, torch.float32)
     rows = layout.rows()
@@ -128,8 +128,8 @@ def _hand_loop(model, cfg, layout, seed, steps):
 def test_engine_is_diffusers_model_stepped_by_minimax_h3_scheduler():
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.engine import Engine
-    from dist_attn.serve.protocol import parse_request
+    from dist_attn.serve.h3.engine import Engine
+    from dist_attn.serve.jobs.requests import parse_request
 
     cfg = load_config(None)
     model = build_h3(cfg.model, device=CPU, dtype=torch.float32)

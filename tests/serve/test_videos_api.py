@@ -1,5 +1,5 @@
 """The jobs API in one process: uvicorn + the Starlette app on loopback, the SQLite store in
-tmp_path, and the rank-0 loop's own video code (``_Rank0._run_video``) with the synthetic runner
+tmp_path, and the rank-0 loop's own video code (``VideoDrive.run``) with the synthetic runner
 on a single rank, driven by the test. No model, no torchrun."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import torch
 pytest.importorskip("av")
 
 from dist_attn.distributed import DistEnv  # noqa: E402
-from dist_attn.serve.api_videos import VideoJobs  # noqa: E402
 from dist_attn.serve.config import apply_overrides, load_config  # noqa: E402
 from dist_attn.serve.http import HttpServer  # noqa: E402
-from dist_attn.serve.loop import _Rank0  # noqa: E402
-from dist_attn.serve.mp4 import probe_mp4  # noqa: E402
-from dist_attn.serve.process import bind_listener  # noqa: E402
-from dist_attn.serve.runner import SyntheticRunner  # noqa: E402
-from dist_attn.serve.store import JobStatus, JobStore  # noqa: E402
-from dist_attn.serve.videos import VideoRules  # noqa: E402
+from dist_attn.serve.http.state import VideoJobs  # noqa: E402
+from dist_attn.serve.jobs.mp4 import probe_mp4  # noqa: E402
+from dist_attn.serve.jobs.store import JobStatus, JobStore  # noqa: E402
+from dist_attn.serve.jobs.synthetic import SyntheticRunner  # noqa: E402
+from dist_attn.serve.jobs.videos import VideoRules  # noqa: E402
+from dist_attn.serve.launch.process import bind_listener  # noqa: E402
+from dist_attn.serve.ranks.loop import Rank0  # noqa: E402
 
 from tests.serve._server import metric_samples  # noqa: E402
 
@@ -46,10 +46,10 @@ class _Api:
         self.runner = SyntheticRunner(env, step_s=step_s, rules=rules)
         self.videos = VideoJobs(store=self.store, rules=rules, max_queued=max_queued,
                                 output_dir=self.dir)
-        self.rank0 = _Rank0(cfg, env, None, {"model": "synthetic"}, None, self.runner,
+        self.rank0 = Rank0(cfg, env, None, {"model": "synthetic"}, None, self.runner,
                             self.videos)
         self.sock = bind_listener("127.0.0.1", 0, 128)
-        self.server = HttpServer(self.rank0.state, self.sock)
+        self.server = HttpServer(self.rank0.front.state, self.sock)
         self.server.start()
         self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 
@@ -71,7 +71,7 @@ class _Api:
         """Plays the rank-0 loop once: the oldest queued job runs to its end."""
         record = self.store.start_next()
         assert record is not None
-        self.rank0._run_video(record)
+        self.rank0.video.run(record)
 
     def close(self) -> None:
         self.server.stop()
@@ -112,7 +112,7 @@ def test_submit_poll_download(api):
     assert status == 200 and headers["content-type"] == "image/png" and png[:4] == b"\x89PNG"
     status, listing, _ = api.call("GET", "/v1/videos?limit=5")
     assert status == 200 and [j["id"] for j in listing["data"]] == [job["id"]]
-    samples = metric_samples(api.rank0.metrics.render().decode())
+    samples = metric_samples(api.rank0.front.metrics.render().decode())
     assert samples['dist_attn_video_jobs{status="succeeded"}'] == 1
     assert samples["dist_attn_video_queue_depth"] == 0
     assert samples['dist_attn_denoise_step_seconds_count{kind="video"}'] == 3
@@ -150,7 +150,7 @@ def test_defaults_and_accepted_no_ops(api):
 
 
 def test_queue_cap_answers_429_with_retry_after_from_measured_steps(api):
-    api.rank0.state.step_times.observe_step(493, 2.0)  # the rows of GOOD
+    api.rank0.front.state.step_times.observe_step(493, 2.0)  # the rows of GOOD
     for _ in range(3):
         assert api.call("POST", "/v1/videos", GOOD)[0] == 202
     status, answer, headers = api.call("POST", "/v1/videos", GOOD)
@@ -207,7 +207,7 @@ def test_a_file_removed_from_disk_is_410_not_500(api):
 
 def test_disk_errors_fail_the_job_alone(api, monkeypatch):
     """Rank-0-only failures (the directory, the MP4 write) fail that job; the next one runs."""
-    import dist_attn.serve.runner as runner_module
+    import dist_attn.serve.jobs.synthetic as runner_module
 
     first = api.call("POST", "/v1/videos", GOOD)[1]
     with open(os.path.join(api.dir, "videos"), "w") as f:  # a file where the directory goes
@@ -238,7 +238,7 @@ def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):
     import dataclasses
 
     pytest.importorskip("transformers")
-    from dist_attn.serve.tiny_h3 import _tokenizer
+    from dist_attn.serve.h3.tiny import _tokenizer
 
     tok = _tokenizer()
     rules = dataclasses.replace(
@@ -281,7 +281,7 @@ def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
     """A full disk answered a generic 500. SQLite's real SQLITE_FULL is made here by capping the
     file's pages: SQLite also rolled the transaction back itself, and the store's ROLLBACK then
     raised 'no transaction is active', hiding the error."""
-    from dist_attn.serve.videos import parse_video_request
+    from dist_attn.serve.jobs.videos import parse_video_request
 
     api = _Api(tmp_path, max_queued=10_000)
     try:
@@ -300,7 +300,7 @@ def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
         message = answer["error"]["message"]
         assert message.startswith("the job store (jobs.sqlite3) cannot commit: its disk is full")
         assert api.dir not in message  # no server paths in answers
-        samples = metric_samples(api.rank0.metrics.render().decode())
+        samples = metric_samples(api.rank0.front.metrics.render().decode())
         assert samples['dist_attn_request_errors_total{code="507"}'] == 1
         db.execute("PRAGMA max_page_count = 1073741823")  # space again: the store carries on
         assert api.call("POST", "/v1/videos", GOOD)[0] == 202
@@ -324,7 +324,7 @@ def test_range_errors_of_the_content_are_json(api):
     assert status == 400 and answer["error"]["message"].startswith("Range='items=0-1': "), answer
     status, part, headers = api.call("GET", url, headers={"Range": "bytes=0-9"})
     assert status == 206 and len(part) == 10  # a satisfiable range is still served
-    samples = metric_samples(api.rank0.metrics.render().decode())
+    samples = metric_samples(api.rank0.front.metrics.render().decode())
     assert samples['dist_attn_request_errors_total{code="416"}'] == 1
     assert samples['dist_attn_request_errors_total{code="400"}'] == 1
 
@@ -334,7 +334,7 @@ def test_a_store_that_cannot_start_the_next_job_leaves_it_queued(api, monkeypatc
     stays queued, the error is logged once a minute, the loop serves on."""
     import logging
 
-    from dist_attn.serve.store import StoreError
+    from dist_attn.serve.jobs.store import StoreError
 
     job = api.call("POST", "/v1/videos", GOOD)[1]
 
@@ -344,10 +344,10 @@ def test_a_store_that_cannot_start_the_next_job_leaves_it_queued(api, monkeypatc
 
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(api.store, "start_next", full)
-    assert api.rank0._start_next_video() is None
-    assert api.rank0._start_next_video() is None
+    assert api.rank0.video.start_next() is None
+    assert api.rank0.video.start_next() is None
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "the next video job cannot start" in errors[0], errors
     monkeypatch.undo()
     assert api.call("GET", f"/v1/videos/{job['id']}")[1]["status"] == "queued"
-    assert api.rank0._start_next_video().id == job["id"]
+    assert api.rank0.video.start_next().id == job["id"]

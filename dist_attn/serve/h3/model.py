@@ -1,0 +1,120 @@
+"""The served DiT: diffusers' ``MiniMaxH3Transformer3DModel`` itself, made sequence-parallel by
+:func:`dist_attn.integrations.diffusers.enable_ulysses`.
+
+Every rank holds the full (replicated) weights and calls the model with the same full inputs;
+inside, each rank's blocks work on 1/W of the packed rows and every block's self-attention is one
+pair of all-to-alls (or Ulysses x Ring over a mesh). There is no model code here: only how the
+class is built (its own seeded initialisation, or a diffusers-format checkpoint), in which dtypes
+(bf16 blocks with the fp32 modules the class declares; the blocks' linears in FP8 when
+``model.linear_precision = "fp8"``), and how its blocks are compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from dist_attn.serve.config.sections import ModelConfig
+from dist_attn.serve.h3.transformer import h3_class
+from dist_attn.serve.h3.weights import load_checkpoint
+
+__all__ = ["build_h3", "compile_blocks", "fp32_module_names", "parallelize"]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def fp32_module_names(model: nn.Module) -> list[str]:
+    """The submodules the class keeps in float32 (``_keep_in_fp32_modules``, matched against a
+    whole component of the module's dotted name, as diffusers' loader matches parameter names):
+    H3's two input projections, time MLP, two output heads and RoPE."""
+    keep = set(getattr(type(model), "_keep_in_fp32_modules", None) or ())
+    names = []
+    for name, _ in model.named_modules():
+        parts = name.split(".") if name else []
+        if parts and parts[-1] in keep and not any(n for n in names if name.startswith(n + ".")):
+            names.append(name)
+    return names
+
+
+def _own_init(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The class's own random initialisation, drawn on ``device`` from ``cfg.weight_seed`` (the
+    same weights on every rank of one device type), the blocks in ``dtype``.
+
+    The model is created directly on the device in ``dtype`` (H3 at 50 layers: 33B parameters,
+    66 GB in bf16, never in float32 on the host); the fp32 modules are then cast up and drawn
+    again in float32 by their own ``reset_parameters``.
+    """
+    cls = h3_class()
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.weight_seed)
+        with torch.device(device), _default_dtype(dtype):
+            model = cls(**cfg.diffusers_config())
+        if dtype != torch.float32:
+            for name in fp32_module_names(model):
+                module = model.get_submodule(name).to(torch.float32)
+                for sub in module.modules():
+                    if hasattr(sub, "reset_parameters"):
+                        sub.reset_parameters()
+    return model
+
+
+def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+             checkpoint: str | None = None) -> nn.Module:
+    """The served ``MiniMaxH3Transformer3DModel`` on ``device``, in eval mode, no grad.
+
+    With ``cfg.linear_precision = "fp8"`` the blocks' q/k/v/out and FFN linears are then quantized
+    (with fast accumulation when ``cfg.fp8_fast_accum``) in place (:func:`dist_attn.integrations.diffusers.quantize_linears`, which logs the layer
+    count and the bytes saved); on a device without FP8 GEMMs that raises, naming the device.
+
+    Args:
+        cfg: the architecture (``[model]``); a checkpoint must have the same (checked).
+        device: where the weights live (every rank its own device).
+        dtype: dtype of the blocks (bf16 on CUDA); the class's fp32 modules stay float32.
+        checkpoint: a diffusers-format directory (``config.json`` + safetensors weights) loaded
+            with ``from_pretrained``; None draws the class's own initialisation from
+            ``cfg.weight_seed``.
+    """
+    if checkpoint is None:
+        model = _own_init(cfg, device, dtype)
+    else:
+        model = load_checkpoint(checkpoint, cfg, device=device, dtype=dtype)
+    model = model.eval().requires_grad_(False)
+    if cfg.linear_precision != "bf16":
+        from dist_attn.integrations.diffusers import quantize_linears
+
+        quantize_linears(model, cfg.linear_precision, fast_accum=cfg.fp8_fast_accum)
+    return model
+
+
+def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any = None,
+                overlap_chunks: int = 1) -> Any:
+    """``enable_ulysses`` over the default group (or ``mesh`` for Ulysses x Ring), its attention
+    calls pipelined in ``overlap_chunks`` head chunks (``[parallel] overlap_chunks``); returns the
+    handle. Single-process: the model runs as one rank with dist_attn's kernel."""
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    return enable_ulysses(model, mesh=mesh, backend=backend, timer=timer,
+                          overlap_chunks=overlap_chunks)
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
+    """``torch.compile(fullgraph=True)`` of every transformer and refiner block, through diffusers'
+    own regional compilation (``compile_repeated_blocks``): the blocks share their code, so one
+    compilation serves every layer of a shape; dist_attn's attention is one opaque custom op in
+    the graph and enable_ulysses' per-block hooks trace with it. FP8 linears (torchao's
+    ``Float8Tensor`` weights) trace too: inductor fuses each activation's per-row amax, scale and
+    e4m3 cast around ``torch._scaled_mm``. Call it after the quantization (build_h3 does that)."""
+    model.compile_repeated_blocks(fullgraph=True, **compile_kwargs)

@@ -1,0 +1,70 @@
+"""Opening the job store at launch (rank 0, before the model is built): the store file checked,
+the restart recovery run and logged, partial MP4s removed, and a warning when ``videos/`` holds
+MP4s of jobs the store does not list.
+
+Why before the model: a corrupt ``jobs.sqlite3`` raised inside the job set-up, after minutes of
+weight loading, as a raw traceback on rank 0 while the other ranks waited in a collective
+(issue 24). Opened here, its :class:`~dist_attn.serve.jobs.store.StoreError` joins the launch
+checks (:func:`dist_attn.serve.launch.checks.run_launch_checks`): one message naming the file and
+what to do, every rank exits 1.
+
+Why the warning: the jobs lived in the SQLite WAL (``jobs.sqlite3-wal``; the main file stayed at
+4 KB), so a store restored without its WAL started empty and said nothing, although ``videos/``
+held every MP4 (issue 24). The store now checkpoints after every job; an MP4 the store does not
+know still means a store that was replaced or restored from an incomplete backup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dist_attn.serve.jobs.mp4 import TMP_MARKER, remove_stale_temporaries
+from dist_attn.serve.jobs.store import STORE_NAME, JobStore
+
+__all__ = ["open_job_store", "unlisted_videos"]
+
+log = logging.getLogger(__name__)
+
+# How many unlisted job ids a warning names (the count says how many there are).
+_NAMED = 3
+
+
+def unlisted_videos(store: JobStore) -> list[str]:
+    """Job ids of the MP4s in ``<store directory>/videos/`` that the store does not list,
+    sorted."""
+    videos = os.path.join(store.directory, "videos")
+    try:
+        names = os.listdir(videos)
+    except FileNotFoundError:
+        return []
+    on_disk = {n[:-len(".mp4")] for n in names if n.endswith(".mp4") and TMP_MARKER not in n}
+    return sorted(on_disk - store.ids())
+
+
+def open_job_store(output_dir: str) -> JobStore:
+    """The job store of ``output_dir`` after its restart recovery, logged. Raises
+    :class:`~dist_attn.serve.jobs.store.StoreError` (a file that is not a readable SQLite database:
+    the message names it and what to do) or OSError (the directory cannot be made)."""
+    store = JobStore(output_dir)
+    try:
+        recovery = store.recover()
+        stale = remove_stale_temporaries(os.path.join(output_dir, "videos"))
+        unlisted = unlisted_videos(store)
+    except BaseException:
+        store.close()
+        raise
+    log.info("job store %s: %d queued (re-queued after a stop: %s; failed after a second: %s; "
+             "cancelled: %s); %d partial file(s) removed", store.path, recovery.queued,
+             recovery.requeued or "none", recovery.failed or "none",
+             recovery.cancelled or "none", len(stale))
+    if unlisted:
+        known = len(store.ids())
+        log.warning("job store %s lists %d job(s), but %s holds %d MP4(s) of jobs it does not "
+                    "list (%s%s): the store was replaced, or restored without the %s-wal file "
+                    "that held its recent jobs. Those videos are not served; restore %s together "
+                    "with its -wal file to list them again", store.path, known,
+                    os.path.join(output_dir, "videos"), len(unlisted),
+                    ", ".join(unlisted[:_NAMED]), ", ..." if len(unlisted) > _NAMED else "",
+                    STORE_NAME, STORE_NAME)
+    return store

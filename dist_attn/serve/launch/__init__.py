@@ -1,0 +1,6 @@
+"""The server process, from flags to the rank loops: the CLI, the launch checks, logging, the OS
+(parent death, port, API key), warm-up and the ``--nproc-per-node`` supervisor. Exports ``main``."""
+
+from dist_attn.serve.launch.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,361 @@
+"""Serve MiniMax H3 (diffusers' MiniMaxH3Transformer3DModel) on the ranks of one host: the
+project's main job.
+
+    torchrun --nproc-per-node 4 launch/serve.py                       # tiny H3, CPU gloo, :8000
+    torchrun --nproc-per-node 4 launch/serve.py --config configs/h3.toml --quality high
+    torchrun --nproc-per-node 4 launch/serve.py --once --steps 2      # one request, JSON line
+    torchrun --nproc-per-node 4 launch/serve.py --check-only --quality high
+    python launch/serve.py --once                                      # single rank, local
+
+Order on every rank: parse flags -> parent-death signal -> config (validated, world-size rules
+included) -> process group -> rank 0 binds the HTTP port -> quality tier, backend and port
+checks from gathered facts -> model -> serve. A failure before the model prints one message on
+rank 0 and exits 1 on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tomllib
+from typing import Any
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+log = logging.getLogger(__name__)
+
+# flag dest -> config field it overrides
+_FLAG_FIELDS = {
+    "backend": "runtime.backend",
+    "dtype": "runtime.dtype",
+    "layers": "model.num_layers",
+    "ulysses_degree": "parallel.ulysses_degree",
+    "ring_degree": "parallel.ring_degree",
+    "pg_timeout": "runtime.pg_timeout_s",
+    "heartbeat": "runtime.heartbeat_s",
+    "compile": "runtime.compile",
+    "host": "serve.host",
+    "port": "serve.port",
+    "frames": "request.frames",
+    "height": "request.height",
+    "width": "request.width",
+    "steps": "request.steps",
+    "seed": "request.seed",
+    "output_dir": "jobs.output_dir",
+    "video_runner": "jobs.runner",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML config (default: configs/tiny.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any config field; VALUE is a TOML value (repeatable)")
+    p.add_argument("--quality", default=None,
+                   help="quality tier: 'lossless' or 'high' (absent: no constraint)")
+    p.add_argument("--backend", help="attention backend: auto, sage, sdpa, ...")
+    p.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
+    p.add_argument("--layers", type=int, help="number of H3 blocks (model.num_layers)")
+    p.add_argument("--ulysses-degree", type=int, help="Ulysses degree (0 = world size / ring degree)")
+    p.add_argument("--ring-degree", type=int, help="ring degree R (the ring crosses hosts; "
+                                                   "Ulysses runs inside each)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="diffusers-format MiniMax-H3 directory: the served DiT loads DIR/"
+                        "transformer (or DIR itself when it is a bare MiniMaxH3Transformer3DModel "
+                        "checkpoint: config.json + safetensors) with from_pretrained, the video "
+                        "pipeline the rest (vae/, audio_vae/, text_encoder/, tokenizer/, "
+                        "scheduler/, audio_scheduler/). Default: the DiT's own random "
+                        "initialisation (model.weight_seed) inside a tiny random pipeline built "
+                        "once into a cache directory")
+    p.add_argument("--compile", action="store_const", const=True, default=None,
+                   help="torch.compile every H3 block, fullgraph (attention stays one opaque op); "
+                        "the first request of each new shape compiles")
+    p.add_argument("--host", help="HTTP bind address (rank 0; default loopback, others warn)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token required on every endpoint but /health (default: "
+                        "$DIST_ATTN_API_KEY; empty means no key)")
+    p.add_argument("--port", type=int, help="HTTP port (0: pick a free one)")
+    p.add_argument("--frames", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--output-dir", help="where the video jobs' store and MP4s live (default "
+                                        "jobs.output_dir, ./outputs); given, /v1/generate also "
+                                        "saves each output latent there as "
+                                        "<request_id>.safetensors")
+    p.add_argument("--video-runner", help="what runs /v1/videos jobs: h3 (the pipeline), "
+                                          "synthetic (no model, for load tests) or off")
+    p.add_argument("--once", action="store_true",
+                   help="run one request from the flags, print its JSON result, exit")
+    p.add_argument("--check-only", action="store_true",
+                   help="validate config and topology, then exit 0 or 1")
+    p.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
+                   help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
+    p.add_argument("--pg-timeout", type=float, help="process-group timeout in seconds")
+    p.add_argument("--heartbeat", type=float, help="idle heartbeat period in seconds")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="run torchrun on N local ranks under a supervisor that turns SIGTERM/"
+                        "SIGINT into rank 0's drain, so a clean stop exits 0 (torchrun alone "
+                        "exits 1 after a SIGTERM although every rank drained); not under "
+                        "torchrun")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="with --nproc-per-node: restart the job when it fails after it served "
+                        "(a rank killed or crashed), at most N times within 10 minutes "
+                        "(default 3; 0: never). The running video job is re-queued")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-all-ranks", action="store_true",
+                   help="log INFO on every rank, not only rank 0")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The validated config: file (or embedded default), then --set, then dedicated flags."""
+    from dist_attn.serve.config import apply_overrides, load_config
+
+    cfg = load_config(args.config)
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = raw  # a bare word: take it as a string
+    for dest, key in _FLAG_FIELDS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            overrides[key] = value
+    if args.quality is not None:
+        overrides["runtime.quality"] = args.quality
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _rank0_error(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"launch/serve.py: error: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dist_attn.serve.launch.supervise import (restore_default_signals, strip_flag, supervise,
+                                           under_torchrun)
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.nproc_per_node is not None:
+        if under_torchrun():
+            print("launch/serve.py: error: --nproc-per-node starts torchrun itself; under "
+                  "torchrun leave it out", file=sys.stderr, flush=True)
+            return 1
+        restarts = {} if args.max_restarts is None else {"max_restarts": args.max_restarts}
+        try:
+            return supervise(args.nproc_per_node, strip_flag(strip_flag(
+                argv, "--nproc-per-node"), "--max-restarts"), **restarts)
+        except (ValueError, RuntimeError) as e:
+            print(f"launch/serve.py: error: {e}", file=sys.stderr, flush=True)
+            return 1
+    if args.max_restarts is not None:
+        print(f"launch/serve.py: error: --max-restarts={args.max_restarts} is the supervisor's "
+              "(with --nproc-per-node); under torchrun use torchrun's own --max-restarts",
+              file=sys.stderr, flush=True)
+        return 1
+    restore_default_signals()  # a rank under the supervisor inherits them ignored
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+
+    import torch
+
+    from dist_attn.distributed import init_distributed
+    from dist_attn.serve.launch.checks import run_launch_checks
+    from dist_attn.serve.launch.logs import setup_logging
+    from dist_attn.serve.launch.process import (bind_listener, exposure_warnings, resolve_api_key,
+                                         set_parent_death_signal)
+    from dist_attn.serve.jobs.requests import RequestError, parse_request
+
+    setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
+    set_parent_death_signal()
+    # Config errors need no collective: every rank computes the same verdict and exits.
+    try:
+        cfg = config_from_args(args)
+        cfg.check_world(world)
+    except ValueError as e:
+        _rank0_error(rank, f"invalid config: {e}")
+        return 1
+    try:
+        api_key = resolve_api_key(args.api_key, os.environ)
+    except ValueError as e:
+        _rank0_error(rank, str(e))
+        return 1
+    once_req = None
+    if args.once:
+        try:
+            once_req = parse_request({}, cfg, request_id=f"once-{cfg.request.seed}")
+        except RequestError as e:
+            _rank0_error(rank, f"invalid request: {e}")
+            return 1
+
+    env = init_distributed(backend=args.dist_backend, timeout_s=cfg.runtime.pg_timeout_s)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "auto": torch.bfloat16 if env.device.type == "cuda" else torch.float32
+             }[cfg.runtime.dtype]
+    listener, store, local_failures = None, None, []
+    if rank == 0 and not (args.once or args.check_only):
+        host, port = cfg.serve.host, cfg.serve.port
+        try:
+            listener = bind_listener(host, port, cfg.serve.backlog)
+        except OSError as e:
+            local_failures.append(f"port: cannot listen on {host}:{port} ({e.strerror or e}); "
+                                  "choose another with --port")
+        for warning in exposure_warnings(host, api_key):
+            log.warning("%s", warning)
+        store = _open_store(cfg, local_failures)
+    try:
+        backend, failures = run_launch_checks(cfg, env, dtype, local_failures)
+        if failures:
+            tier = cfg.runtime.quality or "none"
+            _rank0_error(rank, f"launch checks failed (quality={tier}, world size "
+                               f"{env.world_size}); {len(failures)} condition(s):\n  - "
+                         + "\n  - ".join(failures))
+            return 1
+        if args.check_only:
+            if rank == 0:
+                print(f"check-only: OK (config {cfg.model.name}, world {env.world_size}, "
+                      f"quality={cfg.runtime.quality or 'none'}, backend {backend}, device "
+                      f"{env.device})", flush=True)
+            return 0
+        from dist_attn.serve.h3.engine import Engine
+        from dist_attn.serve.ranks.loop import serve
+
+        model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank)
+        if model is None:
+            return 1
+        engine = Engine(cfg, env, model, timer, backend=backend, output_dir=args.output_dir)
+        runner = videos = None
+        if not args.once:  # --once runs one /v1/generate request: no jobs
+            try:
+                runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank,
+                                             model, store)
+            except (ValueError, FileNotFoundError) as e:  # every rank reads the same files
+                _rank0_error(rank, f"video pipeline: {e}")
+                return 1
+        if cfg.runtime.warmup_shapes:  # every rank, before HTTP answers /health
+            from dist_attn.serve.launch.warmup import warm_up
+
+            warm_up(engine, cfg)
+        info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
+                "world_size": env.world_size, "backend": backend,
+                "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
+                "linear_precision": cfg.model.linear_precision,
+                "fp8_fast_accum": cfg.model.fp8_fast_accum,
+                "overlap_chunks": cfg.parallel.overlap_chunks,
+                "compiled": cfg.runtime.compiled(env.device.type),
+                "device": (torch.cuda.get_device_name(env.device)
+                           if env.device.type == "cuda" else "cpu")}
+        return serve(cfg, env, engine, listener=listener, once=once_req, info=info,
+                     api_key=api_key, runner=runner, videos=videos)
+    finally:
+        if listener is not None:
+            listener.close()
+        if store is not None:
+            store.close()
+        if env.distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
+           rank: int) -> tuple[Any, Any]:
+    """Builds the sequence-parallel H3 on every rank; a bad checkpoint fails on every rank alike
+    (all read the same files, before any collective) and is reported once."""
+    from dist_attn.profiling import PhaseTimer
+    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.serve.h3.weights import WeightsError
+
+    try:
+        model = build_h3(cfg.model, device=env.device, dtype=dtype, checkpoint=checkpoint)
+    except (WeightsError, ImportError) as e:
+        _rank0_error(rank, str(e))
+        return None, None
+    timer = PhaseTimer(env.device)
+    mesh = None
+    if cfg.parallel.ring_degree > 1:
+        from dist_attn.mesh import init_usp_mesh
+
+        # global rank r*U + u sits at mesh coordinate (r, u) and holds shard r*U + u: the rows
+        # enable_ulysses gives it over the default group
+        mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
+                             device_type=env.device.type)
+    parallelize(model, mesh=mesh, backend=backend, timer=timer,
+                overlap_chunks=cfg.parallel.overlap_chunks)
+    if cfg.runtime.compiled(env.device.type):
+        compile_blocks(model)
+    log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
+             "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
+             "backend %s%s", cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
+             sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
+             cfg.model.linear_precision + (" fast-accum" if cfg.model.fp8_fast_accum else ""),
+             f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
+             backend, ", blocks compiled" if cfg.runtime.compiled(env.device.type) else "")
+    return model, timer
+
+
+def _transformer_dir(checkpoint: str | None) -> str | None:
+    """The transformer's directory inside a pipeline checkpoint (or the bare checkpoint)."""
+    if checkpoint is None:
+        return None
+    sub = os.path.join(checkpoint, "transformer")
+    return sub if os.path.isdir(sub) else checkpoint
+
+
+def _open_store(cfg: Any, failures: list[str]) -> Any:
+    """Rank 0: the job store after its restart recovery (None with ``jobs.runner = "off"``).
+    Opened before the launch checks, so that a store that cannot be opened (a corrupt file:
+    raw tracebacks on every rank, issue 24) is one failed launch condition naming the file."""
+    if cfg.jobs.runner == "off":
+        return None
+    from dist_attn.serve.jobs.store import StoreError
+    from dist_attn.serve.jobs.store_open import open_job_store
+
+    try:
+        return open_job_store(cfg.jobs.output_dir)
+    except StoreError as e:
+        failures.append(f"job store: {e}")
+    except OSError as e:
+        failures.append(f"job store: cannot use jobs.output_dir={cfg.jobs.output_dir!r} "
+                        f"({e.strerror or e}); choose another with --output-dir")
+    return None
+
+
+def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
+                rank: int, transformer: Any, store: Any) -> tuple[Any, Any]:
+    """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
+    and, on rank 0, what HTTP shares about the jobs over ``store`` (opened by
+    :func:`_open_store`); ``(None, None)`` with ``jobs.runner = "off"``."""
+    from dist_attn.serve.http.state import VideoJobs
+    from dist_attn.serve.jobs.synthetic import SyntheticRunner
+    from dist_attn.serve.jobs.videos import VideoRules
+
+    jobs = cfg.jobs
+    if jobs.runner == "off":
+        return None, None
+    if jobs.runner == "synthetic":
+        rules = VideoRules(default_height=64, default_width=64, default_steps=cfg.request.steps,
+                           max_steps=cfg.serve.max_steps, max_rows=cfg.serve.max_tokens)
+        runner: Any = SyntheticRunner(env, step_s=jobs.synthetic_step_s, rules=rules)
+    else:
+        from dist_attn.serve.h3.pipeline import H3Runner
+
+        if checkpoint is not None and _transformer_dir(checkpoint) == checkpoint:
+            raise ValueError(f"--checkpoint {checkpoint} is a bare transformer checkpoint; the "
+                             "video pipeline needs a full one (transformer/, vae/, audio_vae/, "
+                             "text_encoder/, tokenizer/, scheduler/, audio_scheduler/), or pass "
+                             "--video-runner off")
+        runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint,
+                                transformer=transformer)
+    if rank != 0:
+        return runner, None
+    return runner, VideoJobs(store=store, rules=runner.rules, max_queued=jobs.max_queued,
+                             output_dir=jobs.output_dir, thumbnail=jobs.thumbnail)
