@@ -1,11 +1,13 @@
 """Run a function on N gloo ranks in fresh processes, with a hard time limit.
 
 Each test gets its own ``file://`` rendezvous under ``tmp_path`` so pytest-xdist workers never
-collide. Ranks are forked from a forkserver that has imported torch, dist_attn and diffusers once
-per pytest worker: a spawned rank paid 2.3 s (torch) to 7.7 s (with the diffusers adapter) of
-imports on CI's 2 cores, so a 4-rank test spent up to 30 CPU-seconds importing before its first
-collective. The forkserver itself runs no torch op, so the forked ranks start with no threads. A rank that raises reports the exception instead of its result; a rank still running
-at the deadline fails the test (that is how a hang in a collective shows up).
+collide. Without CUDA, ranks are forked from a forkserver that has imported torch, dist_attn and
+diffusers once per pytest worker: a spawned rank paid 2.3 s (torch) to 7.7 s (with the diffusers
+adapter) of imports on CI's 2 cores, so a 4-rank test spent up to 30 CPU-seconds importing before
+its first collective. The forkserver itself runs no torch op, so the forked ranks start with no
+threads. With CUDA, ranks are spawned (see :func:`_context`). A rank that raises reports the
+exception instead of its result; a rank still running at the deadline fails the test (that is how
+a hang in a collective shows up).
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ _PRELOAD = ["torch", "torch.distributed", "numpy", "dist_attn", "dist_attn.integ
 
 
 def _context():
+    import torch
+
+    if torch.cuda.is_available():
+        # A preloaded module may touch CUDA at import (torchao, imported by diffusers, asks for the
+        # device capability), and a rank forked from a process with CUDA initialised cannot use
+        # it: "Cannot re-initialize CUDA in forked subprocess" (seen on the H200). GPU tests are
+        # few; they pay the imports of a fresh interpreter.
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
