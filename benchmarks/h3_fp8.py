@@ -11,9 +11,7 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   ``scaled_mm[_fast]`` = the GEMM alone on pre-quantized operands; ``quant`` = the activation
   quantization alone. TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
   outlier channels; the layer's own init).
-* ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) |
-  ``fp8fast_unfused`` (the same without the fused SwiGLU kernel, ``fuse_swiglu=False``; compiled
-  rows only) linears x attention ``sdpa`` | ``sage8`` |
+* ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
   the q/k/v projections, as in h3-model's 30.8 ms compiled "none"); ``none@w4``: the rest at
@@ -57,7 +55,7 @@ THEME, _REPO = "h3-fp8", os.path.dirname(os.path.dirname(os.path.abspath(__file_
 _SKIPPED = "skipped: the --budget-s wall-time budget was spent"
 _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
 _COMPILED = ("fp8:sage8,fp8fast:sage8,bf16:sage8,fp8:none@w4,fp8fast:none@w4,bf16:none@w4,bf16:native,"
-             "fp8fast_unfused:sage8,fp8fast_unfused:none@w4,fp8:sdpa,bf16:sdpa,fp8:native")
+             "fp8:sdpa,bf16:sdpa,fp8:native")
 
 
 @torch.library.custom_op("h3fp8bench::no_attention", mutates_args=())
@@ -99,20 +97,16 @@ def _unavailable(backend: str, dev, cfg) -> str | None:
 
 
 def _models(cfg, dev, emulate: bool):
-    """(summary, {"bf16": model, "fp8": model, "fp8fast": model, "fp8fast_unfused": model}): 1
-    block, no refiner, the same weights; ``fp8fast`` = FP8 linears with fast accumulation
-    (``fast_accum=True``); ``fp8fast_unfused``: the same with diffusers' SwiGLU and torchao's
-    down projection (``fuse_swiglu=False``), to show what the fused kernel saves."""
+    """(summary, {"bf16": model, "fp8": model, "fp8fast": model}): 1 block, no refiner, the same
+    weights; ``fp8fast`` = FP8 linears with fast accumulation (``fast_accum=True``)."""
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.h3.model import build_h3
 
     one = dataclasses.replace(cfg.model, num_layers=1, num_refiner_layers=0)
     bf16 = build_h3(one, device=dev, dtype=torch.bfloat16)
-    fp8, fp8fast, unfused = copy.deepcopy(bf16), copy.deepcopy(bf16), copy.deepcopy(bf16)
+    fp8, fp8fast = copy.deepcopy(bf16), copy.deepcopy(bf16)
     quantize_linears(fp8fast, "fp8", emulate=emulate, fast_accum=True)
-    quantize_linears(unfused, "fp8", emulate=emulate, fast_accum=True, fuse_swiglu=False)
-    return quantize_linears(fp8, "fp8", emulate=emulate), {"bf16": bf16, "fp8": fp8, "fp8fast": fp8fast,
-                                                           "fp8fast_unfused": unfused}
+    return quantize_linears(fp8, "fp8", emulate=emulate), {"bf16": bf16, "fp8": fp8, "fp8fast": fp8fast}
 
 
 def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
