@@ -25,6 +25,7 @@
 #   job-full-compiled   serve_h3_gpu: 50 blocks x 2 steps compiled, bf16 linears                (~2 min)
 #   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears                 (~2 min)
 #   job-full-fp8fast    serve_h3_gpu: the same, FP8 linears with fast accumulation              (~2 min)
+#   job-outside         serve_h3_gpu: the served step with every block the identity (job_model) (~2 min)
 #   all                 every subcommand above, in this order (~65 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
@@ -48,7 +49,7 @@ SA2=$PWD/.sa2build/SageAttention
 TODAY=$(date -u +%F)
 ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-variants ncu sage8-dev
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
-     job-full-compiled job-full-fp8 job-full-fp8fast)
+     job-full-compiled job-full-fp8 job-full-fp8fast job-outside)
 DRY=0
 
 say() { echo "[h200 $(date -u +%T)] $*" | tee -a "$LOG"; }
@@ -213,6 +214,9 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
         run 280 job-full-fp8fast "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 50 --steps 2 --jobs 1 \
             --diffusers off --compile on --linear-precision fp8 --fp8-fast-accum \
             --theme serve-h3-job-full-fp8fast --budget-s 250 ;;
+    job-outside)
+        run 240 job-outside "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 1 --steps 3 --jobs 1 \
+            --diffusers off --blocks identity --theme serve-h3-job-outside --budget-s 210 ;;
     esac
 }
 

@@ -8,9 +8,12 @@ Terms, each read from a result file (the file and the row are recorded):
 - text encode: the served full-size job at W = 1 (``serve-h3-job-full_*``): rank 0 encodes
   and broadcasts at any W;
 - denoise: 49 x (50 x the real block per rank at the W = 4 shapes, eager sage8, with its
-  all-to-alls from bytes; ``scaling-modeled_*``) + the step's part outside the blocks, taken
-  from the full-size W = 1 step minus 50 of its W = 1 blocks (the refiner, embeddings, heads;
-  kept whole: it is not split over the ranks in this model);
+  all-to-alls from bytes; ``scaling-modeled_*``) + the step's part outside the blocks (the
+  refiner, embeddings, heads and the engine's loop; kept whole: it is not split over the ranks
+  in this model): measured where a ``serve-h3-job-outside_*`` file exists (the served step with
+  every block the identity: ``bash benchmarks/h200.sh job-outside``), else the full-size W = 1
+  step minus 50 of its W = 1 blocks (a difference of two runs, often of two days: it swung from
+  0.05 to 0.195 s between files, so the measured term is preferred; the term's text says which);
 - audio decode: the served job (rank 0, before the video decode);
 - video decode at W = 4: ``vae-decode_*``'s model (a rank's 49 calls + stitching +
   all-gathers from bytes);
@@ -43,6 +46,25 @@ def _newest(pattern: str) -> tuple[str, dict]:
         return os.path.basename(paths[-1]), json.load(f)
 
 
+def _median_step(job: dict) -> float:
+    """The median step of a ``serve_h3_gpu`` file's timed jobs (the warm-up job left out)."""
+    timed = [r for r in job["rows"] if not r["warmup"]] or job["rows"]
+    steps = sorted(x for r in timed for x in r["step_s"])
+    return steps[len(steps) // 2]
+
+
+def outside_blocks(w1_step: float, layers: int, block_w1: float) -> tuple[float, str]:
+    """Seconds of a step outside its blocks and where they come from: the newest
+    ``serve-h3-job-outside_h200_*`` file's median step, else ``w1_step - layers * block_w1``."""
+    paths = sorted(glob.glob(os.path.join(RESULTS, "serve-h3-job-outside_h200_*.json")))
+    if paths:
+        with open(paths[-1]) as f:
+            how = f"measured, blocks as the identity: {os.path.basename(paths[-1])}"
+            return _median_step(json.load(f)), how
+    return max(0.0, w1_step - layers * block_w1), (f"the W = 1 step {w1_step:.3f} s less {layers} "
+                                                   f"W = 1 blocks of {block_w1 * 1e3:.2f} ms")
+
+
 def w4_block_ms(row: dict, config: dict) -> float:
     """An h3_fp8 ``w4`` row's block time. Rows written before the fix of 2026-12-05 (no
     ``a2a_in_ms``) added the all-to-alls twice: the second count is taken off here, computed as
@@ -68,7 +90,7 @@ def model(steps: int, path: str, mode: str, threading: str,
     timed = [r for r in job["rows"] if not r["warmup"]] or job["rows"]
     j = timed[-1]
     layers = job["config"]["layers"]
-    w1_step = sorted(x for r in timed for x in r["step_s"])[len(timed) * len(timed[0]["step_s"]) // 2]
+    w1_step = _median_step(job)
     if (linears, mode) == ("bf16", "eager"):  # the scaling run's real block, eager
         blocks_name, sc = _newest("scaling-modeled_h200_*.json")
 
@@ -93,8 +115,8 @@ def model(steps: int, path: str, mode: str, threading: str,
         if "a2a_in_ms" not in w4[0]:
             blocks_name += (f" (w4 row {w4[0]['median_ms']:.2f} ms less its second count of the "
                             f"all-to-alls)")
-    outside_blocks = max(0.0, w1_step - layers * block_w1)
-    step_w4 = layers * block_w4 + outside_blocks
+    outside_s, outside_how = outside_blocks(w1_step, layers, block_w1)
+    step_w4 = layers * block_w4 + outside_s
     w4rows = [r for r in dec["rows"]
               if r.get("section") == "W=4 modeled" and r.get("status", "ok") == "ok"]
     decode = min(w4rows, key=lambda r: r["modeled_s"])
@@ -108,7 +130,8 @@ def model(steps: int, path: str, mode: str, threading: str,
     terms = [
         {"term": "text encode (rank 0, broadcast)", "s": j["text_encode"], "source": job_name},
         {"term": f"denoise: {steps - 1} forwards x {step_w4:.3f} s (50 blocks x "
-                 f"{block_w4 * 1e3:.2f} ms at W = 4 + {outside_blocks:.3f} s outside the blocks)",
+                 f"{block_w4 * 1e3:.2f} ms at W = 4 + {outside_s:.3f} s outside the blocks: "
+                 f"{outside_how})",
          "s": (steps - 1) * step_w4, "source": f"{blocks_name} + {job_name}"},
         {"term": "audio decode (rank 0)", "s": j["decode_audio"], "source": job_name},
         {"term": f"video decode at W = 4 ({decode['rank_calls']} calls a rank, "
@@ -126,7 +149,7 @@ def model(steps: int, path: str, mode: str, threading: str,
     info = {"steps": steps, "path": path, "mode": mode, "overlap_chunks": overlap_chunks,
             "step_w4_s": step_w4,
             "w1_step_s": w1_step, "block_w1_s": block_w1, "block_w4_s": block_w4,
-            "outside_blocks_s": outside_blocks, "sources": [job_name, dec_name, blocks_name],
+            "outside_blocks_s": outside_s, "outside_blocks_how": outside_how, "sources": [job_name, dec_name, blocks_name],
             "after_denoise_s": after, "total_s": total, "sglang_s": 74.38,
             "sglang_decode_s": 1.32}
     return terms, info

@@ -93,6 +93,11 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype,
     return comps, built_s
 
 
+def _identity_block(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A transformer block's forward that returns its input (``--blocks identity``)."""
+    return hidden_states
+
+
 def _diffusers_job(comps, req, device, mp4_path: str) -> dict:
     """diffusers' own t2va (``MiniMaxH3Blocks``) on the same components and request: its native
     attention, its decode (one tile a call, the VAE's dtype), then the MP4 with our writer."""
@@ -154,8 +159,16 @@ def main() -> None:
     p.add_argument("--diffusers", choices=("auto", "on", "off"), default="auto",
                    help="also run diffusers' own t2va pipeline first (auto: on the GPU)")
     p.add_argument("--decode-tiles-per-call", type=int, default=None)
+    p.add_argument("--blocks", choices=("real", "identity"), default="real",
+                   help="identity: every transformer block returns its input, so a step's seconds "
+                        "are the part of the served step outside the blocks (the refiner, "
+                        "embeddings, heads and the engine's loop; benchmarks.job_model reads it); "
+                        "not with --diffusers on, blocks not compiled")
     add_common_args(p, iters=1, warmup=1, budget_s=400)
     args = p.parse_args()
+    if args.blocks == "identity" and args.diffusers == "on":
+        p.error("--blocks identity measures the served step outside the blocks: not with "
+                "--diffusers on (diffusers' own pipeline would run the real blocks)")
     from dist_attn.distributed import DistEnv
     from dist_attn.serve.h3.components import load_components
     from dist_attn.serve.h3.model import compile_blocks, parallelize
@@ -185,7 +198,8 @@ def main() -> None:
         args.prompt_tokens = min(args.prompt_tokens, 32)
         args.backend = "sdpa"  # the 8-bit kernels need a GPU
     out_dir = tempfile.mkdtemp(prefix="dist_attn_h3job_")
-    run_diffusers = args.diffusers == "on" or (args.diffusers == "auto" and cuda)
+    run_diffusers = args.blocks == "real" and (args.diffusers == "on"
+                                               or (args.diffusers == "auto" and cuda))
     diffusers_row = None
     if run_diffusers:
         # before enable_ulysses: the transformer still has diffusers' own processors
@@ -198,7 +212,10 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     parallelize(comps.transformer, backend=args.backend)
-    compiled = args.compile == "on" or (args.compile == "auto" and cuda)
+    compiled = args.blocks == "real" and (args.compile == "on" or (args.compile == "auto" and cuda))
+    if args.blocks == "identity":
+        for block in comps.transformer.transformer_blocks:
+            block.forward = _identity_block
     if compiled:
         compile_blocks(comps.transformer)
     pipe = H3Pipeline(comps, env, dtype, decode_tiles_per_call=args.decode_tiles_per_call)
@@ -243,7 +260,7 @@ def main() -> None:
               "dtype": str(dtype), "device": str(device), "jobs_timed": len(timed),
               "built_s": built_s, "real_configs": cuda, "backend": args.backend,
               "compile": compiled, "linear_precision": args.linear_precision,
-              "fp8_fast_accum": args.fp8_fast_accum,
+              "fp8_fast_accum": args.fp8_fast_accum, "blocks": args.blocks,
               "video_vae_dtype": str(comps.vae.dtype),
               "diffusers_t2va": diffusers_row}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,

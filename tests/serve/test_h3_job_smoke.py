@@ -36,3 +36,29 @@ def test_h3_job_benchmark_smoke(tmp_path):
     assert after <= phases["after_denoise"]["s"] * 1.01
     assert [len(r["step_s"]) for r in data["rows"]] == [3, 3]  # warm-up + 1 job, 3 steps
     assert data["config"]["backend"] == "sdpa" and data["config"]["diffusers_t2va"] is None
+
+
+def test_h3_job_benchmark_identity_blocks_measure_the_step_outside_them(tmp_path):
+    """--blocks identity (what benchmarks.job_model reads as the step outside the blocks): the
+    same job runs with every block returning its input, and its steps are faster than with the
+    real blocks (the tiny model's two blocks are ~60% of its CPU step)."""
+    medians = {}
+    for blocks in ("real", "identity"):
+        out = tmp_path / blocks
+        res = subprocess.run([sys.executable, "-m", "benchmarks.serve_h3_gpu", "--smoke", "--blocks",
+                              blocks, "--out", str(out)], cwd=ROOT,
+                             env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                             text=True, timeout=240)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        [path] = glob.glob(str(out / "serve-h3-job_cpu_*.json"))
+        with open(path) as f:
+            data = json.load(f)
+        assert data["config"]["blocks"] == blocks and data["config"]["compile"] is False
+        steps = sorted(s for r in data["rows"] for s in r["step_s"][1:])  # past each job's first
+        medians[blocks] = steps[len(steps) // 2]
+    assert medians["identity"] < medians["real"], medians
+    res = subprocess.run([sys.executable, "-m", "benchmarks.serve_h3_gpu", "--smoke", "--blocks",
+                          "identity", "--diffusers", "on", "--out", str(tmp_path / "x")], cwd=ROOT,
+                         env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "not with --diffusers on" in res.stderr, res.stderr[-2000:]
