@@ -26,7 +26,7 @@
 #   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears                 (~2 min)
 #   job-full-fp8fast    serve_h3_gpu: the same, FP8 linears with fast accumulation              (~2 min)
 #   job-outside         serve_h3_gpu: the served step with every block the identity (job_model) (~2 min)
-#   all                 every subcommand above, in this order (~65 min: several device calls)
+#   all                 every subcommand above, in this order (~67 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
 # Needs: ${WHEELS:-.whl}/*.whl, the wheels the image lacks (installed into /tmp/site; the machine
@@ -216,7 +216,7 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
             --theme serve-h3-job-full-fp8fast --budget-s 250 ;;
     job-outside)
         run 240 job-outside "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 1 --steps 3 --jobs 1 \
-            --diffusers off --blocks identity --theme serve-h3-job-outside --budget-s 210 ;;
+            --diffusers off --compile on --blocks identity --theme serve-h3-job-outside --budget-s 210 ;;
     esac
 }
 

@@ -53,16 +53,23 @@ def _median_step(job: dict) -> float:
     return steps[len(steps) // 2]
 
 
-def outside_blocks(w1_step: float, layers: int, block_w1: float) -> tuple[float, str]:
-    """Seconds of a step outside its blocks and where they come from: the newest
-    ``serve-h3-job-outside_h200_*`` file's median step, else ``w1_step - layers * block_w1``."""
-    paths = sorted(glob.glob(os.path.join(RESULTS, "serve-h3-job-outside_h200_*.json")))
-    if paths:
-        with open(paths[-1]) as f:
-            how = f"measured, blocks as the identity: {os.path.basename(paths[-1])}"
-            return _median_step(json.load(f)), how
-    return max(0.0, w1_step - layers * block_w1), (f"the W = 1 step {w1_step:.3f} s less {layers} "
-                                                   f"W = 1 blocks of {block_w1 * 1e3:.2f} ms")
+def outside_blocks(w1_step: float, layers: int, block_w1: float,
+                   compiled: bool) -> tuple[float, str, str | None]:
+    """Seconds of a step outside its blocks, how they were found, and the file read: the newest
+    ``serve-h3-job-outside_h200_*`` file whose run had every block the identity, the real
+    component configs and the refiner compiled as ``compiled`` says; else ``w1_step - layers *
+    block_w1`` (no file)."""
+    for path in sorted(glob.glob(os.path.join(RESULTS, "serve-h3-job-outside_h200_*.json")),
+                       reverse=True):
+        with open(path) as f:
+            run = json.load(f)
+        cfg = run.get("config", {})
+        if (cfg.get("blocks") == "identity" and cfg.get("real_configs")
+                and bool(cfg.get("compile")) == compiled):
+            name = os.path.basename(path)
+            return _median_step(run), f"measured, blocks as the identity: {name}", name
+    how = f"the W = 1 step {w1_step:.3f} s less {layers} W = 1 blocks of {block_w1 * 1e3:.2f} ms"
+    return max(0.0, w1_step - layers * block_w1), how, None
 
 
 def w4_block_ms(row: dict, config: dict) -> float:
@@ -115,7 +122,8 @@ def model(steps: int, path: str, mode: str, threading: str,
         if "a2a_in_ms" not in w4[0]:
             blocks_name += (f" (w4 row {w4[0]['median_ms']:.2f} ms less its second count of the "
                             f"all-to-alls)")
-    outside_s, outside_how = outside_blocks(w1_step, layers, block_w1)
+    outside_s, outside_how, outside_name = outside_blocks(w1_step, layers, block_w1,
+                                                          compiled=mode == "compiled")
     step_w4 = layers * block_w4 + outside_s
     w4rows = [r for r in dec["rows"]
               if r.get("section") == "W=4 modeled" and r.get("status", "ok") == "ok"]
@@ -132,7 +140,8 @@ def model(steps: int, path: str, mode: str, threading: str,
         {"term": f"denoise: {steps - 1} forwards x {step_w4:.3f} s (50 blocks x "
                  f"{block_w4 * 1e3:.2f} ms at W = 4 + {outside_s:.3f} s outside the blocks: "
                  f"{outside_how})",
-         "s": (steps - 1) * step_w4, "source": f"{blocks_name} + {job_name}"},
+         "s": (steps - 1) * step_w4,
+         "source": " + ".join(x for x in (blocks_name, job_name, outside_name) if x)},
         {"term": "audio decode (rank 0)", "s": j["decode_audio"], "source": job_name},
         {"term": f"video decode at W = 4 ({decode['rank_calls']} calls a rank, "
                  f"{decode['tiles_per_call']} a call)", "s": decode["modeled_s"],
@@ -149,7 +158,8 @@ def model(steps: int, path: str, mode: str, threading: str,
     info = {"steps": steps, "path": path, "mode": mode, "overlap_chunks": overlap_chunks,
             "step_w4_s": step_w4,
             "w1_step_s": w1_step, "block_w1_s": block_w1, "block_w4_s": block_w4,
-            "outside_blocks_s": outside_s, "outside_blocks_how": outside_how, "sources": [job_name, dec_name, blocks_name],
+            "outside_blocks_s": outside_s, "outside_blocks_how": outside_how,
+            "sources": [x for x in (job_name, dec_name, blocks_name, outside_name) if x],
             "after_denoise_s": after, "total_s": total, "sglang_s": 74.38,
             "sglang_decode_s": 1.32}
     return terms, info

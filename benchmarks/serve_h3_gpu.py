@@ -163,7 +163,7 @@ def main() -> None:
                    help="identity: every transformer block returns its input, so a step's seconds "
                         "are the part of the served step outside the blocks (the refiner, "
                         "embeddings, heads and the engine's loop; benchmarks.job_model reads it); "
-                        "not with --diffusers on, blocks not compiled")
+                        "not with --diffusers on; --compile compiles the refiner as served")
     add_common_args(p, iters=1, warmup=1, budget_s=400)
     args = p.parse_args()
     if args.blocks == "identity" and args.diffusers == "on":
@@ -212,8 +212,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     parallelize(comps.transformer, backend=args.backend)
-    compiled = args.blocks == "real" and (args.compile == "on" or (args.compile == "auto" and cuda))
-    if args.blocks == "identity":
+    compiled = args.compile == "on" or (args.compile == "auto" and cuda)
+    if args.blocks == "identity":  # before compile_blocks: the refiner compiles as it is served
         for block in comps.transformer.transformer_blocks:
             block.forward = _identity_block
     if compiled:

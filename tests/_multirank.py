@@ -58,10 +58,11 @@ def _context():
     import torch
 
     if torch.cuda.is_available():
-        # A preloaded module may touch CUDA at import (torchao, imported by diffusers, asks for the
-        # device capability), and a rank forked from a process with CUDA initialised cannot use
-        # it: "Cannot re-initialize CUDA in forked subprocess" (seen on the H200). GPU tests are
-        # few; they pay the imports of a fresh interpreter.
+        # A preloaded module may touch CUDA at import (likely torchao, which diffusers imports,
+        # asking for the device capability), and a rank forked from a process with CUDA
+        # initialised cannot use it: "Cannot re-initialize CUDA in forked subprocess" (seen on an
+        # H100, 2026-12-05). On a GPU machine every multi-rank test, gloo ones included, pays the
+        # imports of a fresh interpreter instead; CI (no GPU) keeps the forkserver.
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)

@@ -265,20 +265,27 @@ def test_job_model_takes_the_double_counted_all_to_all_off_rows_written_before_t
     assert w4_block_ms(new, config) == 20.75
 
 
-def test_job_model_reads_the_measured_step_outside_the_blocks_when_there_is_one(tmp_path, monkeypatch):
-    """benchmarks.job_model's term outside the blocks: the newest serve-h3-job-outside file's
-    median step (warm-up job left out) when one exists, else the W = 1 step less its blocks; the
-    returned text names which."""
+def test_job_model_reads_the_measured_step_outside_the_blocks_when_there_is_one(tmp_path,
+                                                                               monkeypatch):
+    """benchmarks.job_model's term outside the blocks: the newest serve-h3-job-outside file of an
+    identity-blocks run with the real configs and the mode's compile setting, its median step
+    (warm-up job left out); else the W = 1 step less its blocks; the text names which."""
     import json
 
     import benchmarks.job_model as jm
 
     monkeypatch.setattr(jm, "RESULTS", str(tmp_path))
-    s, how = jm.outside_blocks(5.0, 50, 0.096)
-    assert s == pytest.approx(0.2) and "less 50 W = 1 blocks of 96.00 ms" in how
+    s, how, name = jm.outside_blocks(5.0, 50, 0.096, compiled=True)
+    assert s == pytest.approx(0.2) and "less 50 W = 1 blocks of 96.00 ms" in how and name is None
     rows = [{"warmup": True, "step_s": [9.0, 9.0]}, {"warmup": False, "step_s": [0.31, 0.12, 0.13]}]
-    for date, scale in (("2026-12-01", 10.0), ("2026-12-06", 1.0)):  # the newest file wins
+    runs = (("2026-12-01", 10.0, "identity", True), ("2026-12-06", 1.0, "identity", True),
+            ("2026-12-07", 3.0, "real", True), ("2026-12-08", 5.0, "identity", False))
+    for date, scale, blocks, compile_ in runs:
         with open(tmp_path / f"serve-h3-job-outside_h200_{date}.json", "w") as f:
-            json.dump({"rows": [{**r, "step_s": [x * scale for x in r["step_s"]]} for r in rows]}, f)
-    s, how = jm.outside_blocks(5.0, 50, 0.096)
-    assert s == pytest.approx(0.13) and how.endswith("serve-h3-job-outside_h200_2026-12-06.json")
+            json.dump({"config": {"blocks": blocks, "real_configs": True, "compile": compile_},
+                       "rows": [{**r, "step_s": [x * scale for x in r["step_s"]]} for r in rows]}, f)
+    s, how, name = jm.outside_blocks(5.0, 50, 0.096, compiled=True)  # newest identity + compiled
+    assert s == pytest.approx(0.13) and name == "serve-h3-job-outside_h200_2026-12-06.json"
+    assert how.endswith(name)
+    s, _, name = jm.outside_blocks(5.0, 50, 0.096, compiled=False)
+    assert s == pytest.approx(0.65) and name == "serve-h3-job-outside_h200_2026-12-08.json"

@@ -45,20 +45,20 @@ def test_h3_job_benchmark_identity_blocks_measure_the_step_outside_them(tmp_path
     medians = {}
     for blocks in ("real", "identity"):
         out = tmp_path / blocks
-        res = subprocess.run([sys.executable, "-m", "benchmarks.serve_h3_gpu", "--smoke", "--blocks",
-                              blocks, "--out", str(out)], cwd=ROOT,
+        res = subprocess.run([sys.executable, "-m", "benchmarks.serve_h3_gpu", "--smoke",
+                              "--blocks", blocks, "--out", str(out)], cwd=ROOT,
                              env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
                              text=True, timeout=240)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         [path] = glob.glob(str(out / "serve-h3-job_cpu_*.json"))
         with open(path) as f:
             data = json.load(f)
-        assert data["config"]["blocks"] == blocks and data["config"]["compile"] is False
+        assert data["config"]["blocks"] == blocks and data["config"]["compile"] is False  # CPU
         steps = sorted(s for r in data["rows"] for s in r["step_s"][1:])  # past each job's first
         medians[blocks] = steps[len(steps) // 2]
     assert medians["identity"] < medians["real"], medians
     res = subprocess.run([sys.executable, "-m", "benchmarks.serve_h3_gpu", "--smoke", "--blocks",
                           "identity", "--diffusers", "on", "--out", str(tmp_path / "x")], cwd=ROOT,
-                         env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
-                         timeout=120)
+                         env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 2 and "not with --diffusers on" in res.stderr, res.stderr[-2000:]
