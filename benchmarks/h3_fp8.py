@@ -15,14 +15,16 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
   the q/k/v projections, as in h3-model's 30.8 ms compiled "none"); ``none@w4``: the rest at
-  9,504 rows. Eager all; compiled (``torch.compile(block, fullgraph=True, dynamic=False)``) the
-  ``--compiled`` list, in its order, after the accuracy section.
+  9,504 rows. Eager all, once each; compiled (``torch.compile(block, fullgraph=True, dynamic=False)``)
+  the ``--compiled`` list, in its order, after the accuracy section, each path on its own copy of
+  the block, then ``--rounds`` - 1 more passes over all of them: median of the rounds' medians.
 * ``w4`` (modeled as ``benchmarks.scaling --modeled`` does): rank 0 of Ulysses 4 = ``none@w4`` +
   its attention layer: pack + all-to-alls (bytes / ``--bandwidth-gbs``: q, k, v in, the output
   back) + attention at 14 heads x 38,016 rows + unpack, plain (C = 1) or with the heads in
   ``--overlap`` C chunks pipelined against their all-to-alls (``overlap_chunks``); ``step_s`` =
-  50 such blocks (refiner, embeddings and heads left out). Runs before 2026-12-05 counted the
-  all-to-alls twice (+1.135 ms a block); ``benchmarks.job_model`` corrects their rows.
+  50 such blocks (refiner, embeddings and heads left out). Its parts are timed in ``--rounds``
+  interleaved passes (from 2026-12-05 12:30; before, once each, in turn). Runs before 2026-12-05
+  counted the all-to-alls twice (+1.135 ms a block); ``benchmarks.job_model`` corrects their rows.
 * ``accuracy``: the served engine (configs/h3.toml, ``--acc-layers`` 8 x ``--acc-steps`` 3, its
   default request of 38,222 rows, W = 1): final latents of bf16:sage8, fp8:sdpa, fp8:sage8,
   fp8fast:sage8 vs bf16:sdpa.
@@ -97,16 +99,25 @@ def _unavailable(backend: str, dev, cfg) -> str | None:
 
 
 def _models(cfg, dev, emulate: bool):
-    """(summary, {"bf16": model, "fp8": model, "fp8fast": model}): 1 block, no refiner, the same
-    weights; ``fp8fast`` = FP8 linears with fast accumulation (``fast_accum=True``)."""
+    """(summary, models): ``"bf16"``, ``"fp8"``, ``"fp8fast"`` (FP8 linears with fast accumulation,
+    ``fast_accum=True``), 1 block, no refiner, the same weights; ``"copy"``: a function of a
+    precision that makes one more such model (each compiled path gets its own)."""
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.h3.model import build_h3
 
     one = dataclasses.replace(cfg.model, num_layers=1, num_refiner_layers=0)
     bf16 = build_h3(one, device=dev, dtype=torch.bfloat16)
-    fp8, fp8fast = copy.deepcopy(bf16), copy.deepcopy(bf16)
-    quantize_linears(fp8fast, "fp8", emulate=emulate, fast_accum=True)
-    return quantize_linears(fp8, "fp8", emulate=emulate), {"bf16": bf16, "fp8": fp8, "fp8fast": fp8fast}
+    pristine = copy.deepcopy(bf16)
+
+    def make(prec: str):
+        model = copy.deepcopy(pristine)
+        if prec != "bf16":
+            quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec == "fp8fast")
+        return model
+
+    fp8 = copy.deepcopy(pristine)
+    summary = quantize_linears(fp8, "fp8", emulate=emulate)
+    return summary, {"bf16": bf16, "fp8": fp8, "fp8fast": make("fp8fast"), "copy": make}
 
 
 def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
@@ -185,36 +196,67 @@ def _set_attention(block, attn: str, heads: int, head_dim: int, valid_len: int) 
 
 def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict) -> None:
     """Block rows of ``mode`` (W = 1 at h3-ref; ``none@w4``: the block's rest at 9,504 rows, whose
-    times go to ``rest[(precision, mode)]`` for the w4 model)."""
+    times go to ``rest[(precision, mode)]`` for the w4 model).
+
+    Eager: one pass, each path timed once. Compiled: every path gets its own block (the same
+    weights) and stays compiled, and after the first pass ``--rounds`` - 1 more passes time every
+    path again in the same order; a row's ``median_ms`` is the median of its rounds' medians, so a
+    drift of the GPU over the run (clocks, temperature) falls on every path alike."""
     m, lay, total = cfg.model, args.layout, padded_total(args.layout.used)
     inputs = {"w1": block_inputs(m, lay, lay.used, lay.used, 0, dev, torch.bfloat16),
               "w4": block_inputs(m, lay, total, total // 4, 0, dev, torch.bfloat16)}
     keys = ([f"{p}:{a}" for p in ("fp8", "bf16") for a in _ATTN + ("none@w4",)] if mode == "eager"
             else _names(args.compiled))
-    for key in keys:
-        prec, attn = key.split(":")
-        where = "w4" if attn.endswith("@w4") else "w1"
-        attn = attn.removesuffix("@w4")
-        row = {"section": "block" if where == "w1" else "w4-rest", "path": key, "mode": mode,
-               "rows": inputs[where][0].shape[1]}
-        reason = _unavailable(attn, dev, cfg)
-        if reason:
-            row.update(status="unavailable", reason=reason)
-        elif budget.expired(reserve_s=args.compile_reserve_s if mode == "compiled" else args.reserve_s):
-            row.update(status="skipped", reason=_SKIPPED)
-        else:
-            row.update(_block_row(models[prec].transformer_blocks[0], attn, mode, inputs[where],
-                                  lay.used, m, dev, args, budget,
-                                  profile=key in _names(args.profile)))
-            if where == "w4" and row["status"] == "ok":
-                rest[(prec, mode)] = row["median_ms"]
-        rows.append(row)
-        args.writer.save()
-        print(row, flush=True)
+    live = []  # compiled: (row, callable, its inputs)
+    # compiled: one cache entry per path on the block's forward; never fall back to eager silently
+    limits = {"recompile_limit": max(64, 2 * len(keys)), "fail_on_recompile_limit_hit": True}
+    with torch._dynamo.config.patch(limits):
+        for key in keys:
+            prec, attn = key.split(":")
+            where = "w4" if attn.endswith("@w4") else "w1"
+            attn = attn.removesuffix("@w4")
+            row = {"section": "block" if where == "w1" else "w4-rest", "path": key, "mode": mode,
+                   "rows": inputs[where][0].shape[1]}
+            reason = _unavailable(attn, dev, cfg)
+            if reason:
+                row.update(status="unavailable", reason=reason)
+            elif budget.expired(reserve_s=args.compile_reserve_s if mode == "compiled" else args.reserve_s):
+                row.update(status="skipped", reason=_SKIPPED)
+            else:
+                block = (models[prec] if mode == "eager" else models["copy"](prec)).transformer_blocks[0]
+                res, fn = _block_row(block, attn, mode, inputs[where], lay.used, m, dev, args, budget,
+                                     profile=key in _names(args.profile))
+                row.update(res)
+                if fn is not None:
+                    row["rounds_ms"] = [row["median_ms"]]
+                    live.append((row, fn, inputs[where]))
+            rows.append(row)
+            args.writer.save()
+            print(row, flush=True)
+        with torch.no_grad():
+            for _ in range(1, args.rounds):
+                for row, fn, inp in live:
+                    if budget.expired(reserve_s=args.compile_reserve_s):
+                        break
+                    row["rounds_ms"].append(_timed(lambda: fn(*inp), dev, args, budget)["median_ms"])
+        for row, _fn, _inp in live:
+            row["median_ms"] = statistics.median(row["rounds_ms"])
+            row["rounds"] = " / ".join(f"{t:.2f}" for t in row["rounds_ms"])
+            print(row["path"], "rounds", [round(t, 2) for t in row["rounds_ms"]], flush=True)
+    if mode == "compiled":
+        del live
+        torch._dynamo.reset()
+    for row in rows:
+        if row.get("section") == "w4-rest" and row["mode"] == mode and row.get("status") == "ok":
+            rest[(row["path"].split(":")[0], mode)] = row["median_ms"]
+    args.writer.save()
 
 
-def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profile=False) -> dict:
+def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profile=False):
+    """(row fields, the compiled callable to time again or None). Eager rows share one block per
+    precision, so their dynamo state is reset after each; compiled rows own their block."""
     t0 = time.perf_counter()
+    fn = None
     try:
         _set_attention(block, attn, m.num_heads, m.head_dim, valid_len)
         fn = torch.compile(block, fullgraph=True, dynamic=False) if mode == "compiled" else block
@@ -222,11 +264,12 @@ def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profi
             out = _timed(lambda: fn(*inputs), dev, args, budget)
             if profile:
                 out["kernels"] = kernel_table(lambda: fn(*inputs), dev)
-        return {"status": "ok", **out, "wall_s": time.perf_counter() - t0}  # compile included
+        return {"status": "ok", **out, "wall_s": time.perf_counter() - t0}, (fn if mode == "compiled" else None)
     except Exception as exc:  # noqa: BLE001
-        return {"status": "error", "reason": describe_exception(exc)}
+        return {"status": "error", "reason": describe_exception(exc)}, None
     finally:
-        torch._dynamo.reset()
+        if mode == "eager":
+            torch._dynamo.reset()
 
 
 def measure_w4_parts(args, cfg, dev, budget) -> dict:
@@ -247,54 +290,73 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     h0 = make_plan(world=4, rank=0, s_local=s_local, folded_heads=H, head_dim=D, overlap_chunks=1).counts[0]
     one_tensor_ms = s_local * (H - h0) * D * 2 / (args.bandwidth_gbs * 1e9) * 1e3
     parts = {"s_local": s_local, "heads": h0, "a_in_ms": 3 * one_tensor_ms, "a_out_ms": one_tensor_ms,
-             "chunks": {}, "kernel_ms": {}}
+             "chunks": {}, "kernel_ms": {}, "rounds": {}}
     cu = torch.tensor([0, lay.used, total], dtype=torch.int32, device=dev)
     layout = segment_layout([0, lay.used, total], total=total, valid_len=lay.used)
-    kernels: dict[tuple[str, int], float | str] = {}
+    views: dict[int, tuple] = {}  # width -> the receive buffer's q/k/v views and an output
+    timers: dict[tuple, object] = {}  # ("kernel", backend, width) | ("pack" | "unpack", C) -> callable
+    failed: dict[tuple, str] = {}
 
-    def kernel(backend: str, width: int) -> float | str:
-        if (backend, width) not in kernels:
-            reason = _unavailable(backend, dev, cfg)
-            if reason is None:
-                try:
-                    be = da_backends.get_backend(backend)
+    def kernel(backend: str, width: int):
+        key = ("kernel", backend, width)
+        if key in timers or key in failed:
+            return
+        reason = _unavailable(backend, dev, cfg)
+        if reason is None:
+            try:
+                be = da_backends.get_backend(backend)
+                if width not in views:
                     recv = torch.randn(total * 3 * width * D, device=dev).to(torch.bfloat16)
-                    qv, kv, vv = unpack_qkv(recv, total, width, D)  # [S, 3, w, D] -> 3 x [S, w, D]
-                    o = torch.empty(total, width, D, device=dev, dtype=torch.bfloat16)
-                    with torch.no_grad():
-                        kernels[backend, width] = _timed(lambda: attend_varlen(
-                            be, qv[None], kv[None], vv[None], layout=layout, cu_seqlens=cu,
-                            softmax_scale=D ** -0.5, k_is_scratch=True, out=o[None]), dev, args,
-                            budget)["median_ms"]
-                    del recv, o
-                except Exception as exc:  # noqa: BLE001
-                    reason = describe_exception(exc)
-            if reason:
-                kernels[backend, width] = reason
-        return kernels[backend, width]
+                    views[width] = (*unpack_qkv(recv, total, width, D),  # [S, 3, w, D] -> 3 x [S, w, D]
+                                    torch.empty(total, width, D, device=dev, dtype=torch.bfloat16))
+                qv, kv, vv, o = views[width]
 
+                def call():
+                    attend_varlen(be, qv[None], kv[None], vv[None], layout=layout, cu_seqlens=cu,
+                                  softmax_scale=D ** -0.5, k_is_scratch=True, out=o[None])
+                with torch.no_grad():
+                    call()  # compiles / fails here, not inside a timing round
+                timers[key] = call
+            except Exception as exc:  # noqa: BLE001
+                reason = describe_exception(exc)
+        if reason:
+            failed[key] = reason
+
+    plans = {}
     for C in args.overlap:
         plan = make_plan(world=4, rank=0, s_local=s_local, folded_heads=H, head_dim=D, overlap_chunks=C)
         spans_in = [(c.head_ranges, c.in_send) for c in plan.chunks]
         spans_out = [(c.head_ranges, c.out_recv) for c in plan.chunks]
 
-        def pack_all():
+        def pack_all(spans_in=spans_in):
             for ranges, (a, b) in spans_in:
                 pack_qkv(q, k, v, send[a:b], ranges)
 
-        def unpack_all():
+        def unpack_all(spans_out=spans_out):
             for ranges, (a, b) in spans_out:
                 unpack_output(recv_out[a:b], out, ranges)
 
-        widths = [c.local_heads(0) for c in plan.chunks]
-        with torch.no_grad():
-            parts["chunks"][len(widths)] = {
-                "widths": widths, "pack_ms": _timed(pack_all, dev, args, budget)["median_ms"],
-                "unpack_ms": _timed(unpack_all, dev, args, budget)["median_ms"]}
+        timers["pack", C], timers["unpack", C] = pack_all, unpack_all
+        plans[C] = [c.local_heads(0) for c in plan.chunks]
         for backend in ("sdpa", "sage8", "fa3"):
-            ks = [kernel(backend, w) for w in widths]
-            bad = next((x for x in ks if isinstance(x, str)), None)
-            parts["kernel_ms"][backend, len(widths)] = bad if bad else ks
+            for w in set(plans[C]):
+                kernel(backend, w)
+    # every part timed once per round, in the same order: the medians of the rounds' medians
+    times: dict[tuple, list[float]] = {key: [] for key in timers}
+    with torch.no_grad():
+        for _ in range(max(1, args.rounds)):
+            for key, fn in timers.items():
+                if times[key] and budget.expired(reserve_s=args.reserve_s):
+                    continue
+                times[key].append(_timed(fn, dev, args, budget)["median_ms"])
+    med = {key: statistics.median(ts) for key, ts in times.items()}
+    parts["rounds"] = {" ".join(map(str, key)): ts for key, ts in times.items()}
+    for C, widths in plans.items():
+        parts["chunks"][len(widths)] = {"widths": widths, "pack_ms": med["pack", C], "unpack_ms": med["unpack", C]}
+        for backend in ("sdpa", "sage8", "fa3"):
+            bad = next((failed[k] for w in widths if (k := ("kernel", backend, w)) in failed), None)
+            parts["kernel_ms"][backend, len(widths)] = bad if bad else [med["kernel", backend, w] for w in widths]
+    del views, timers
     del q, k, v, send, recv_out, out
     return parts
 
@@ -409,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the time goes, by torch.profiler over 3 calls after the timing")
     p.add_argument("--acc-layers", type=int, default=8, help="blocks of the accuracy model (steps: --acc-steps)")
     p.add_argument("--acc-steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="passes over the compiled blocks and the w4 parts, each timing every path in turn "
+                        "(median of the rounds' medians: a drift over the run falls on all paths alike)")
     p.add_argument("--reserve-s", type=float, default=150.0, help="budget kept from the eager rows")
     p.add_argument("--compile-reserve-s", type=float, default=20.0, help="budget a compiled row needs")
     add_common_args(p, iters=10, warmup=2, budget_s=270)
@@ -424,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.config or os.path.join(_REPO, "configs", "tiny.toml" if args.smoke else "h3.toml")
     cfg = load_config(path)
     if args.smoke:
-        args.iters, args.warmup, args.reserve_s, args.compile_reserve_s = 2, 1, 0.0, 0.0
+        args.iters, args.warmup, args.reserve_s, args.compile_reserve_s, args.rounds = 2, 1, 0.0, 0.0, 2
         args.acc_layers, args.acc_steps = 2, 2
         args.layout = cfg.layout(frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)
     else:
@@ -445,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "fp8": "emulated (float32)" if emulate else "torchao Float8DynamicActivation"
                                          "Float8WeightConfig(PerRow), fp32 accumulation",
                                   "bandwidth_gbs": args.bandwidth_gbs, "step_blocks": args.step_blocks,
-                                  "overlap_chunks": args.overlap,
+                                  "overlap_chunks": args.overlap, "rounds": args.rounds,
                                   "accuracy": {"layers": args.acc_layers, "steps": args.acc_steps},
                                   "compile": "torch.compile(block, fullgraph=True, dynamic=False)"})
     args.writer = writer
@@ -464,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         run_blocks(args, cfg, dev, models, budget, rows, "compiled", rest)
     if parts is not None:
         w4_rows(args, parts, rest, rows)
+        writer.payload["w4_rounds_ms"] = parts["rounds"]
     writer.payload["targets"] = targets(rows)
     print(writer.finish(plot(writer), report(rows)))
     return 0

@@ -13,6 +13,11 @@ def targets(rows) -> dict:
     block = compiled.get("fp8:sage8")
     native = compiled.get("bf16:native")
     w4 = sorted((r for r in ok if r["section"] == "w4"), key=lambda r: r["step_s"])
+    rounds = {r["path"]: r.get("rounds_ms") for r in ok if r["section"] == "block" and r["mode"] == "compiled"}
+
+    def per_round(path):  # native / path, round by round (the rounds are interleaved)
+        a, b = rounds.get("bf16:native"), rounds.get(path)
+        return [x / y for x, y in zip(a, b)] if a and b and len(a) == len(b) else None
     return {"block_w1_fp8_sage8_compiled_ms": block, "block_w1_target_ms": 80.0,
             "block_w1_fp8fast_sage8_compiled_ms": compiled.get("fp8fast:sage8"),
             "block_w1_native_compiled_ms": native,
@@ -20,8 +25,13 @@ def targets(rows) -> dict:
             "x_native_target": 1.45,
             "x_native_compiled_fp8fast": (native / compiled["fp8fast:sage8"]
                                           if native and compiled.get("fp8fast:sage8") else None),
+            "x_native_rounds": per_round("fp8:sage8"), "x_native_rounds_fp8fast": per_round("fp8fast:sage8"),
             "w4_best_step_s": w4[0]["step_s"] if w4 else None,
             "w4_best": f"{w4[0]['path']} {w4[0]['mode']} C={w4[0].get('overlap_chunks', 1)}" if w4 else None, "w4_step_target_s": 1.0}
+
+
+def _fmt(ratios) -> str:
+    return ", ".join(f"{x:.3f}" for x in ratios) if ratios else "-"
 
 
 def report(rows) -> list[tuple[str, str]]:
@@ -30,8 +40,8 @@ def report(rows) -> list[tuple[str, str]]:
                      ("median_ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".0f"), ("x_bf16", "x bf16", ".2f"),
                      ("rel_l2", "rel-L2 vs fp64", ".2e"), ("reason", "reason", "")],
             "block": [("path", "linears:attention", ""), ("mode", "mode", ""), ("rows", "rows", ""),
-                      ("status", "status", ""), ("median_ms", "ms", ".2f"), ("wall_s", "wall s", ".1f"),
-                      ("reason", "reason", "")],
+                      ("status", "status", ""), ("median_ms", "ms", ".2f"), ("rounds", "rounds ms", ""),
+                      ("wall_s", "wall s", ".1f"), ("reason", "reason", "")],
             "w4": [("path", "linears:attention", ""), ("mode", "rest mode", ""),
                    ("overlap_chunks", "C", ""), ("status", "status", ""),
                    ("rest_ms", "rest ms", ".2f"), ("kernel_ms", "attention ms", ".2f"),
@@ -47,7 +57,8 @@ def report(rows) -> list[tuple[str, str]]:
     out = [("Targets", f"- real block W=1, fp8:sage8 compiled: {t['block_w1_fp8_sage8_compiled_ms']} ms "
                        f"(target <= 80), {t['x_native_compiled']} x diffusers native compiled (target "
                        f">= 1.45); fp8fast:sage8: {t['block_w1_fp8fast_sage8_compiled_ms']} ms, "
-                       f"{t['x_native_compiled_fp8fast']} x\n- modeled 4 x H200 50-block step, best ({t['w4_best']}): "
+                       f"{t['x_native_compiled_fp8fast']} x; round by round (fp8 / fp8fast): "
+                       f"{_fmt(t['x_native_rounds'])} / {_fmt(t['x_native_rounds_fp8fast'])}\n- modeled 4 x H200 50-block step, best ({t['w4_best']}): "
                        f"{t['w4_best_step_s']} s (target <= 1.0)")]
     for name, columns in cols.items():
         sel = [r for r in rows if r["section"] in pick.get(name, (name,))]

@@ -12,6 +12,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -212,6 +213,10 @@ def test_h3_fp8_smoke(tmp_path):
     assert w4["a2a_in_ms"] == pytest.approx(3 * w4["a2a_out_ms"]) and w4["comm_ms"] == pytest.approx(
         w4["pack_ms"] + w4["a2a_in_ms"] + w4["a2a_out_ms"] + w4["unpack_ms"])
     assert w4["step_s"] == pytest.approx(50 * w4["median_ms"] / 1e3) and w4["rows"] == 80
+    # the w4 parts are timed in interleaved rounds (--rounds, 2 under --smoke), the medians used
+    rounds = data["w4_rounds_ms"]
+    assert {"pack 1", "unpack 1", "kernel sdpa 1"} <= set(rounds) and all(len(t) == 2 for t in rounds.values())
+    assert w4["kernel_ms"] == pytest.approx(statistics.median(rounds["kernel sdpa 1"]))
     acc = {r["path"]: r for r in rows if r["section"] == "accuracy"}
     assert acc["bf16:sdpa"]["video_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["video_rel_l2"] < 5e-2
     # the first block's own output: FP8 linears alone move it by an FP8-sized amount
