@@ -168,7 +168,7 @@ def model(steps: int, path: str, mode: str, threading: str,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50, help="grid points; forwards = steps - 1")
-    p.add_argument("--paths", default="bf16:sage8:eager,bf16:sage8:compiled,fp8:sage8:compiled",
+    p.add_argument("--paths", default="bf16:sage8:eager,bf16:sage8:compiled,fp8:sage8:compiled,fp8fast:sage8:compiled",
                    help="<linears>:<attention>:<mode>[:C], comma-separated: one table each; C = "
                         "overlap_chunks of the compiled paths' W = 4 block (default 1)")
     p.add_argument("--threading", default="frame", choices=("frame", "slice"))
