@@ -25,6 +25,9 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   50 such blocks (refiner, embeddings and heads left out). Its parts are timed in ``--rounds``
   interleaved passes (from 2026-12-05 12:30; before, once each, in turn). Runs before 2026-12-05
   counted the all-to-alls twice (+1.135 ms a block); ``benchmarks.job_model`` corrects their rows.
+* ``w4-seq`` (with the compiled rows): the same rank-0 block computed in one piece, C = 1: the
+  compiled rest, pack, attention at 14 heads and unpack back to back in ``--rounds`` passes, plus
+  the all-to-alls from bytes: the GPU in the state the block's own mix puts it in.
 * ``accuracy``: the served engine (configs/h3.toml, ``--acc-layers`` 8 x ``--acc-steps`` 3, its
   default request of 38,222 rows, W = 1): final latents of bf16:sage8, fp8:sdpa, fp8:sage8,
   fp8fast:sage8 vs bf16:sdpa.
@@ -194,14 +197,15 @@ def _set_attention(block, attn: str, heads: int, head_dim: int, valid_len: int) 
         attach(block, UlyssesSageAttention(heads, head_dim, backend=attn), valid_len)
 
 
-def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict) -> None:
+def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_live=None) -> None:
     """Block rows of ``mode`` (W = 1 at h3-ref; ``none@w4``: the block's rest at 9,504 rows, whose
     times go to ``rest[(precision, mode)]`` for the w4 model).
 
     Eager: one pass, each path timed once. Compiled: every path gets its own block (the same
     weights) and stays compiled, and after the first pass ``--rounds`` - 1 more passes time every
     path again in the same order; a row's ``median_ms`` is the median of its rounds' medians, so a
-    drift of the GPU over the run (clocks, temperature) falls on every path alike."""
+    drift of the GPU over the run (clocks, temperature) falls on every path alike. ``on_live``
+    (compiled) is called with the (row, callable, inputs) of every compiled path before they go."""
     m, lay, total = cfg.model, args.layout, padded_total(args.layout.used)
     inputs = {"w1": block_inputs(m, lay, lay.used, lay.used, 0, dev, torch.bfloat16),
               "w4": block_inputs(m, lay, total, total // 4, 0, dev, torch.bfloat16)}
@@ -244,6 +248,8 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict) -> N
             row["rounds"] = " / ".join(f"{t:.2f}" for t in row["rounds_ms"])
             print(row["path"], "rounds", [round(t, 2) for t in row["rounds_ms"]], flush=True)
     if mode == "compiled":
+        if on_live is not None:
+            on_live(live)
         del live
         torch._dynamo.reset()
     for row in rows:
@@ -354,11 +360,49 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     for C, widths in plans.items():
         parts["chunks"][len(widths)] = {"widths": widths, "pack_ms": med["pack", C], "unpack_ms": med["unpack", C]}
         for backend in ("sdpa", "sage8", "fa3"):
-            bad = next((failed[k] for w in widths if (k := ("kernel", backend, w)) in failed), None)
+            bad = next((failed[key] for w in widths if (key := ("kernel", backend, w)) in failed), None)
             parts["kernel_ms"][backend, len(widths)] = bad if bad else [med["kernel", backend, w] for w in widths]
-    del views, timers
-    del q, k, v, send, recv_out, out
+    parts["timers"] = timers  # kept for run_w4_sequence (their closures hold the buffers); not saved
     return parts
+
+
+def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
+    """``w4-seq`` rows: rank 0's W = 4 block computed in one piece on one GPU, C = 1: the compiled
+    rest at 9,504 rows, the pack, the attention at 14 heads over 38,016 rows and the unpack, back
+    to back as a served step runs them, timed in ``--rounds`` interleaved passes; the all-to-alls
+    added from bytes as in ``w4``. Beside ``w4``'s sum of parts each timed alone, this one sees
+    the GPU in the state the block's own mix of work puts it in."""
+    timers, seqs = parts.get("timers", {}), []
+    for row, fn, inp in live:
+        if row["section"] != "w4-rest":
+            continue
+        for backend in ("sage8", "sdpa"):
+            kern = timers.get(("kernel", backend, parts["heads"]))
+            if kern is None or ("pack", 1) not in timers:
+                continue
+
+            def block(fn=fn, inp=inp, kern=kern, pack=timers["pack", 1], unpack=timers["unpack", 1]):
+                fn(*inp)
+                pack()
+                kern()
+                unpack()
+            seqs.append(({"section": "w4-seq", "path": f"{row['path'].split(':')[0]}:{backend}",
+                          "mode": row["mode"], "rows": parts["s_local"], "heads": parts["heads"],
+                          "overlap_chunks": 1, "rounds_ms": []}, block))
+    with torch.no_grad():
+        for _ in range(max(1, args.rounds)):
+            for row, block in seqs:
+                if row["rounds_ms"] and budget.expired(reserve_s=args.compile_reserve_s):
+                    continue
+                row["rounds_ms"].append(_timed(block, dev, args, budget)["median_ms"])
+    a2a = parts["a_in_ms"] + parts["a_out_ms"]
+    for row, _block in seqs:
+        compute = statistics.median(row["rounds_ms"])
+        row.update(status="ok", compute_ms=compute, a2a_ms=a2a, median_ms=compute + a2a,
+                   step_s=(compute + a2a) * args.step_blocks / 1e3,
+                   rounds=" / ".join(f"{t:.2f}" for t in row["rounds_ms"]))
+        rows.append(row)
+        print(row, flush=True)
 
 
 def w4_rows(args, parts: dict, rest: dict, rows) -> None:
@@ -526,8 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     if "accuracy" in sections:
         run_accuracy(args, cfg, dev, emulate, budget, rows)
     if "compiled" in modes and ("block" in sections or "w4" in sections):
-        run_blocks(args, cfg, dev, models, budget, rows, "compiled", rest)
+        run_blocks(args, cfg, dev, models, budget, rows, "compiled", rest, on_live=None if parts is None else
+                   (lambda live: run_w4_sequence(args, parts, live, dev, budget, rows)))
     if parts is not None:
+        parts.pop("timers")
         w4_rows(args, parts, rest, rows)
         writer.payload["w4_rounds_ms"] = parts["rounds"]
     writer.payload["targets"] = targets(rows)

@@ -257,6 +257,33 @@ def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
     assert by["fp8:fa3", 1]["status"] == "unavailable"
 
 
+def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_alls_from_bytes():
+    """w4-seq: for each compiled rest at 9,504 rows, rest + pack + the 14-head kernel + unpack run
+    back to back (in that order, once per timed call), timed in --rounds passes, plus A_in + A_out."""
+    import torch
+
+    from benchmarks import h3_fp8
+    from benchmarks.harness import Budget
+
+    calls: list[str] = []
+    timers = {("pack", 1): lambda: calls.append("pack"), ("unpack", 1): lambda: calls.append("unpack"),
+              ("kernel", "sage8", 14): lambda: calls.append("sage8")}
+    live = [({"section": "w4-rest", "path": "fp8fast:none@w4", "mode": "compiled"},
+             lambda *a: calls.append("rest"), ()),
+            ({"section": "block", "path": "fp8fast:sage8", "mode": "compiled"}, lambda *a: calls.append("w1"), ())]
+    parts = {"timers": timers, "heads": 14, "s_local": 9504, "a_in_ms": 0.85, "a_out_ms": 0.28}
+    args = argparse.Namespace(rounds=2, iters=3, warmup=1, step_blocks=50, compile_reserve_s=0.0)
+    rows: list[dict] = []
+    h3_fp8.run_w4_sequence(args, parts, live, torch.device("cpu"), Budget(None), rows)
+    (row,) = rows  # no sdpa kernel measured, no W = 1 block: one row
+    assert row["section"] == "w4-seq" and row["path"] == "fp8fast:sage8" and len(row["rounds_ms"]) == 2
+    assert calls == ["rest", "pack", "sage8", "unpack"] * (2 * (3 + 1))  # 2 rounds of warm-up + iters
+    assert row["a2a_ms"] == pytest.approx(0.85 + 0.28)
+    assert row["median_ms"] == pytest.approx(row["compute_ms"] + 1.13)
+    assert row["step_s"] == pytest.approx(50 * row["median_ms"] / 1e3)
+    assert row["compute_ms"] == pytest.approx(statistics.median(row["rounds_ms"]))
+
+
 def test_job_model_takes_the_double_counted_all_to_all_off_rows_written_before_the_fix():
     """h3-fp8 w4 rows of 2026-12-04 (no ``a2a_in_ms``) counted q/k/v-in + out twice; the job
     model takes one count off, computed from the run's own config; newer rows are read as they are."""
