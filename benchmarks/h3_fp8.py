@@ -23,7 +23,7 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   back) + attention at 14 heads x 38,016 rows + unpack, plain (C = 1) or with the heads in
   ``--overlap`` C chunks pipelined against their all-to-alls (``overlap_chunks``); ``step_s`` =
   50 such blocks (refiner, embeddings and heads left out). Its parts are timed in ``--rounds``
-  interleaved passes (from 2026-12-05 12:30; before, once each, in turn). Runs before 2026-12-05
+  interleaved passes (from the run of 2026-12-05 12:22; before, once each, in turn). Runs before 2026-12-05
   counted the all-to-alls twice (+1.135 ms a block); ``benchmarks.job_model`` corrects their rows.
 * ``w4-seq`` (with the compiled rows): the same rank-0 block computed in one piece, C = 1: the
   compiled rest, pack, attention at 14 heads and unpack back to back in ``--rounds`` passes, plus
@@ -87,6 +87,33 @@ def _timed(fn, dev, args, budget) -> dict:
     return {"median_ms": t.median_ms, "min_ms": t.min_ms, "iters": t.iters, "timing": t.method}
 
 
+def _time_rounds(entries, args, dev, budget, reserve_s: float) -> None:
+    """Times every ``(record, fn)`` in ``--rounds`` passes, each pass over all of them in turn, so
+    the GPU's drift over the run (clocks, temperature) falls on all alike. Each record gets
+    ``rounds_ms`` (the rounds' medians), ``median_ms`` (their median), ``min_ms`` and ``rounds``
+    (text). A call that raises makes its record an error and later rounds skip it; once the
+    budget is spent a record keeps the rounds it has (at least one)."""
+    mins = {id(rec): [] for rec, _ in entries}
+    for rec, _ in entries:
+        rec["rounds_ms"] = []
+    with torch.no_grad():
+        for _ in range(max(1, args.rounds)):
+            for rec, fn in entries:
+                if rec.get("status") == "error" or (rec["rounds_ms"] and budget.expired(reserve_s=reserve_s)):
+                    continue
+                try:
+                    t = _timed(fn, dev, args, budget)
+                except Exception as exc:  # noqa: BLE001 - one failed path is a row, not a lost run
+                    rec.update(status="error", reason=describe_exception(exc))
+                    continue
+                rec["rounds_ms"].append(t["median_ms"])
+                mins[id(rec)].append(t["min_ms"])
+    for rec, _ in entries:
+        if rec["rounds_ms"]:
+            rec.update(median_ms=statistics.median(rec["rounds_ms"]), min_ms=min(mins[id(rec)]),
+                       rounds=" / ".join(f"{t:.2f}" for t in rec["rounds_ms"]))
+
+
 def _unavailable(backend: str, dev, cfg) -> str | None:
     """Why the dist_attn ``backend`` cannot run here (None: it can)."""
     if backend in ("native", "none"):
@@ -102,9 +129,9 @@ def _unavailable(backend: str, dev, cfg) -> str | None:
 
 
 def _models(cfg, dev, emulate: bool):
-    """(summary, models): ``"bf16"``, ``"fp8"``, ``"fp8fast"`` (FP8 linears with fast accumulation,
-    ``fast_accum=True``), 1 block, no refiner, the same weights; ``"copy"``: a function of a
-    precision that makes one more such model (each compiled path gets its own)."""
+    """(summary, models): ``"bf16"``, ``"fp8"`` (the eager rows' models: 1 block, no refiner, the same
+    weights); ``"copy"``: a function of a precision (``"bf16"``, ``"fp8"``, ``"fp8fast"``: FP8 linears
+    with fast accumulation) that makes one more such model (each compiled path gets its own)."""
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.h3.model import build_h3
 
@@ -120,7 +147,7 @@ def _models(cfg, dev, emulate: bool):
 
     fp8 = copy.deepcopy(pristine)
     summary = quantize_linears(fp8, "fp8", emulate=emulate)
-    return summary, {"bf16": bf16, "fp8": fp8, "fp8fast": make("fp8fast"), "copy": make}
+    return summary, {"bf16": bf16, "fp8": fp8, "copy": make}
 
 
 def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
@@ -202,9 +229,9 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
     times go to ``rest[(precision, mode)]`` for the w4 model).
 
     Eager: one pass, each path timed once. Compiled: every path gets its own block (the same
-    weights) and stays compiled, and after the first pass ``--rounds`` - 1 more passes time every
-    path again in the same order; a row's ``median_ms`` is the median of its rounds' medians, so a
-    drift of the GPU over the run (clocks, temperature) falls on every path alike. ``on_live``
+    weights), is compiled and timed once (``first_ms``: right after its compilation, the GPU idle
+    while it compiled), and stays compiled; then ``--rounds`` passes time every path in turn
+    (:func:`_time_rounds`): a row's ``median_ms`` is the median of its rounds' medians. ``on_live``
     (compiled) is called with the (row, callable, inputs) of every compiled path before they go."""
     m, lay, total = cfg.model, args.layout, padded_total(args.layout.used)
     inputs = {"w1": block_inputs(m, lay, lay.used, lay.used, 0, dev, torch.bfloat16),
@@ -227,29 +254,29 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
             elif budget.expired(reserve_s=args.compile_reserve_s if mode == "compiled" else args.reserve_s):
                 row.update(status="skipped", reason=_SKIPPED)
             else:
-                block = (models[prec] if mode == "eager" else models["copy"](prec)).transformer_blocks[0]
-                res, fn = _block_row(block, attn, mode, inputs[where], lay.used, m, dev, args, budget,
-                                     profile=key in _names(args.profile))
+                try:
+                    block = (models[prec] if mode == "eager" else models["copy"](prec)).transformer_blocks[0]
+                    res, fn = _block_row(block, attn, mode, inputs[where], lay.used, m, dev, args, budget,
+                                         profile=key in _names(args.profile))
+                except Exception as exc:  # noqa: BLE001 - e.g. out of memory for one more copy
+                    res, fn = {"status": "error", "reason": describe_exception(exc)}, None
                 row.update(res)
                 if fn is not None:
-                    row["rounds_ms"] = [row["median_ms"]]
+                    row["first_ms"] = row.pop("median_ms")  # right after its compilation: not a round
                     live.append((row, fn, inputs[where]))
             rows.append(row)
             args.writer.save()
             print(row, flush=True)
-        with torch.no_grad():
-            for _ in range(1, args.rounds):
-                for row, fn, inp in live:
-                    if budget.expired(reserve_s=args.compile_reserve_s):
-                        break
-                    row["rounds_ms"].append(_timed(lambda: fn(*inp), dev, args, budget)["median_ms"])
-        for row, _fn, _inp in live:
-            row["median_ms"] = statistics.median(row["rounds_ms"])
-            row["rounds"] = " / ".join(f"{t:.2f}" for t in row["rounds_ms"])
-            print(row["path"], "rounds", [round(t, 2) for t in row["rounds_ms"]], flush=True)
+        if live:
+            _time_rounds([(row, lambda fn=fn, inp=inp: fn(*inp)) for row, fn, inp in live], args, dev, budget,
+                         args.compile_reserve_s)
+            for row, _fn, _inp in live:
+                if "median_ms" not in row and row.get("status") == "ok":
+                    row["median_ms"] = row["first_ms"]  # no budget left for a round: the first timing
+                print(row["path"], "rounds", row.get("rounds"), row.get("reason", ""), flush=True)
+            if on_live is not None:
+                on_live(live)
     if mode == "compiled":
-        if on_live is not None:
-            on_live(live)
         del live
         torch._dynamo.reset()
     for row in rows:
@@ -348,15 +375,17 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
             for w in set(plans[C]):
                 kernel(backend, w)
     # every part timed once per round, in the same order: the medians of the rounds' medians
-    times: dict[tuple, list[float]] = {key: [] for key in timers}
-    with torch.no_grad():
-        for _ in range(max(1, args.rounds)):
-            for key, fn in timers.items():
-                if times[key] and budget.expired(reserve_s=args.reserve_s):
-                    continue
-                times[key].append(_timed(fn, dev, args, budget)["median_ms"])
-    med = {key: statistics.median(ts) for key, ts in times.items()}
-    parts["rounds"] = {" ".join(map(str, key)): ts for key, ts in times.items()}
+    recs = {key: {} for key in timers}
+    _time_rounds([(recs[key], fn) for key, fn in timers.items()], args, dev, budget, args.reserve_s)
+    med = {}
+    for key, rec in recs.items():
+        if rec.get("status") == "error":
+            if key[0] != "kernel":
+                raise RuntimeError(f"{key[0]} of the w4 model failed: {rec['reason']}")
+            failed[key] = rec["reason"]
+        else:
+            med[key] = rec["median_ms"]
+    parts["rounds"] = {" ".join(map(str, key)): rec["rounds_ms"] for key, rec in recs.items()}
     for C, widths in plans.items():
         parts["chunks"][len(widths)] = {"widths": widths, "pack_ms": med["pack", C], "unpack_ms": med["unpack", C]}
         for backend in ("sdpa", "sage8", "fa3"):
@@ -374,7 +403,7 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
     the GPU in the state the block's own mix of work puts it in."""
     timers, seqs = parts.get("timers", {}), []
     for row, fn, inp in live:
-        if row["section"] != "w4-rest":
+        if row["section"] != "w4-rest" or row.get("status") != "ok":
             continue
         for backend in ("sage8", "sdpa"):
             kern = timers.get(("kernel", backend, parts["heads"]))
@@ -388,19 +417,14 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
                 unpack()
             seqs.append(({"section": "w4-seq", "path": f"{row['path'].split(':')[0]}:{backend}",
                           "mode": row["mode"], "rows": parts["s_local"], "heads": parts["heads"],
-                          "overlap_chunks": 1, "rounds_ms": []}, block))
-    with torch.no_grad():
-        for _ in range(max(1, args.rounds)):
-            for row, block in seqs:
-                if row["rounds_ms"] and budget.expired(reserve_s=args.compile_reserve_s):
-                    continue
-                row["rounds_ms"].append(_timed(block, dev, args, budget)["median_ms"])
+                          "overlap_chunks": 1}, block))
+    _time_rounds(seqs, args, dev, budget, args.compile_reserve_s)
     a2a = parts["a_in_ms"] + parts["a_out_ms"]
     for row, _block in seqs:
-        compute = statistics.median(row["rounds_ms"])
-        row.update(status="ok", compute_ms=compute, a2a_ms=a2a, median_ms=compute + a2a,
-                   step_s=(compute + a2a) * args.step_blocks / 1e3,
-                   rounds=" / ".join(f"{t:.2f}" for t in row["rounds_ms"]))
+        if row.get("status") != "error":
+            compute = row.pop("median_ms")
+            row.update(status="ok", compute_ms=compute, a2a_ms=a2a, median_ms=compute + a2a,
+                       step_s=(compute + a2a) * args.step_blocks / 1e3)
         rows.append(row)
         print(row, flush=True)
 
@@ -567,13 +591,15 @@ def main(argv: list[str] | None = None) -> int:
         run_blocks(args, cfg, dev, models, budget, rows, "eager", rest)
     if "w4" in sections:
         parts = measure_w4_parts(args, cfg, dev, budget)
+        if "compiled" not in modes:
+            parts.pop("timers")  # only the compiled w4-seq rows use them; their buffers go now
     if "accuracy" in sections:
         run_accuracy(args, cfg, dev, emulate, budget, rows)
     if "compiled" in modes and ("block" in sections or "w4" in sections):
         run_blocks(args, cfg, dev, models, budget, rows, "compiled", rest, on_live=None if parts is None else
                    (lambda live: run_w4_sequence(args, parts, live, dev, budget, rows)))
     if parts is not None:
-        parts.pop("timers")
+        parts.pop("timers", None)
         w4_rows(args, parts, rest, rows)
         writer.payload["w4_rounds_ms"] = parts["rounds"]
     writer.payload["targets"] = targets(rows)

@@ -268,20 +268,50 @@ def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_all
     calls: list[str] = []
     timers = {("pack", 1): lambda: calls.append("pack"), ("unpack", 1): lambda: calls.append("unpack"),
               ("kernel", "sage8", 14): lambda: calls.append("sage8")}
-    live = [({"section": "w4-rest", "path": "fp8fast:none@w4", "mode": "compiled"},
+    live = [({"section": "w4-rest", "path": "fp8fast:none@w4", "mode": "compiled", "status": "ok"},
              lambda *a: calls.append("rest"), ()),
-            ({"section": "block", "path": "fp8fast:sage8", "mode": "compiled"}, lambda *a: calls.append("w1"), ())]
+            ({"section": "w4-rest", "path": "bf16:none@w4", "mode": "compiled", "status": "error"},
+             lambda *a: calls.append("failed rest"), ()),
+            ({"section": "block", "path": "fp8fast:sage8", "mode": "compiled", "status": "ok"},
+             lambda *a: calls.append("w1"), ())]
     parts = {"timers": timers, "heads": 14, "s_local": 9504, "a_in_ms": 0.85, "a_out_ms": 0.28}
     args = argparse.Namespace(rounds=2, iters=3, warmup=1, step_blocks=50, compile_reserve_s=0.0)
     rows: list[dict] = []
     h3_fp8.run_w4_sequence(args, parts, live, torch.device("cpu"), Budget(None), rows)
-    (row,) = rows  # no sdpa kernel measured, no W = 1 block: one row
+    (row,) = rows  # no sdpa kernel measured, no W = 1 block, no failed rest: one row
     assert row["section"] == "w4-seq" and row["path"] == "fp8fast:sage8" and len(row["rounds_ms"]) == 2
     assert calls == ["rest", "pack", "sage8", "unpack"] * (2 * (3 + 1))  # 2 rounds of warm-up + iters
     assert row["a2a_ms"] == pytest.approx(0.85 + 0.28)
     assert row["median_ms"] == pytest.approx(row["compute_ms"] + 1.13)
     assert row["step_s"] == pytest.approx(50 * row["median_ms"] / 1e3)
     assert row["compute_ms"] == pytest.approx(statistics.median(row["rounds_ms"]))
+
+
+def test_h3_fp8_time_rounds_interleaves_and_keeps_a_failing_path_as_an_error_row():
+    """--rounds passes, each over every path in turn; a path that raises in a later round is an
+    error row (its reason kept) and is not called again; the others get their medians."""
+    import torch
+
+    from benchmarks import h3_fp8
+    from benchmarks.harness import Budget
+
+    order: list[str] = []
+    n = {"b": 0}
+
+    def b():
+        n["b"] += 1
+        order.append("b")
+        if n["b"] > 2:  # 1 warm-up + 1 timed call in round 1, then it fails
+            raise RuntimeError("out of memory")
+
+    a, bb, c = {}, {}, {}
+    args = argparse.Namespace(rounds=3, iters=1, warmup=1)
+    h3_fp8._time_rounds([(a, lambda: order.append("a")), (bb, b), (c, lambda: order.append("c"))], args,
+                        torch.device("cpu"), Budget(None), 0.0)
+    assert order == ["a", "a", "b", "b", "c", "c", "a", "a", "b", "c", "c", "a", "a", "c", "c"]
+    assert len(a["rounds_ms"]) == len(c["rounds_ms"]) == 3 and a["median_ms"] == statistics.median(a["rounds_ms"])
+    assert a["rounds"].count(" / ") == 2 and a["min_ms"] <= a["median_ms"]
+    assert bb["status"] == "error" and "out of memory" in bb["reason"] and len(bb["rounds_ms"]) == 1
 
 
 def test_job_model_takes_the_double_counted_all_to_all_off_rows_written_before_the_fix():
