@@ -7,6 +7,9 @@
   trailing padding) at 3, 4, 6, 7, 8 and 14 heads, and the direct dense call at the same widths:
   where the head chunks of ``overlap_chunks`` lose time (waves of CTAs, or the bridge per call).
 
+With ``--profile``: only the sage8 cases, each call's kernels by torch.profiler (where the bridge's
+strided receive-buffer views cost more than contiguous inputs at 14 heads, if they do).
+
     python3 -m benchmarks.dev.w4_probe --out $OUT     # one GPU, ~1 min
 """
 
@@ -89,8 +92,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="the sage8 cases' kernels instead of the timing")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
+    if args.profile:
+        from benchmarks.harness import kernel_table
+
+        prof = {}
+        with torch.no_grad():
+            for name, fn in _attn_cases(dev).items():
+                fn()
+                fn()
+                prof[name] = kernel_table(fn, dev, top=8)
+                print(name)
+                for k in prof[name]:
+                    print(f"   {k['ms']:8.3f} ms  x{k['calls']:.0f}  {k['kernel'][:80]}")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "w4-probe-profile.json"), "w") as f:
+            json.dump(prof, f, indent=1)
+        return 0
     cases = {**_gemm_cases(dev), **_attn_cases(dev)}
     with torch.no_grad():
         for fn in cases.values():
