@@ -17,7 +17,8 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   the q/k/v projections, as in h3-model's 30.8 ms compiled "none"); ``none@w4``: the rest at
   9,504 rows. Eager all, once each; compiled (``torch.compile(block, fullgraph=True, dynamic=False)``)
   the ``--compiled`` list, in its order, after the accuracy section, each path on its own copy of
-  the block, then ``--rounds`` - 1 more passes over all of them: median of the rounds' medians.
+  the block and timed once after its compilation (``first_ms``), then ``--rounds`` passes over all
+  of them: median of the rounds' medians.
 * ``w4`` (modeled as ``benchmarks.scaling --modeled`` does): rank 0 of Ulysses 4 = ``none@w4`` +
   its attention layer: pack + all-to-alls (bytes / ``--bandwidth-gbs``: q, k, v in, the output
   back) + attention at 14 heads x 38,016 rows + unpack, plain (C = 1) or with the heads in
@@ -271,8 +272,6 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
             _time_rounds([(row, lambda fn=fn, inp=inp: fn(*inp)) for row, fn, inp in live], args, dev, budget,
                          args.compile_reserve_s)
             for row, _fn, _inp in live:
-                if "median_ms" not in row and row.get("status") == "ok":
-                    row["median_ms"] = row["first_ms"]  # no budget left for a round: the first timing
                 print(row["path"], "rounds", row.get("rounds"), row.get("reason", ""), flush=True)
             if on_live is not None:
                 on_live(live)
@@ -289,7 +288,6 @@ def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profi
     """(row fields, the compiled callable to time again or None). Eager rows share one block per
     precision, so their dynamo state is reset after each; compiled rows own their block."""
     t0 = time.perf_counter()
-    fn = None
     try:
         _set_attention(block, attn, m.num_heads, m.head_dim, valid_len)
         fn = torch.compile(block, fullgraph=True, dynamic=False) if mode == "compiled" else block
