@@ -4,9 +4,7 @@
     torchrun --nproc-per-node 4 launch/serve.py --config configs/h3.toml --quality high
 """
 
-import sys
-
-from dist_attn.serve.launch import main
+from dist_attn.serve.launch import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

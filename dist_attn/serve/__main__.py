@@ -1,10 +1,8 @@
 """``python -m dist_attn.serve`` (or ``torchrun ... -m dist_attn.serve``): see
 :mod:`dist_attn.serve.launch.cli`."""
 
-import sys
-
-from dist_attn.serve.launch import main
+from dist_attn.serve.launch import run
 
 __all__: list[str] = []
 
-sys.exit(main())
+run()

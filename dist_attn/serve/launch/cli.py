@@ -20,9 +20,9 @@ import logging
 import os
 import sys
 import tomllib
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "main", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,24 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def _rank0_error(rank: int, message: str) -> None:
     if rank == 0:
         print(f"launch/serve.py: error: {message}", file=sys.stderr, flush=True)
+
+
+def run() -> NoReturn:
+    """The process entry point: :func:`main`, then the exit. A torchrun rank leaves through
+    ``os._exit`` once :func:`main` has closed what it opened (the job store, HTTP, the process
+    group): at interpreter teardown gloo's worker threads can still be destroyed joinable, and
+    ``std::terminate`` then turns a clean shutdown into SIGABRT (exit -6, seen on 1 in ~6 supervised
+    SIGTERM drains on 2 CPU ranks; torch 2.13). The supervisor and single processes exit as
+    usual."""
+    from dist_attn.serve.launch.supervise import under_torchrun
+
+    code = main()
+    if under_torchrun():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
