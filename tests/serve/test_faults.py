@@ -313,3 +313,26 @@ def test_the_readme_timeout_example_times_out(srv):
     assert status == 504 and "deadline" in text, (status, text)
     assert claimed <= elapsed < claimed + 10, elapsed  # the deadline, then at most a step or two
     _wait_for_log(srv, "aborted (deadline) after")
+
+
+@pytest.mark.parametrize("rank_env", [True, False])
+def test_the_entry_point_skips_interpreter_teardown_on_a_torchrun_rank(monkeypatch, rank_env):
+    """A rank that shut down cleanly could still die of SIGABRT at interpreter teardown (gloo's
+    threads, see ``cli.run``); a rank leaves through ``os._exit`` with main's status, any other
+    process through ``sys.exit``."""
+    from dist_attn.serve.launch import cli
+
+    exits: list[int] = []
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    for var in ("TORCHELASTIC_RUN_ID", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    if rank_env:
+        monkeypatch.setenv("RANK", "1")
+        with pytest.raises(SystemExit):  # only reached because _exit is patched to return
+            cli.run()
+        assert exits == [3]
+    else:
+        with pytest.raises(SystemExit) as e:
+            cli.run()
+        assert e.value.code == 3 and exits == []
