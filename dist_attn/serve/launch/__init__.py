@@ -1,6 +1,5 @@
-"""The server process, from flags to the rank loops: the CLI, the launch checks, logging, the OS
-(parent death, port, API key), warm-up and the ``--nproc-per-node`` supervisor. Exports ``main``
-and ``run`` (the process entry point: ``main``, then the exit)."""
+"""The server process, from flags to the rank loops: the CLI, checks, logging, the OS (parent
+death, port, API key), warm-up, the ``--nproc-per-node`` supervisor. Exports ``main``, ``run``."""
 
 from dist_attn.serve.launch.cli import main, run
 
