@@ -30,7 +30,9 @@ variant:<b>:<v>        sage8 / sage8_gluon dense with a non-default config:     
                        MMA across the whole row), pv-first, stages2 (Gluon loop
                        orderings, attn_gluon.GluonConfig), 3stages-2cta
                        (the Triton loop's launch before 3 CTAs per SM),
-                       kscale-pipelined (its K-scale load before the direct one)
+                       kscale-pipelined (its K-scale load before the direct one),
+                       bn64 / bn64-s3 (64-key blocks, 168 registers, 2 or 3
+                       TMA stages)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
@@ -335,7 +337,8 @@ _PARTS = {"quant": "its quantization alone", "attn": "its attention kernel alone
 #: variant name -> launch-config overrides (a variant whose fields the kernel's config lacks is skipped)
 _SAGE8_VARIANTS = {"v2-running": {"pv_accum": "running"}, "pv-first": {"pv_first": True},
                    "stages2": {"stages": 2}, "3stages-2cta": {"num_stages": 3, "maxnreg": None},
-                   "kscale-pipelined": {"kscale_load": "pipelined"}}
+                   "kscale-pipelined": {"kscale_load": "pipelined"},
+                   "bn64": {"block_n": 64}, "bn64-s3": {"block_n": 64, "num_stages": 3}}
 
 
 def _sage8_variant(backend: str, variant: str):
