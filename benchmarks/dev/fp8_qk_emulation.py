@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from dist_attn.fp8_linear import E4M3_MAX
+
 __all__ = ["emulate"]
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 
 
 def emulate() -> dict[str, float]:
