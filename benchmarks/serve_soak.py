@@ -36,6 +36,8 @@ Writes ``benchmarks/results/serve-soak_<hardware>_<date>.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import atexit
+import ctypes
 import http.client
 import json
 import os
@@ -61,6 +63,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _term_with_parent() -> None:
+    """Runs in the server's process before it execs: the kernel sends it SIGTERM (a drain) when
+    this driver dies, by any signal, SIGKILL included (Linux's PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stops the server on every way out of the driver (an error, a SystemExit): SIGTERM, then
+    SIGKILL to its process group after 60 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:
@@ -156,7 +176,8 @@ def main() -> int:
     log_path = os.path.join(out_dir, "server.log")
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_term_with_parent)
+    atexit.register(_stop, proc)
     base = _Conn(port)
     deadline = time.monotonic() + 300
     while True:
