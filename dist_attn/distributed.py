@@ -106,8 +106,26 @@ def group_size_and_rank(group=None):
         if group is not None:
             raise ValueError(f"group={group!r} was given but torch.distributed is not initialised")
         return None, 1, 0
+    check_group(group)
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_group(group) -> None:
+    """Raises unless ``group`` is None (the default group) or a process group this rank belongs
+    to. ``dist.new_group(ranks)`` returns ``GroupMember.NON_GROUP_MEMBER`` (-100) on the ranks it
+    leaves out, where ``get_world_size`` answers -1 instead of raising."""
+    if group is None:
+        return
+    if group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()) \
+            or (isinstance(group, int) and not isinstance(group, bool) and group == -100):
+        where = f"global rank {dist.get_rank()}" if dist.is_initialized() else "this process"
+        raise ValueError(f"group={group!r} is torch.distributed's NON_GROUP_MEMBER: {where} is not "
+                         "a member of the group (dist.new_group(ranks) returns it on the ranks "
+                         "outside ranks); pass a group that contains every calling rank")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group={group!r} must be a torch.distributed.ProcessGroup or None "
+                        "(the default group)")
 
 
 # ---- process groups and meshes across torch.compile's custom-op boundary ----

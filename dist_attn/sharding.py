@@ -50,6 +50,17 @@ class SequenceShard:
         return [0, self.total_len]
 
 
+def _seq_axis(dim, x: torch.Tensor, name: str) -> int:
+    """``dim`` as an axis of ``x`` in ``[0, x.ndim)``; out of range raises (no wrap-around: dim=5
+    of a 3-D tensor would otherwise cut the feature axis)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim={dim!r} must be a Python int (the sequence axis of {name})")
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"dim={dim} is out of range for {name} of shape {tuple(x.shape)}: expected "
+                         f"{-x.ndim} <= dim < {x.ndim}")
+    return dim % x.ndim
+
+
 def plan_shard(seq_len: int, group=None, *, multiple_of: int = 1) -> SequenceShard:
     """The shard plan of a ``seq_len``-row sequence over ``group`` (None: the default group,
     or a single rank when torch.distributed is not initialised).
@@ -85,9 +96,9 @@ def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1,
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    dim = dim % x.ndim if x.ndim else dim
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension (the sequence axis)")
+    dim = _seq_axis(dim, x, "x")
     shard = plan_shard(x.shape[dim], group, multiple_of=multiple_of)
     return shard_rows(x, shard, dim=dim), shard
 
@@ -107,7 +118,7 @@ def shard_rows(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1) -> torch.
     Returns:
         ``shard.local_len`` rows along ``dim`` (a fresh contiguous tensor; ``x`` is not modified).
     """
-    dim = dim % x.ndim
+    dim = _seq_axis(dim, x, "x")
     if x.shape[dim] != shard.valid_len:
         raise ValueError(f"x has {x.shape[dim]} rows along dim {dim} (shape {tuple(x.shape)}) but "
                          f"the plan is for a sequence of valid_len={shard.valid_len} rows")
@@ -131,7 +142,7 @@ def gather_sequence(x_local: torch.Tensor, shard: SequenceShard, group=None, *,
     Returns:
         The full tensor with ``shard.valid_len`` rows along ``dim`` (one all-gather).
     """
-    dim = dim % x_local.ndim
+    dim = _seq_axis(dim, x_local, "x_local")
     if x_local.shape[dim] != shard.local_len:
         raise ValueError(f"x_local.shape[{dim}]={x_local.shape[dim]} must equal shard.local_len="
                          f"{shard.local_len} (the rows shard_sequence gave this rank)")

@@ -24,13 +24,15 @@ from torch import nn
 from dist_attn.backends import available_backends, default_softmax_scale
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
-from dist_attn.distributed import compile_key, register_for_compile, resolve_compile_key
+from dist_attn.distributed import (check_group, compile_key, register_for_compile,
+                                   resolve_compile_key)
 from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
 from dist_attn.plan import make_plan
 from dist_attn.profiling import PhaseTimer
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
-from dist_attn.validation import (check_bounds, check_no_grad, check_overlap_chunks, check_qkv,
-                                  check_softmax_scale, host_bounds)
+from dist_attn.validation import (check_bounds, check_no_grad, check_op_scalars,
+                                  check_overlap_chunks, check_qkv, check_softmax_scale,
+                                  host_bounds)
 from dist_attn.varlen import attend_varlen, segment_layout
 
 __all__ = ["UlyssesSageAttention", "ulysses_attention"]
@@ -77,6 +79,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         if timer is not None or buffers is not None:
             raise ValueError("timer= and buffers= cannot cross torch.compile's custom-op boundary; "
                              "leave them None in compiled code (the process-wide pool is used)")
+        check_op_scalars(valid_len=valid_len, max_seqlen=max_seqlen, num_heads=num_heads,
+                         head_dim=head_dim, softmax_scale=softmax_scale,
+                         overlap_chunks=overlap_chunks)
         if isinstance(cu_seqlens, (list, tuple)):
             cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
         return torch.ops.dist_attn.ulysses_attention(
@@ -245,9 +250,7 @@ class UlyssesSageAttention(nn.Module):
         if not isinstance(backend, str) or backend not in available_backends():
             raise ValueError(f"backend={backend!r} is not one of {available_backends()} "
                              "(register_backend adds others)")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group={group!r} must be a torch.distributed.ProcessGroup or None "
-                            "(the default group)")
+        check_group(group)
         if mesh is not None:
             check_mesh(mesh)
         check_softmax_scale(softmax_scale)

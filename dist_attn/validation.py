@@ -19,10 +19,18 @@ __all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "chec
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_expected_dims(num_heads, head_dim) -> None:
+    """``num_heads`` and ``head_dim`` (the H and D a caller expects) are None or positive ints."""
+    for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise TypeError(f"{name}={value!r} must be a positive Python int or None")
+
+
 def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = None) -> None:
     """Checks q/k/v: tensors ``[T, H, D]`` or ``[B, T, H, D]`` of one shape, dtype and device,
     ``H >= 1`` and ``D >= 1``, dtype fp16/bf16/fp32, and (when given) ``H == num_heads`` and ``D == head_dim``. The last dim
     must be contiguous."""
+    check_expected_dims(num_heads, head_dim)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -69,8 +77,12 @@ def check_softmax_scale(softmax_scale) -> None:
     """
     if softmax_scale is None:
         return
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        # ValueError, as for a bad value: callers already catch this one class for the scale.
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a Python float or int (not a "
+                         f"{type(softmax_scale).__name__}; pass float(x) for a numpy or tensor "
+                         "scalar) or None")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None")
 
 
@@ -86,6 +98,27 @@ def check_no_grad(q, k, v) -> None:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_valid_len_type(valid_len) -> None:
+    """``valid_len`` is None or a Python int (its range is checked against the packed length)."""
+    if valid_len is not None and not _is_int(valid_len):
+        raise TypeError(f"valid_len={valid_len!r} must be a Python int (rows of the global packed "
+                        "sequence that are not padding) or None")
+
+
+def check_op_scalars(*, valid_len, max_seqlen, num_heads, head_dim, softmax_scale,
+                     overlap_chunks) -> None:
+    """The scalar arguments of :func:`dist_attn.ulysses_attention`, checked before they cross
+    torch.compile's custom-op boundary: the op's schema types them int or float, so it would turn
+    ``True`` into ``1`` (and ``valid_len=True`` into one valid row) before the op's own checks
+    see it. Eager calls check the same rules inside the call."""
+    check_valid_len_type(valid_len)
+    check_softmax_scale(softmax_scale)
+    check_overlap_chunks(overlap_chunks)
+    check_expected_dims(num_heads, head_dim)
+    if isinstance(max_seqlen, bool):
+        as_host_int("max_seqlen", max_seqlen)  # raises, with the eager message
 
 
 def check_bounds(cu_seqlens, *, device: torch.device) -> None:

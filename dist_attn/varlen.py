@@ -24,7 +24,7 @@ import torch
 
 from dist_attn.backends import AttentionBackend, default_softmax_scale, resolve_backend
 from dist_attn.validation import (as_host_int, check_bounds, check_no_grad, check_qkv,
-                                  check_softmax_scale, host_bounds)
+                                  check_softmax_scale, check_valid_len_type, host_bounds)
 
 __all__ = ["SegmentLayout", "segment_layout", "sage_varlen", "trailing_padding_used_len",
            "attend_varlen"]
@@ -65,11 +65,9 @@ def segment_layout(bounds: Sequence[int], *, total: int, valid_len=None, max_seq
         max_seqlen: None, or an int that is at least the longest clipped segment.
         src: the argument name the bounds came from (for messages).
     """
+    check_valid_len_type(valid_len)
     if valid_len is None:
         valid_len = total
-    elif isinstance(valid_len, bool) or not isinstance(valid_len, int):
-        raise TypeError(f"valid_len={valid_len!r} must be a Python int (rows of the global packed "
-                        "sequence that are not padding) or None")
     elif not 1 <= valid_len <= total:
         raise ValueError(f"valid_len={valid_len} must lie in [1, {total}] (the global packed length)")
     segments = tuple((a, min(b, valid_len)) for a, b in zip(bounds[:-1], bounds[1:]) if a < min(b, valid_len))

@@ -119,6 +119,26 @@ def test_shard_and_gather_round_trip(tmp_path, world, seq_len, multiple_of):
         assert res["back_ok"] and res["x_ok"]
 
 
+def test_the_sequence_axis_is_checked_not_wrapped():
+    """dim=5 of a 3-D tensor was taken modulo ndim (axis 2: the feature axis was cut). Out of
+    range or not an int raises, naming dim; a negative axis in range still counts from the end."""
+    from dist_attn import gather_sequence, plan_shard, shard_rows, shard_sequence
+
+    x = torch.randn(2, 9, 3)
+    shard = plan_shard(9)
+    for call in (lambda d: shard_sequence(x, dim=d), lambda d: shard_rows(x, shard, dim=d)):
+        for bad in (5, -4, 3):
+            with pytest.raises(ValueError, match=rf"dim={bad} is out of range for x of shape "
+                                                 r"\(2, 9, 3\): expected -3 <= dim < 3"):
+                call(bad)
+        with pytest.raises(TypeError, match=r"dim=True must be a Python int"):
+            call(True)
+    with pytest.raises(ValueError, match=r"dim=4 is out of range for x_local"):
+        gather_sequence(x, shard, dim=4)
+    local, planned = shard_sequence(x.transpose(1, 2).contiguous(), dim=-1)
+    assert planned.valid_len == 9 and torch.equal(local, x.transpose(1, 2))
+
+
 def test_plan_shard_rejects_bad_lengths():
     from dist_attn import plan_shard
 

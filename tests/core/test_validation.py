@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,8 +119,9 @@ def test_short_request_padding_longer_than_used_is_valid():
     assert torch.count_nonzero(out[10:]) == 0 and torch.isfinite(out[:10]).all()
 
 
-@pytest.mark.parametrize("scale", [float("nan"), 0, -1, float("inf"), True, "0.1"],
-                         ids=["nan", "zero", "negative", "inf", "bool", "str"])
+@pytest.mark.parametrize("scale", [float("nan"), 0, -1, float("inf"), True, "0.1", np.float32(0.1),
+                                   torch.tensor(0.1)],
+                         ids=["nan", "zero", "negative", "inf", "bool", "str", "numpy", "tensor"])
 def test_sage_varlen_and_ulysses_refuse_the_same_softmax_scales(scale):
     """sage_varlen(..., softmax_scale=nan) returned all NaN (0 and -1 passed too) where
     ulysses_attention refused them: one rule (validation.check_softmax_scale) raised by both,
@@ -132,4 +134,75 @@ def test_sage_varlen_and_ulysses_refuse_the_same_softmax_scales(scale):
     with pytest.raises(ValueError) as ulysses:
         UlyssesSageAttention(H, D, backend="sdpa", softmax_scale=scale)
     assert str(varlen.value) == str(ulysses.value)
-    assert str(varlen.value) == f"softmax_scale={scale!r} must be a positive finite number or None"
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        assert str(varlen.value) == (f"softmax_scale={scale!r} must be a Python float or int (not a "
+                                     f"{type(scale).__name__}; pass float(x) for a numpy or tensor "
+                                     "scalar) or None")
+    else:
+        assert str(varlen.value) == f"softmax_scale={scale!r} must be a positive finite number or None"
+
+
+@pytest.mark.parametrize("kw,exc,needle", [
+    (dict(valid_len=True), TypeError, "valid_len=True must be a Python int"),
+    (dict(valid_len=3.0), TypeError, "valid_len=3.0 must be a Python int"),
+    (dict(softmax_scale=True), ValueError, "softmax_scale=True must be a Python float or int"),
+    (dict(max_seqlen=True), TypeError, "max_seqlen=True must be a Python int"),
+    (dict(num_heads=True), TypeError, "num_heads=True must be a positive Python int or None"),
+], ids=["valid_len_bool", "valid_len_float", "scale_bool", "max_seqlen_bool", "num_heads_bool"])
+def test_compiled_calls_refuse_what_eager_calls_refuse(kw, exc, needle):
+    """The compiled op's schema types these int/float: valid_len=True crossed it as 1 (one valid
+    row, every other row zero) and softmax_scale=True as 1.0, where eager refused both. They are
+    checked before the boundary now, with eager's rule and message."""
+    from dist_attn import ulysses_attention
+
+    q = torch.randn(8, H, D)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t: ulysses_attention(t, t, t, backend="sdpa", **kw), backend="eager")
+    with pytest.raises(exc, match=needle):
+        fn(q)
+    with pytest.raises(exc, match=needle):
+        ulysses_attention(q, q, q, backend="sdpa", **kw)
+
+
+def _group_worker(rank, world):
+    import torch.distributed as dist
+
+    from dist_attn import UlyssesSageAttention, plan_shard, shard_sequence, ulysses_attention
+
+    only_1 = dist.new_group([1])  # every rank must call new_group; rank 0 gets NON_GROUP_MEMBER
+    q = torch.randn(8, H, D)
+    calls = {
+        "ulysses_attention": lambda g: ulysses_attention(q, q, q, group=g, backend="sdpa"),
+        "UlyssesSageAttention": lambda g: UlyssesSageAttention(H, D, group=g, backend="sdpa"),
+        "plan_shard": lambda g: plan_shard(9, g),
+        "shard_sequence": lambda g: shard_sequence(torch.randn(2, 9, 3), g),
+    }
+    out = {}
+    for name, call in calls.items():
+        for label, g in (("str", "x"), ("non_member", only_1)):
+            if label == "non_member" and rank == 1:
+                continue  # rank 1 is a member
+            try:
+                call(g)
+                out[f"{name}/{label}"] = None
+            except Exception as exc:  # noqa: BLE001 - we report what was raised
+                out[f"{name}/{label}"] = (type(exc).__name__, str(exc))
+    dist.barrier()
+    return out
+
+
+def test_a_bad_or_foreign_group_is_refused_by_name(tmp_path):
+    """group='x' raised AttributeError ('str' object has no attribute 'size'); a group this rank
+    is not in (new_group's NON_GROUP_MEMBER, -100) gave world_size=-1 errors, or an empty shard
+    and no error at all. Both are refused by name now, before any collective."""
+    per_rank = run_ranks(_group_worker, 2, tmp_path, timeout=90)
+    for rank, outcome in enumerate(per_rank):
+        for key, got in outcome.items():
+            assert got is not None, f"rank {rank}: {key} did not raise"
+            if key.endswith("/str"):
+                assert got == ("TypeError", "group='x' must be a torch.distributed.ProcessGroup "
+                                            "or None (the default group)"), (rank, key, got)
+            else:
+                assert got[0] == "ValueError" and "not a member of the group" in got[1] \
+                    and "global rank 0" in got[1], (rank, key, got)
+    assert len(per_rank[0]) == 8 and len(per_rank[1]) == 4
