@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -53,3 +54,15 @@ def test_both_kernels_registered():
     q = torch.empty(1, 4, 2, 128, dtype=torch.bfloat16)
     if os.environ.get("TRITON_INTERPRET") != "1":  # the Triton loop runs on a CPU under the interpreter
         assert be.unsupported_reason(q) is not None  # CPU: needs a Hopper GPU
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_the_gluon_backend_on_a_cpu_points_to_the_backend_that_runs_there(monkeypatch, interpret):
+    """Without TRITON_INTERPRET the Gluon backend said to set it; with it set, to use
+    impl='triton', which is not a user-facing argument: a dead end both ways. Both now name
+    backend 'sage8' with TRITON_INTERPRET=1."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q = torch.empty(1, 4, 2, 128, dtype=torch.bfloat16)
+    reason = backends.get_backend("sage8_gluon").unsupported_reason(q)
+    assert reason is not None and "(backend 'sage8_gluon') needs a CUDA GPU" in reason, reason
+    assert "use backend 'sage8'" in reason and "TRITON_INTERPRET=1" in reason, reason

@@ -90,10 +90,13 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
             return (f"sage8 is tuned for Hopper (compute capability 9.0) and uses its FP8/INT8 wgmma; "
                     f"this GPU is {cc[0]}.{cc[1]}: use another attention backend.")
         return None
+    if impl == "gluon":
+        # Said whether or not TRITON_INTERPRET is set: the interpreter cannot run this loop either.
+        return (f"the Gluon loop (backend 'sage8_gluon') needs a CUDA GPU of compute capability 9.0 "
+                f"(q is on {q.device}); Triton's interpreter cannot run it (warp specialization, TMA "
+                "and wgmma have no CPU emulation). On the CPU use backend 'sage8' (impl='triton' "
+                "for the kernel entry points) with TRITON_INTERPRET=1 set before triton is imported.")
     if q.device.type == "cpu" and interpreting():
-        if impl == "gluon":
-            return ("the Gluon kernel does not run under Triton's interpreter (warp specialization, "
-                    "TMA and wgmma have no CPU emulation): use impl='triton' on the CPU.")
         return None
     return (f"sage8 needs a CUDA GPU of compute capability 9.0 (q is on {q.device}); on the CPU its "
             "Triton loop runs only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton.")
