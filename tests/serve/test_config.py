@@ -48,7 +48,7 @@ def test_heads_vs_ulysses_degree():
     # Uneven heads are valid, as in the core (4 heads on 3 ranks: 2, 1, 1) ...
     load_config(None).check_world(3)
     # ... but every rank needs one head: the core's rule, with the config field named.
-    with pytest.raises(ValueError, match=r"ModelConfig.num_attention_heads=4 cannot be split over "
+    with pytest.raises(ValueError, match=r"model.num_attention_heads=4 cannot be split over "
                                          r"the Ulysses degree 8: num_heads=4 must be >= the Ulysses "
                                          r"world size 8"):
         load_config(None).check_world(8)
@@ -57,7 +57,7 @@ def test_heads_vs_ulysses_degree():
 def test_ulysses_times_ring_times_tp_is_world():
     cfg = apply_overrides(load_config(None), {"parallel.ulysses_degree": 2})
     cfg.check_world(2)
-    with pytest.raises(ValueError, match=r"ParallelConfig.ulysses_degree=2 .* must equal the "
+    with pytest.raises(ValueError, match=r"parallel.ulysses_degree=2 .* must equal the "
                                          r"world size 4"):
         cfg.check_world(4)
 
@@ -66,7 +66,7 @@ def test_overlap_chunks_field_reaches_enable_ulysses():
     assert load_config(None).parallel.overlap_chunks == 1
     assert apply_overrides(load_config(None), {"parallel.overlap_chunks": 4}).parallel.overlap_chunks == 4
     for bad in (0, True, 1.5):
-        with pytest.raises(ValueError, match=rf"ParallelConfig.overlap_chunks={bad!r} must be an "
+        with pytest.raises(ValueError, match=rf"parallel.overlap_chunks={bad!r} must be an "
                                              r"int >= 1"):
             apply_overrides(load_config(None), {"parallel.overlap_chunks": bad})
     pytest.importorskip("diffusers")
@@ -85,7 +85,7 @@ def test_overlap_chunks_field_reaches_enable_ulysses():
 
 
 def test_head_dim_vs_backend():
-    with pytest.raises(ValueError, match=r"ModelConfig.attention_head_dim=80 is not supported by "
+    with pytest.raises(ValueError, match=r"model.attention_head_dim=80 is not supported by "
                                          r"backend 'sage' \(accepts head_dim in \[64, 96, 128\]\)"):
         apply_overrides(load_config(None), {"model.attention_head_dim": 80,
                                             "runtime.backend": "sage"})
@@ -107,24 +107,24 @@ def test_quality_values_listed_and_lossless_rejects_sage():
 
 
 @pytest.mark.parametrize("cls, kwargs, match", [
-    (ModelConfig, {"num_attention_heads": 0}, r"ModelConfig.num_attention_heads=0 must be a "
+    (ModelConfig, {"num_attention_heads": 0}, r"model.num_attention_heads=0 must be a "
                                                r"positive integer"),
-    (ModelConfig, {"rope_freq_dim": 22}, r"ModelConfig.rope_freq_dim=22 rotates 2 \* 3 \* 22 = 132 "
+    (ModelConfig, {"rope_freq_dim": 22}, r"model.rope_freq_dim=22 rotates 2 \* 3 \* 22 = 132 "
                                          r"channels, more than attention_head_dim=128"),
-    (ModelConfig, {"patch_size": [1, 2]}, r"ModelConfig.patch_size=\[1, 2\] must be three positive "
+    (ModelConfig, {"patch_size": [1, 2]}, r"model.patch_size=\[1, 2\] must be three positive "
                                           r"integers"),
-    (ModelConfig, {"hidden_size": 2.5}, r"ModelConfig.hidden_size=2.5 must be a positive integer"),
-    (TokenConfig, {"min_duration_s": 20.0}, r"TokenConfig.min_duration_s=20.0 must be >= 0 and at "
+    (ModelConfig, {"hidden_size": 2.5}, r"model.hidden_size=2.5 must be a positive integer"),
+    (TokenConfig, {"min_duration_s": 20.0}, r"tokens.min_duration_s=20.0 must be >= 0 and at "
                                             r"most max_duration_s=15.0"),
-    (TokenConfig, {"video_shift": 0}, r"TokenConfig.video_shift=0 must be > 0"),
-    (ServeConfig, {"drain_timeout_s": 40.0}, r"ServeConfig.drain_timeout_s=40.0 must be > 0 and "
+    (TokenConfig, {"video_shift": 0}, r"tokens.video_shift=0 must be > 0"),
+    (ServeConfig, {"drain_timeout_s": 40.0}, r"serve.drain_timeout_s=40.0 must be > 0 and "
                                              r"at most 25.0 s \(torchrun kills ranks 30.0 s after "
                                              r"its SIGTERM"),
-    (ServeConfig, {"idle_timeout_s": 0}, r"ServeConfig.idle_timeout_s=0 must be > 0"),
-    (ServeConfig, {"max_json_depth": 0}, r"ServeConfig.max_json_depth=0 must be a positive "
+    (ServeConfig, {"idle_timeout_s": 0}, r"serve.idle_timeout_s=0 must be > 0"),
+    (ServeConfig, {"max_json_depth": 0}, r"serve.max_json_depth=0 must be a positive "
                                          r"integer"),
-    (ServeConfig, {"backlog": -1}, r"ServeConfig.backlog=-1 must be a positive integer"),
-    (JobsConfig, {"latents_kept": 0}, r"JobsConfig.latents_kept=0 must be a positive integer"),
+    (ServeConfig, {"backlog": -1}, r"serve.backlog=-1 must be a positive integer"),
+    (JobsConfig, {"latents_kept": 0}, r"jobs.latents_kept=0 must be a positive integer"),
 ])
 def test_field_rules(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -132,7 +132,7 @@ def test_field_rules(cls, kwargs, match):
 
 
 def test_heartbeat_must_be_well_below_timeout():
-    with pytest.raises(ValueError, match=r"RuntimeConfig.heartbeat_s=20.0 must be > 0 and below "
+    with pytest.raises(ValueError, match=r"runtime.heartbeat_s=20.0 must be > 0 and below "
                                          r"pg_timeout_s/2=15.0"):
         RuntimeConfig(pg_timeout_s=30.0, heartbeat_s=20.0)
 
@@ -159,13 +159,19 @@ def test_request_geometry_rules():
 
 
 def test_default_request_must_fit_max_tokens():
-    with pytest.raises(ValueError, match=r"RequestConfig.frames=124 gives 3998 rows, above "
+    with pytest.raises(ValueError, match=r"request.frames=124 gives 3998 rows, above "
                                          r"serve.max_tokens=2048"):
         apply_overrides(load_config(None), {"request.frames": 124, "request.height": 256,
                                             "request.width": 384, "serve.max_tokens": 2048})
     with pytest.raises(ValueError, match=r"the default request \(\[request\]\) is invalid: "
                                          r"request.width=100 must be a multiple of 32"):
         apply_overrides(load_config(None), {"request.width": 100})
+    # --check-only passed request.steps=1000 under serve.max_steps=50; every request that left
+    # steps out would then have been answered 413.
+    with pytest.raises(ValueError, match=r"^request.steps=1000 exceeds serve.max_steps=50$"):
+        apply_overrides(load_config(None), {"request.steps": 1000, "serve.max_steps": 50})
+    assert apply_overrides(load_config(None), {"request.steps": 50,
+                                               "serve.max_steps": 50}).request.steps == 50
 
 
 def test_command_line_flags_override_config_fields():
@@ -173,7 +179,8 @@ def test_command_line_flags_override_config_fields():
 
     args = launcher.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "configs", "h3.toml"), "--layers", "1", "--backend",
-         "sdpa", "--port", "0", "--frames", "200", "--set", "serve.max_steps=7",
+         "sdpa", "--port", "0", "--frames", "200", "--set", "serve.max_steps=7", "--set",
+         "request.steps=5",
          "--set", "model.name=\"h3-1layer\"", "--quality", "high"])
     cfg = launcher.config_from_args(args)
     assert isinstance(cfg, Config)
@@ -193,10 +200,10 @@ def test_command_line_flags_override_config_fields():
 
 
 def test_health_timeout_must_exceed_heartbeat():
-    with pytest.raises(ValueError, match=r"RuntimeConfig.health_timeout_s=1.0 must exceed "
+    with pytest.raises(ValueError, match=r"runtime.health_timeout_s=1.0 must exceed "
                                          r"heartbeat_s=2.0"):
         RuntimeConfig(heartbeat_s=2.0, health_timeout_s=1.0)
-    with pytest.raises(ValueError, match=r"RuntimeConfig.compile='yes' must be true, false or "
+    with pytest.raises(ValueError, match=r"runtime.compile='yes' must be true, false or "
                                          r'"auto"'):
         RuntimeConfig(compile="yes")
 
@@ -214,7 +221,7 @@ def test_lossless_serves_the_eager_bf16_path():
     explicit compile refused, FP8 linears refused (each naming the field and the rule)."""
     lossless = RuntimeConfig(quality="lossless", backend="sdpa")
     assert not lossless.compiled("cuda") and not lossless.compiled("cpu")
-    with pytest.raises(ValueError, match=r"RuntimeConfig.compile=True compiles the blocks, whose "
+    with pytest.raises(ValueError, match=r"runtime.compile=True compiles the blocks, whose "
                                          r"fused kernels round differently"):
         RuntimeConfig(quality="lossless", backend="sdpa", compile=True)
     assert RuntimeConfig(quality="high", backend="sage8").compiled("cuda")

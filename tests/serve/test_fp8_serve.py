@@ -19,10 +19,10 @@ __all__: list[str] = []
 def test_linear_precision_field():
     assert ModelConfig().linear_precision == "bf16"
     assert apply_overrides(load_config(None), {"model.linear_precision": "fp8"}).model.linear_precision == "fp8"
-    with pytest.raises(ValueError, match=r"ModelConfig.linear_precision='int8' must be one of "
+    with pytest.raises(ValueError, match=r"model.linear_precision='int8' must be one of "
                                          r"'bf16', 'fp8'"):
         ModelConfig(linear_precision="int8")
-    with pytest.raises(ValueError, match=r"ModelConfig.linear_precision='fp8' needs bfloat16 blocks, "
+    with pytest.raises(ValueError, match=r"model.linear_precision='fp8' needs bfloat16 blocks, "
                                          r"not runtime.dtype='float32'"):
         apply_overrides(load_config(None), {"model.linear_precision": "fp8", "runtime.dtype": "float32"})
 
@@ -32,12 +32,12 @@ def test_fp8_fast_accum_field_is_explicit_and_needs_fp8(monkeypatch):
     cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8",
                                               "model.fp8_fast_accum": True})
     assert cfg.model.fp8_fast_accum is True
-    with pytest.raises(ValueError, match=r"ModelConfig.fp8_fast_accum=True needs "
+    with pytest.raises(ValueError, match=r"model.fp8_fast_accum=True needs "
                                          r"linear_precision='fp8', not 'bf16'"):
         apply_overrides(load_config(None), {"model.fp8_fast_accum": True})
-    with pytest.raises(ValueError, match=r"ModelConfig.fp8_fast_accum='yes' must be true or false"):
+    with pytest.raises(ValueError, match=r"model.fp8_fast_accum='yes' must be true or false"):
         ModelConfig(linear_precision="fp8", fp8_fast_accum="yes")
-    with pytest.raises(ValueError, match=r"ModelConfig.fp8_fast_accum=True needs linear_precision='fp8'"):
+    with pytest.raises(ValueError, match=r"model.fp8_fast_accum=True needs linear_precision='fp8'"):
         apply_overrides(load_config(None), {"model.fp8_fast_accum": True, "runtime.quality": "lossless"})
     # build_h3 hands the field to quantize_linears (the GEMM flag itself: tests/integrations)
     pytest.importorskip("diffusers")
@@ -56,7 +56,7 @@ def test_fp8_fast_accum_field_is_explicit_and_needs_fp8(monkeypatch):
 
 
 def test_lossless_refuses_fp8_and_high_admits_it():
-    rule = (r"ModelConfig.linear_precision='fp8' quantizes the blocks' linear layers to 8 bits "
+    rule = (r"model.linear_precision='fp8' quantizes the blocks' linear layers to 8 bits "
             r"\(e4m3\), not allowed under quality='lossless' \(exact layers only; use 'bf16'\)")
     with pytest.raises(ValueError, match=rule):
         apply_overrides(load_config(None), {"model.linear_precision": "fp8",
@@ -75,10 +75,10 @@ def test_lossless_refuses_fp8_and_high_admits_it():
 
 def test_warmup_shapes_rules():
     assert RuntimeConfig(warmup_shapes=[[22, 128, 192]]).warmup_shapes == ((22, 128, 192),)
-    with pytest.raises(ValueError, match=r"RuntimeConfig.warmup_shapes=\[\[22, 128\]\] must be a list "
+    with pytest.raises(ValueError, match=r"runtime.warmup_shapes=\[\[22, 128\]\] must be a list "
                                          r"of \[frames, height, width\] triples"):
         RuntimeConfig(warmup_shapes=[[22, 128]])
-    with pytest.raises(ValueError, match=r"RuntimeConfig.warmup_shapes\[1\]=\[22, 100, 192\] is not a "
+    with pytest.raises(ValueError, match=r"runtime.warmup_shapes\[1\]=\[22, 100, 192\] is not a "
                                          r"valid request: request.height=100 must be a multiple of 32"):
         apply_overrides(load_config(None), {"runtime.warmup_shapes": [[22, 128, 192], [22, 100, 192]]})
     with pytest.raises(ValueError, match=r"warmup_shapes\[0\]=\[124, 768, 1344\] is not a valid "
@@ -120,7 +120,7 @@ def test_launch_refuses_fp8_before_the_model(launcher, capsys):
     assert launcher.main(["--check-only", "--quality", "lossless", "--set",
                           "model.linear_precision=fp8"]) == 1
     err = capsys.readouterr().err
-    assert ("invalid config: ModelConfig.linear_precision='fp8' quantizes the blocks' linear "
+    assert ("invalid config: model.linear_precision='fp8' quantizes the blocks' linear "
             "layers to 8 bits (e4m3), not allowed under quality='lossless'") in err
 
 

@@ -36,7 +36,8 @@ def test_parse_request_rules():
         ({"frames": 300, "height": 2048, "width": 2048}, 413, r"request has 377900 rows \(32 text, "
                                                               r"1036 audio, 376832 video\), above "
                                                               r"serve.max_tokens=16384"),
-        ({"frames": 10**12}, 413, "too large"),
+        ({"frames": 10**12}, 413, r"frames=1000000000000 is too large: at most 1000000 \(and the "
+                                  r"request.s packed rows at most serve.max_tokens=\d+\)"),
         ({"seed": -1}, 400, "seed=-1"),
         ({"timeout_s": 0}, 400, r"timeout_s=0 must be a number in \(0, serve.request_timeout_s"),
         ({"timeout_s": 10**6}, 400, "timeout_s=1000000 must be a number"),

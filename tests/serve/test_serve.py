@@ -184,7 +184,7 @@ def test_launch_rejects_bad_tier_backend_and_checkpoint(launcher, tmp_path, caps
     assert f"--checkpoint {tmp_path} does not match the serving config's [model]" in err
     assert "num_layers: checkpoint 50 vs config 2" in err and "num_attention_heads: checkpoint 56" in err
     assert launcher.main(["--once", "--layers", "0"]) == 1
-    assert "ModelConfig.num_layers=0 must be a positive integer" in capsys.readouterr().err
+    assert "model.num_layers=0 must be a positive integer" in capsys.readouterr().err
 
 
 def test_once_with_compile_compiles_the_served_blocks(launcher, monkeypatch, capsys):

@@ -52,6 +52,11 @@ class Config:
         if rows.used > self.serve.max_tokens:
             raise field_error("RequestConfig", "frames", r.frames,
                               f"gives {rows.used} rows, above serve.max_tokens={self.serve.max_tokens}")
+        if r.steps > self.serve.max_steps:
+            # The server fills a request's missing fields from [request]: a default it refuses
+            # would pass --check-only and then answer 413 to every request that leaves steps out.
+            raise field_error("RequestConfig", "steps", r.steps,
+                              f"exceeds serve.max_steps={self.serve.max_steps}")
 
     def rows_rule(self, layout: PackedLayout) -> str | None:
         """The broken rule if a request of ``layout`` has more rows than ``serve.max_tokens``
@@ -70,7 +75,7 @@ class Config:
             except ValueError as e:
                 rule = str(e)
             if rule:
-                raise ValueError(f"RuntimeConfig.warmup_shapes[{i}]={[frames, height, width]!r} "
+                raise ValueError(f"runtime.warmup_shapes[{i}]={[frames, height, width]!r} "
                                  f"is not a valid request: {rule}")
 
     def layout(self, *, frames: int, height: int, width: int) -> PackedLayout:

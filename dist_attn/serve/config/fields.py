@@ -8,9 +8,16 @@ from typing import Any
 __all__ = ["field_error", "require_positive", "require_non_negative"]
 
 
+#: the section of the TOML file and of ``--set`` that each config class is read from.
+SECTIONS = {"ModelConfig": "model", "TokenConfig": "tokens", "ParallelConfig": "parallel",
+            "RuntimeConfig": "runtime", "RequestConfig": "request", "ServeConfig": "serve",
+            "JobsConfig": "jobs"}
+
+
 def field_error(cls: str, name: str, value: Any, rule: str) -> ValueError:
-    """``ValueError("Cls.name=value rule")``."""
-    return ValueError(f"{cls}.{name}={value!r} {rule}")
+    """``ValueError("section.name=value rule")``, named as the user writes it in the TOML file
+    or after ``--set`` (``model.num_layers``, not the class ``ModelConfig``)."""
+    return ValueError(f"{SECTIONS.get(cls, cls)}.{name}={value!r} {rule}")
 
 
 def _is_int(value: Any) -> bool:

@@ -20,6 +20,9 @@ from dist_attn.serve.wire.control import WIRE_FIELDS
 __all__ = ["RequestError", "Request", "parse_request", "request_from_wire"]
 
 _FIELDS = (*WIRE_FIELDS, "timeout_s")
+#: frames, height and width are bounded before the packed rows are computed, so a huge number
+#: costs no time; serve.max_tokens then bounds the rows themselves.
+_GEOMETRY_BOUND = 1_000_000
 
 
 class RequestError(ValueError):
@@ -96,8 +99,10 @@ def parse_request(payload: Any, cfg: Config, *, request_id: str | None = None) -
                                 f"{cfg.serve.max_steps}")
     # Bound the geometry before multiplying it out, so a huge number cannot cost time here.
     for name in ("frames", "height", "width"):
-        if fields[name] > 1_000_000:
-            raise RequestError(413, f"{name}={fields[name]} is too large")
+        if fields[name] > _GEOMETRY_BOUND:
+            raise RequestError(413, f"{name}={fields[name]} is too large: at most {_GEOMETRY_BOUND} "
+                                    f"(and the request's packed rows at most serve.max_tokens="
+                                    f"{cfg.serve.max_tokens})")
     try:
         layout = cfg.layout(frames=fields["frames"], height=fields["height"], width=fields["width"])
     except ValueError as e:
