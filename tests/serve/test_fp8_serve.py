@@ -138,14 +138,16 @@ def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, caps
         return runs
 
     def serve_spy(*args, **kwargs):
-        events.append(("serve", kwargs["info"]["linear_precision"]))
+        info = kwargs["info"]
+        events.append(("serve", info["linear_precision"], info["block_linears"]))
         return real_serve(*args, **kwargs)
 
     monkeypatch.setattr(warmup, "warm_up", warm_spy)
     monkeypatch.setattr(loop, "serve", serve_spy)
     assert launcher.main(["--once", "--steps", "1", "--backend", "sdpa", "--set",
                           "runtime.warmup_shapes=[[22, 128, 192], [5, 64, 64]]"]) == 0
-    assert events[0][0] == "warm_up" and events[1] == ("serve", "bf16")
+    # on the CPU "bf16" (not FP8) linears run in the blocks' float32, and /health says so
+    assert events[0][0] == "warm_up" and events[1] == ("serve", "bf16", "float32")
     assert [shape[:3] for shape in events[0][1]] == [(22, 128, 192), (5, 64, 64)]
     assert events[0][1][0][3] == 274  # the default request's rows
     assert "warm-up 2/2: 5 frames 64x64" in capsys.readouterr().err

@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _block_linears(cfg: Any, dtype: Any) -> str:
+    """What the blocks' linear layers run in: "fp8" (with " fast-accum"), or, for
+    ``linear_precision = "bf16"`` (not FP8), the blocks' own dtype, which is float32 on a CPU."""
+    if cfg.model.linear_precision == "fp8":
+        return "fp8" + (" fast-accum" if cfg.model.fp8_fast_accum else "")
+    return str(dtype).removeprefix("torch.")
+
+
 def config_from_args(args: argparse.Namespace) -> Any:
     """The validated config: file (or embedded default), then --set, then dedicated flags."""
     from dist_attn.serve.config import apply_overrides, load_config
@@ -268,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
                 "linear_precision": cfg.model.linear_precision,
+                "block_linears": _block_linears(cfg, dtype),
                 "fp8_fast_accum": cfg.model.fp8_fast_accum,
                 "overlap_chunks": cfg.parallel.overlap_chunks,
                 "compiled": cfg.runtime.compiled(env.device.type),
@@ -314,7 +323,7 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
              "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
              "backend %s%s", cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
              sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
-             cfg.model.linear_precision + (" fast-accum" if cfg.model.fp8_fast_accum else ""),
+             _block_linears(cfg, dtype),
              f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
              backend, ", blocks compiled" if cfg.runtime.compiled(env.device.type) else "")
     return model, timer
