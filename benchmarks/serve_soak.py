@@ -1,8 +1,8 @@
 """Load and soak of the jobs API on loopback: N concurrent video-job submissions, then status polls
 at a fixed rate for a fixed time while the jobs run, with the server's memory sampled throughout.
 
-    python -m benchmarks.serve_soak                  # CPU, 4 ranks, 50 jobs, 200 polls/s, 60 s
-    python -m benchmarks.serve_soak --smoke          # CI: 2 ranks, 4 jobs, 50 polls/s, 3 s
+    python -m benchmarks.serve_soak                  # CPU, 4 ranks, 3 + 50 jobs, 200 polls/s, 60 s
+    python -m benchmarks.serve_soak --smoke          # CI: 2 ranks, 3 + 4 jobs, 50 polls/s, 3 s
 
 Starts ``launch/serve.py --nproc-per-node N`` (torchrun under the supervisor; the tiny H3
 pipeline unless ``--video-runner`` says otherwise) on a free loopback port with a fresh output directory, and measures:
@@ -19,7 +19,8 @@ pipeline unless ``--video-runner`` says otherwise) on a free loopback port with 
   five samples 0.2 s apart with no job queued or running. A leak raises the second; a job's
   transient peak (a decode, an MP4 being written) or the first job's start-up raises neither.
   Comparing samples taken while jobs ran failed the 3 s smoke on start-up alone: 79-84 MB of
-  "growth" in 2 of 4 runs on a 2-core machine, with only four samples in it. At rest, on the tiny
+  "growth" in 2 of 4 runs on a 2-core machine (one CI run, one of 3 runs here), with only four
+  samples in it. At rest, on the tiny
   pipeline (2 ranks, 2-step jobs), rank 0 steps up once by about 22 MB between its first and its
   third job, or later under load (1 of 6 smokes run two at a time), then stays within 2 MB: +22
   MB after 4 jobs and +23 MB after 12 with one warm-up job; +1.6 MB after 12 with three. The
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
 import http.client
 import json
 import os
@@ -54,6 +54,8 @@ from typing import Any
 import torch
 
 from benchmarks.harness import ResultWriter, add_common_args, markdown_table
+from dist_attn.serve.launch.process import set_parent_death_signal
+from dist_attn.serve.launch.supervise import rank_pids
 
 THEME = "serve-soak"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,12 +65,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _term_with_parent() -> None:
-    """Runs in the server's process before it execs: the kernel sends it SIGTERM (a drain) when
-    this driver dies, by any signal, SIGKILL included (Linux's PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -81,6 +77,14 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 1 (with no warm-up job the baseline "
+                                         "would include the first job's start-up)")
+    return n
 
 
 def _children(pid: int) -> list[int]:
@@ -151,7 +155,7 @@ def main() -> int:
     p.add_argument("--drain-s", type=float, default=300.0,
                    help="after polling, wait up to this long for the jobs to finish (memory is "
                         "judged only once they have)")
-    p.add_argument("--warmup-jobs", type=int, default=3,
+    p.add_argument("--warmup-jobs", type=_at_least_one, default=3,
                    help="jobs run to completion before the soak; rank 0's RSS at rest after them "
                         "is the baseline of 'flat'")
     p.add_argument("--video-runner", default="h3", choices=("h3", "synthetic"))
@@ -176,7 +180,9 @@ def main() -> int:
     log_path = os.path.join(out_dir, "server.log")
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=_term_with_parent)
+                            start_new_session=True, preexec_fn=set_parent_death_signal)
+    # The server goes down with this driver on every way out: atexit on an error or SystemExit
+    # here, the parent-death SIGTERM (a drain) when the driver itself is killed.
     atexit.register(_stop, proc)
     base = _Conn(port)
     deadline = time.monotonic() + 300
@@ -192,7 +198,8 @@ def main() -> int:
             raise SystemExit("server did not become healthy in 300 s")
         time.sleep(0.3)
     agent = _children(proc.pid)[0]
-    pids = [agent, *_children(agent)]  # the torchrun agent, then its ranks
+    ranks = rank_pids(agent)
+    pids = [agent, *(ranks[r] for r in sorted(ranks))]  # the torchrun agent, then ranks 0, 1, ...
     rss: list[dict[str, Any]] = []
     stop_rss = threading.Event()
     t_start = time.monotonic()
@@ -205,7 +212,7 @@ def main() -> int:
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
-    rank0 = pids[1] if len(pids) > 1 else pids[0]
+    rank0 = ranks[0]
 
     def job_body(i: int) -> bytes:
         return json.dumps({"prompt": f"soak job {i}: a lighthouse at dusk", "steps": args.steps,
@@ -224,12 +231,18 @@ def main() -> int:
             time.sleep(0.5)
 
     # 0. warm-up: the first jobs pay the one-time costs
+    warm_ids = []
     for i in range(args.warmup_jobs):
-        status, _ = base.call("POST", "/v1/videos", job_body(args.jobs + i))
+        status, data = base.call("POST", "/v1/videos", job_body(args.jobs + i))
         if status != 202:
-            raise SystemExit(f"the warm-up job was answered {status}; see {log_path}")
+            raise SystemExit(f"the warm-up job was answered {status}: {data[:300]!r}; see {log_path}")
+        warm_ids.append(json.loads(data)["id"])
     if not at_rest(max(args.drain_s, 60.0)):
         raise SystemExit(f"the warm-up jobs did not finish; see {log_path}")
+    for job in warm_ids:
+        status = json.loads(base.call("GET", f"/v1/videos/{job}")[1])["status"]
+        if status != "succeeded":
+            raise SystemExit(f"warm-up job {job} ended {status!r}; see {log_path}")
     rest_before = _at_rest_mb(rank0)
     t_soak = round(time.monotonic() - t_start, 2)
 
@@ -317,11 +330,7 @@ def main() -> int:
             step_s += rec["timings"]["step_s"]
             totals.append(rec["timings"]["total"])
     metrics = base.call("GET", "/metrics")[1].decode()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    _stop(proc)
     log.close()
 
     series = [s["mb"][str(rank0)] for s in rss if s["mb"].get(str(rank0)) is not None]

@@ -336,3 +336,27 @@ def test_the_entry_point_skips_interpreter_teardown_on_a_torchrun_rank(monkeypat
         with pytest.raises(SystemExit) as e:
             cli.run()
         assert e.value.code == 3 and exits == []
+
+
+def test_the_supervisor_sees_which_processes_ignore_sigterm():
+    """The supervisor sends its SIGTERM to rank 0 only once rank 0 no longer ignores it: a rank
+    inherits SIG_IGN from the agent until it restores the defaults, and a SIGTERM sent in that
+    window was dropped (the job served on; tests/serve/test_serve_soak.py kills a driver then)."""
+    import subprocess
+    import sys
+
+    from dist_attn.serve.launch.supervise import ignores
+
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, {}); print(1, flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(h)], stdout=subprocess.PIPE)
+             for h in ("signal.SIG_IGN", "signal.SIG_DFL")]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == b"1"
+        assert ignores(procs[0].pid, signal.SIGTERM) and not ignores(procs[0].pid, signal.SIGINT)
+        assert not ignores(procs[1].pid, signal.SIGTERM)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert not ignores(procs[0].pid, signal.SIGTERM)  # gone: nothing ignores anything

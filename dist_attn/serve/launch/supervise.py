@@ -13,7 +13,9 @@ SIGTERM/SIGINT it signals **rank 0** only. Rank 0 drains (queued /v1/generate re
 503, the running job finished or aborted between steps) and sends every rank the shutdown
 message; all ranks exit 0, so the agent exits 0, and so does the supervisor. The ranks reset both
 signals to their defaults at start (:func:`restore_default_signals`), so the disposition the agent
-inherited does not reach them.
+inherited does not reach them. A SIGTERM that comes while the ranks start waits until rank 0 no
+longer ignores it; rank 0 handles it only once it serves, so before that it ends the launch (the
+job exits non-zero: nothing was serving).
 
 If the supervisor is killed (``kill -9``), the kernel kills the agent (parent-death signal
 SIGKILL: it ignores SIGTERM) and each rank gets its own parent-death SIGTERM and drains.
@@ -101,6 +103,18 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
     return pids
 
 
+def ignores(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has ``sig`` set to SIG_IGN (Linux /proc; False once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def _agent_preexec() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -129,11 +143,15 @@ def supervise(nproc: int, serve_argv: list[str], *,
     undelivered = False
 
     def deliver() -> bool:
-        """SIGTERM to rank 0 (or every rank when rank 0 is gone); False before the ranks exist."""
+        """SIGTERM to rank 0 (or every rank when rank 0 is gone); False before the ranks exist
+        or while a target still ignores SIGTERM: a rank inherits SIG_IGN from the agent until
+        :func:`restore_default_signals` runs, and a SIGTERM sent before that was lost (the job
+        kept serving; found by killing the soak driver, whose server got its parent-death
+        SIGTERM while the ranks started)."""
         ranks = rank_pids(agent.pid) if agent is not None else {}
         # Rank 0 decides; the others follow its shutdown message.
         targets = [ranks[0]] if 0 in ranks else list(ranks.values())
-        if not targets:
+        if not targets or any(ignores(pid, signal.SIGTERM) for pid in targets):
             return False
         print(f"supervisor: {stop[0]}: passing it to rank 0 (pid {targets}) to drain",
               file=sys.stderr, flush=True)
@@ -148,7 +166,8 @@ def supervise(nproc: int, serve_argv: list[str], *,
         nonlocal undelivered
         if not stop:
             stop.append(signal.Signals(signum).name)
-        # Before the ranks exist the signal waits for them (it was lost at start-up).
+        # Before the ranks exist, or accept SIGTERM, the signal waits for them (it was lost at
+        # start-up).
         undelivered = not deliver()
 
     signal.signal(signal.SIGTERM, forward)
