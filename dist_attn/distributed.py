@@ -111,14 +111,18 @@ def group_size_and_rank(group=None):
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
+#: what ``dist.new_group(ranks)`` returns on the ranks outside ``ranks`` (-100 in torch 2.x).
+_NON_GROUP_MEMBER = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", -100)
+
+
 def check_group(group) -> None:
     """Raises unless ``group`` is None (the default group) or a process group this rank belongs
     to. ``dist.new_group(ranks)`` returns ``GroupMember.NON_GROUP_MEMBER`` (-100) on the ranks it
     leaves out, where ``get_world_size`` answers -1 instead of raising."""
     if group is None:
         return
-    if group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()) \
-            or (isinstance(group, int) and not isinstance(group, bool) and group == -100):
+    # A plain int compare: Dynamo traces it (it could not trace the object() sentinel this used).
+    if isinstance(group, int) and not isinstance(group, bool) and group == _NON_GROUP_MEMBER:
         where = f"global rank {dist.get_rank()}" if dist.is_initialized() else "this process"
         raise ValueError(f"group={group!r} is torch.distributed's NON_GROUP_MEMBER: {where} is not "
                          "a member of the group (dist.new_group(ranks) returns it on the ranks "

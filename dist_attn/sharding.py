@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_attn.distributed import group_size_and_rank
+from dist_attn.validation import as_int
 
 __all__ = ["SequenceShard", "plan_shard", "shard_rows", "shard_sequence", "gather_sequence"]
 
@@ -53,12 +54,13 @@ class SequenceShard:
 def _seq_axis(dim, x: torch.Tensor, name: str) -> int:
     """``dim`` as an axis of ``x`` in ``[0, x.ndim)``; out of range raises (no wrap-around: dim=5
     of a 3-D tensor would otherwise cut the feature axis)."""
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim={dim!r} must be a Python int (the sequence axis of {name})")
-    if not -x.ndim <= dim < x.ndim:
+    axis = as_int(dim)
+    if axis is None:
+        raise TypeError(f"dim={dim!r} must be an int (the sequence axis of {name})")
+    if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"dim={dim} is out of range for {name} of shape {tuple(x.shape)}: expected "
                          f"{-x.ndim} <= dim < {x.ndim}")
-    return dim % x.ndim
+    return axis % x.ndim
 
 
 def plan_shard(seq_len: int, group=None, *, multiple_of: int = 1) -> SequenceShard:

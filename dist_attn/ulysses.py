@@ -32,7 +32,7 @@ from dist_attn.profiling import PhaseTimer
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
 from dist_attn.validation import (check_bounds, check_no_grad, check_op_scalars,
                                   check_overlap_chunks, check_qkv, check_softmax_scale,
-                                  host_bounds)
+                                  host_bounds, positive_int)
 from dist_attn.varlen import attend_varlen, segment_layout
 
 __all__ = ["UlyssesSageAttention", "ulysses_attention"]
@@ -82,6 +82,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         check_op_scalars(valid_len=valid_len, max_seqlen=max_seqlen, num_heads=num_heads,
                          head_dim=head_dim, softmax_scale=softmax_scale,
                          overlap_chunks=overlap_chunks)
+        check_mesh_or_group(mesh, group)
+        check_group(group)  # before compile_key reads it
         if isinstance(cu_seqlens, (list, tuple)):
             cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
         return torch.ops.dist_attn.ulysses_attention(
@@ -242,9 +244,7 @@ class UlyssesSageAttention(nn.Module):
                  softmax_scale: float | None = None, buffers: StagingBuffers | None = None,
                  timer: PhaseTimer | None = None, overlap_chunks: int = 1) -> None:
         super().__init__()
-        for name, val in (("num_heads", num_heads), ("head_dim", head_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name}={val!r} must be a positive int")
+        num_heads, head_dim = positive_int("num_heads", num_heads), positive_int("head_dim", head_dim)
         # Checked here, not at the first forward: a module built with a typo would otherwise
         # construct fine and fail minutes later inside a model's first call.
         if not isinstance(backend, str) or backend not in available_backends():

@@ -9,6 +9,7 @@ its value and the rule it broke.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Sequence
 
 import torch
@@ -19,11 +20,30 @@ __all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "chec
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def as_int(value) -> int | None:
+    """``value`` as an int when it is an integer (a Python or numpy int, anything with
+    ``__index__``) and not a bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int, or ``ValueError("name=value must be a positive int")``."""
+    n = as_int(value)
+    if n is None or n < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return n
+
+
 def check_expected_dims(num_heads, head_dim) -> None:
     """``num_heads`` and ``head_dim`` (the H and D a caller expects) are None or positive ints."""
     for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
-        if value is not None and (not _is_int(value) or value < 1):
-            raise TypeError(f"{name}={value!r} must be a positive Python int or None")
+        if value is not None:
+            positive_int(name, value)
 
 
 def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = None) -> None:
@@ -67,6 +87,18 @@ def check_qkv(q, k, v, *, num_heads: int | None = None, head_dim: int | None = N
             )
 
 
+def check_softmax_scale_type(softmax_scale) -> None:
+    """The type half of :func:`check_softmax_scale`: None, or a Python float or int (not bool).
+    Alone at torch.compile's op boundary, where a scale that changes between calls is a symbolic
+    float that ``math.isfinite`` cannot read; the op checks the value inside."""
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, (int, float))):
+        # ValueError, as for a bad value: callers already catch this one class for the scale.
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a Python float or int (not a "
+                         f"{type(softmax_scale).__name__}; pass float(x) for a numpy or tensor "
+                         "scalar) or None")
+
+
 def check_softmax_scale(softmax_scale) -> None:
     """Checks ``softmax_scale``: None (the caller uses ``1 / sqrt(D)``) or a finite number > 0.
 
@@ -75,13 +107,9 @@ def check_softmax_scale(softmax_scale) -> None:
     scale turns the masked keys' ``-inf`` scores into NaN or +inf in an online softmax; a bool is
     refused although Python counts it as an int (``True`` is a typo, not a scale of 1).
     """
+    check_softmax_scale_type(softmax_scale)
     if softmax_scale is None:
         return
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        # ValueError, as for a bad value: callers already catch this one class for the scale.
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a Python float or int (not a "
-                         f"{type(softmax_scale).__name__}; pass float(x) for a numpy or tensor "
-                         "scalar) or None")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None")
 
@@ -114,7 +142,7 @@ def check_op_scalars(*, valid_len, max_seqlen, num_heads, head_dim, softmax_scal
     ``True`` into ``1`` (and ``valid_len=True`` into one valid row) before the op's own checks
     see it. Eager calls check the same rules inside the call."""
     check_valid_len_type(valid_len)
-    check_softmax_scale(softmax_scale)
+    check_softmax_scale_type(softmax_scale)  # its value is checked inside the op
     check_overlap_chunks(overlap_chunks)
     check_expected_dims(num_heads, head_dim)
     if isinstance(max_seqlen, bool):

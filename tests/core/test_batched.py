@@ -3,6 +3,7 @@ helpers, the forgiving argument forms, and torch.compile of a block that uses th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,12 +132,13 @@ def test_the_sequence_axis_is_checked_not_wrapped():
             with pytest.raises(ValueError, match=rf"dim={bad} is out of range for x of shape "
                                                  r"\(2, 9, 3\): expected -3 <= dim < 3"):
                 call(bad)
-        with pytest.raises(TypeError, match=r"dim=True must be a Python int"):
+        with pytest.raises(TypeError, match=r"dim=True must be an int"):
             call(True)
     with pytest.raises(ValueError, match=r"dim=4 is out of range for x_local"):
         gather_sequence(x, shard, dim=4)
     local, planned = shard_sequence(x.transpose(1, 2).contiguous(), dim=-1)
     assert planned.valid_len == 9 and torch.equal(local, x.transpose(1, 2))
+    assert torch.equal(shard_sequence(x, dim=np.int64(1))[0], x)  # numpy ints are ints
 
 
 def test_plan_shard_rejects_bad_lengths():
@@ -216,7 +218,7 @@ def _compile_group_worker(rank, world):
     import torch._dynamo
     import torch.distributed as dist
 
-    from dist_attn import UlyssesSageAttention, ulysses_attention
+    from dist_attn import UlyssesSageAttention, gather_sequence, plan_shard, ulysses_attention
     from dist_attn.mesh import init_usp_mesh
 
     group = dist.new_group(list(range(world)))
@@ -230,6 +232,11 @@ def _compile_group_worker(rank, world):
         ("module_mesh", UlyssesSageAttention(3, D, mesh=mesh, backend="sdpa")),
         ("function_group", lambda q, k, v, valid_len: ulysses_attention(
             q, k, v, valid_len=valid_len, group=unregistered, backend="sdpa")),
+        # the gather a diffusers hook runs after the blocks: group_size_and_rank traced with an
+        # explicit group (check_group's first sentinel compare was untraceable)
+        ("gather_group", lambda q, k, v, valid_len: gather_sequence(
+            ulysses_attention(q, k, v, valid_len=valid_len, group=group, backend="sdpa"),
+            plan_shard(SEQ, group), group, dim=1)),
     ):
         torch._dynamo.reset()
         with torch.no_grad():

@@ -147,7 +147,7 @@ def test_sage_varlen_and_ulysses_refuse_the_same_softmax_scales(scale):
     (dict(valid_len=3.0), TypeError, "valid_len=3.0 must be a Python int"),
     (dict(softmax_scale=True), ValueError, "softmax_scale=True must be a Python float or int"),
     (dict(max_seqlen=True), TypeError, "max_seqlen=True must be a Python int"),
-    (dict(num_heads=True), TypeError, "num_heads=True must be a positive Python int or None"),
+    (dict(num_heads=True), ValueError, "num_heads=True must be a positive int"),
 ], ids=["valid_len_bool", "valid_len_float", "scale_bool", "max_seqlen_bool", "num_heads_bool"])
 def test_compiled_calls_refuse_what_eager_calls_refuse(kw, exc, needle):
     """The compiled op's schema types these int/float: valid_len=True crossed it as 1 (one valid
@@ -206,3 +206,20 @@ def test_a_bad_or_foreign_group_is_refused_by_name(tmp_path):
                 assert got[0] == "ValueError" and "not a member of the group" in got[1] \
                     and "global rank 0" in got[1], (rank, key, got)
     assert len(per_rank[0]) == 8 and len(per_rank[1]) == 4
+
+
+def test_a_compiled_call_takes_a_new_scale_and_numpy_ints():
+    """Under fullgraph, a scale that changes between calls is a symbolic float: the boundary
+    checks its type only (the op checks its value), so the second scale compiles. numpy ints
+    count as ints for num_heads, as they did before the check."""
+    from dist_attn import ulysses_attention
+
+    q = torch.randn(8, H, D)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t, s: ulysses_attention(t, t, t, backend="sdpa", softmax_scale=s),
+                       fullgraph=True, backend="eager")
+    for scale in (0.25, 0.5):
+        assert torch.equal(fn(q, scale), ulysses_attention(q, q, q, backend="sdpa",
+                                                           softmax_scale=scale))
+    got = ulysses_attention(q, q, q, backend="sdpa", num_heads=np.int64(H), head_dim=np.int32(D))
+    assert torch.equal(got, ulysses_attention(q, q, q, backend="sdpa"))
