@@ -66,3 +66,4 @@ def test_the_gluon_backend_on_a_cpu_points_to_the_backend_that_runs_there(monkey
     reason = backends.get_backend("sage8_gluon").unsupported_reason(q)
     assert reason is not None and "(backend 'sage8_gluon') needs a CUDA GPU" in reason, reason
     assert "use backend 'sage8'" in reason and "TRITON_INTERPRET=1" in reason, reason
+    assert "no Gluon" not in reason  # said first, whatever triton this is

@@ -225,3 +225,12 @@ def test_lossless_serves_the_eager_bf16_path():
                                          r"fused kernels round differently"):
         RuntimeConfig(quality="lossless", backend="sdpa", compile=True)
     assert RuntimeConfig(quality="high", backend="sage8").compiled("cuda")
+
+
+def test_errors_name_the_section_the_loader_reads():
+    """field_error names a field as the TOML file and --set write it: its class-to-section map
+    must be the loader's, inverted (a class added to one and not the other would raise)."""
+    from dist_attn.serve.config import load
+    from dist_attn.serve.config.fields import SECTIONS
+
+    assert SECTIONS == {cls.__name__: name for name, cls in load._SECTIONS.items()}

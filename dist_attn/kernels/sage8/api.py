@@ -80,6 +80,14 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return (f"sage8 supports head_dim {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}: use another "
                 "attention backend for this head size.")
+    if impl == "gluon" and q.device.type != "cuda":
+        # Said before Gluon's presence and whatever TRITON_INTERPRET says: nothing runs this
+        # loop off a GPU, and the way out is the other backend.
+        return (f"the Gluon loop (backend 'sage8_gluon') needs a CUDA GPU of compute capability "
+                f"9.0 (q is on {q.device}); Triton's interpreter cannot run it (warp "
+                "specialization, TMA and wgmma have no CPU emulation). Without a GPU use backend "
+                "'sage8' (impl='triton' for the kernel entry points) on CPU tensors, with "
+                "TRITON_INTERPRET=1 set before triton is imported.")
     if impl == "gluon":
         missing = _gluon_missing()
         if missing is not None:
@@ -90,12 +98,6 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
             return (f"sage8 is tuned for Hopper (compute capability 9.0) and uses its FP8/INT8 wgmma; "
                     f"this GPU is {cc[0]}.{cc[1]}: use another attention backend.")
         return None
-    if impl == "gluon":
-        # Said whether or not TRITON_INTERPRET is set: the interpreter cannot run this loop either.
-        return (f"the Gluon loop (backend 'sage8_gluon') needs a CUDA GPU of compute capability 9.0 "
-                f"(q is on {q.device}); Triton's interpreter cannot run it (warp specialization, TMA "
-                "and wgmma have no CPU emulation). On the CPU use backend 'sage8' (impl='triton' "
-                "for the kernel entry points) with TRITON_INTERPRET=1 set before triton is imported.")
     if q.device.type == "cpu" and interpreting():
         return None
     return (f"sage8 needs a CUDA GPU of compute capability 9.0 (q is on {q.device}); on the CPU its "

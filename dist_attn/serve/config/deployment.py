@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dist_attn.plan import heads_per_rank
-from dist_attn.serve.config.fields import field_error
+from dist_attn.serve.config.fields import field_error, steps_rule
 from dist_attn.serve.config.jobs import JobsConfig
 from dist_attn.serve.config.quality import tier_linear_rule
 from dist_attn.serve.config.sections import (ModelConfig, ParallelConfig, RequestConfig,
@@ -52,11 +52,11 @@ class Config:
         if rows.used > self.serve.max_tokens:
             raise field_error("RequestConfig", "frames", r.frames,
                               f"gives {rows.used} rows, above serve.max_tokens={self.serve.max_tokens}")
-        if r.steps > self.serve.max_steps:
-            # The server fills a request's missing fields from [request]: a default it refuses
-            # would pass --check-only and then answer 413 to every request that leaves steps out.
-            raise field_error("RequestConfig", "steps", r.steps,
-                              f"exceeds serve.max_steps={self.serve.max_steps}")
+        # The server fills a request's missing fields from [request]: a default it refuses
+        # would pass --check-only and then answer 413 to every request that leaves steps out.
+        rule = steps_rule(r.steps, self.serve.max_steps)
+        if rule:
+            raise field_error("RequestConfig", "steps", r.steps, rule)
 
     def rows_rule(self, layout: PackedLayout) -> str | None:
         """The broken rule if a request of ``layout`` has more rows than ``serve.max_tokens``

@@ -16,8 +16,15 @@ SECTIONS = {"ModelConfig": "model", "TokenConfig": "tokens", "ParallelConfig": "
 
 def field_error(cls: str, name: str, value: Any, rule: str) -> ValueError:
     """``ValueError("section.name=value rule")``, named as the user writes it in the TOML file
-    or after ``--set`` (``model.num_layers``, not the class ``ModelConfig``)."""
-    return ValueError(f"{SECTIONS.get(cls, cls)}.{name}={value!r} {rule}")
+    or after ``--set`` (``model.num_layers``, not the class ``ModelConfig``). ``cls`` is a key of
+    :data:`SECTIONS` (tests/serve/test_config.py checks it against the loader's sections)."""
+    return ValueError(f"{SECTIONS[cls]}.{name}={value!r} {rule}")
+
+
+def steps_rule(steps: int, max_steps: int) -> str | None:
+    """Why ``steps`` denoising steps are refused under ``serve.max_steps``, or None: the one
+    owner for the default request, /v1/generate and the video jobs API."""
+    return f"exceeds serve.max_steps={max_steps}" if steps > max_steps else None
 
 
 def _is_int(value: Any) -> bool:

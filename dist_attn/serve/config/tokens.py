@@ -199,15 +199,15 @@ def request_layout(tok: TokenConfig, patch: tuple[int, int, int], *, frames: int
     multiple = tok.canvas_multiple(patch)
     for name, value in (("height", height), ("width", width)):
         if value % multiple:
-            raise field_error("request", name, value, f"must be a multiple of {multiple} (the video "
+            raise field_error("RequestConfig", name, value, f"must be a multiple of {multiple} (the video "
                               f"VAE's {tok.vae_spatial_compression}x compression times the "
                               f"transformer's {patch[1]}x{patch[2]} patch)")
     if frames < 1:
-        raise field_error("request", "frames", frames, "must be a positive integer")
+        raise field_error("RequestConfig", "frames", frames, "must be a positive integer")
     aligned = tok.align_frames(frames)
     seconds = aligned / tok.fps
     if not tok.min_duration_s <= seconds <= tok.max_duration_s:
-        raise field_error("request", "frames", frames,
+        raise field_error("RequestConfig", "frames", frames,
                           f"gives {aligned} frames once aligned to {tok.vae_frames_per_chunk} n + "
                           f"{tok.vae_latents_per_chunk} ({seconds:.3f} s at {tok.fps} fps), outside "
                           f"[{tok.min_duration_s}, {tok.max_duration_s}] s")
@@ -215,7 +215,7 @@ def request_layout(tok: TokenConfig, patch: tuple[int, int, int], *, frames: int
                      * tok.vae_latents_per_chunk + 2)
     shape = (latent_frames, height // tok.vae_spatial_compression, width // tok.vae_spatial_compression)
     if latent_frames % patch[0]:
-        raise field_error("request", "frames", frames, f"gives {latent_frames} latent frames, not a "
+        raise field_error("RequestConfig", "frames", frames, f"gives {latent_frames} latent frames, not a "
                           f"multiple of the transformer's temporal patch {patch[0]}")
     # Python's round (half to even) is the pipeline's rule for the audio latent count.
     audio = int(round(aligned / tok.fps * tok.audio_latents_per_second))

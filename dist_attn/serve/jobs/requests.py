@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dist_attn.serve.config.deployment import Config
+from dist_attn.serve.config.fields import steps_rule
 from dist_attn.serve.config.tokens import PackedLayout
 from dist_attn.serve.wire.control import WIRE_FIELDS
 
@@ -94,9 +95,9 @@ def parse_request(payload: Any, cfg: Config, *, request_id: str | None = None) -
             raise RequestError(400, f"{name}={fields[name]} must be a positive integer")
     if not 0 <= fields["seed"] < 2**63:
         raise RequestError(400, f"seed={fields['seed']} must be in [0, 2**63)")
-    if fields["steps"] > cfg.serve.max_steps:
-        raise RequestError(413, f"steps={fields['steps']} exceeds serve.max_steps="
-                                f"{cfg.serve.max_steps}")
+    rule = steps_rule(fields["steps"], cfg.serve.max_steps)
+    if rule:
+        raise RequestError(413, f"steps={fields['steps']} {rule}")
     # Bound the geometry before multiplying it out, so a huge number cannot cost time here.
     for name in ("frames", "height", "width"):
         if fields[name] > _GEOMETRY_BOUND:

@@ -14,6 +14,7 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from dist_attn.serve.config.fields import steps_rule
 from dist_attn.serve.jobs.requests import RequestError
 
 __all__ = ["VideoRules", "VideoRequest", "parse_video_request", "FIELDS"]
@@ -190,8 +191,9 @@ def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
         raise RequestError(400, f"frames={frames} {reason}")
     if steps <= 0:
         raise RequestError(400, f"steps={steps} must be a positive integer")
-    if steps > rules.max_steps:
-        raise RequestError(413, f"steps={steps} exceeds serve.max_steps={rules.max_steps}")
+    rule = steps_rule(steps, rules.max_steps)
+    if rule:
+        raise RequestError(413, f"steps={steps} {rule}")
     if not 0 <= seed < 2**63:
         raise RequestError(400, f"seed={seed} must be in [0, 2**63)")
     text = rules.text_rows(prompt)
