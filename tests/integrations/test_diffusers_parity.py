@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install -e '.[diffusers]')")
 
 from tests._multirank import run_ranks  # noqa: E402
-from tests.integrations._tiny_models import build, tiny_wan, wan_inputs  # noqa: E402
+from tests.integrations._tiny_models import (build, ltx_inputs, tiny_ltx, tiny_wan,  # noqa: E402
+                                             wan_inputs)
 
 # float32, max |difference| against diffusers' unmodified model on the full inputs, run in the
 # same process: the ranks compute every row with the same kernels on fewer rows (GEMMs over
@@ -115,6 +116,12 @@ def _worker_2(rank, world):
             results["grad_mode"] = None
         except RuntimeError as exc:
             results["grad_mode"] = str(exc)
+        try:  # grad mode on rank 1 only: it raised there alone and left rank 0 in the check
+            with torch.set_grad_enabled(rank == 1):
+                model(**inputs)
+            results["grad_one_rank"] = None
+        except RuntimeError as exc:
+            results["grad_one_rank"] = str(exc)
         with torch.no_grad():  # the failures above leave nothing behind
             after_errors = model(**inputs, return_dict=False)[0]
     results["after_errors"] = float((after_errors - ref).abs().max())
@@ -123,6 +130,18 @@ def _worker_2(rank, world):
     results["restored_bitwise"] = torch.equal(restored, ref)
     results["processors_restored"] = all(b.attn1.processor is p for b, p in zip(model.blocks, originals))
     results["hooks_left"] = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    # LTX places its tokens by num_frames/height/width and the RoPE scale, Python values the
+    # check did not compare: height and width swapped on rank 1 (same S) mixed silently.
+    ltx = tiny_ltx(2)
+    x = ltx_inputs(1, 1, 3, 5)
+    for key, theirs in (("height", dict(height=5, width=3)),
+                        ("rope_interpolation_scale", dict(rope_interpolation_scale=(1 / 24, 32, 32)))):
+        with enable_ulysses(ltx, backend="sdpa"), torch.no_grad():
+            try:
+                ltx(**(dict(x, **theirs) if rank == 1 else x))
+                results[f"ltx_{key}"] = None
+            except ValueError as exc:
+                results[f"ltx_{key}"] = str(exc)
     return results
 
 
@@ -181,6 +200,11 @@ def test_two_ranks_parity_and_errors(tmp_path):
             "on rank 0" in res["bad_on_one_rank"], res["bad_on_one_rank"]
         assert res["first_block_cache"] and "FirstBlockCacheConfig cache" in res["first_block_cache"]
         assert res["grad_mode"] and "torch.no_grad()" in res["grad_mode"], res["grad_mode"]
+        assert res["grad_one_rank"] and "grad mode is on for rank(s) [1]" in res["grad_one_rank"], \
+            res["grad_one_rank"]
+        for key in ("height", "rope_interpolation_scale"):
+            got = res[f"ltx_{key}"]
+            assert got and f"{key} has different contents on rank 1 and rank 0" in got, (key, got)
         assert res["after_errors"] <= ATOL, res["after_errors"]
         assert res["restored_bitwise"], f"rank {rank}: output after remove() is not diffusers' own"
         assert res["processors_restored"], f"rank {rank}: remove() left dist_attn's processors"

@@ -97,8 +97,10 @@ def _check_model(model: nn.Module) -> None:
 LTX = ModelSpec(
     model_class=LTXVideoTransformer3DModel,
     read_inputs=_read_inputs,
+    # num_frames/height/width and the RoPE scale place every token: a rank with other values
+    # (same S, e.g. height and width swapped) rotated its rows differently, a silent mix
     compared_inputs=("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask",
-                     "video_coords"),
+                     "video_coords", "num_frames", "height", "width", "rope_interpolation_scale"),
     num_heads=lambda model: model.config.num_attention_heads,
     shards=(
         ShardPoint(module="", where="input", name="timestep", dim=1, only_if_ndim=2),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,9 +177,23 @@ def _gather_hook(rt: Runtime, path: str, dim: int):
     return hook
 
 
+def _host_codes(x: Any) -> torch.Tensor | None:
+    """A Python number, or a flat tuple/list of them, as int64 codes compared exactly (an int as
+    itself mod 2**64, a float by its float64 bits: host values are computed alike on every rank,
+    so no tolerance); None for anything else (and for None: the argument is absent)."""
+    items = x if isinstance(x, (tuple, list)) else (x,)
+    if not items or not all(isinstance(v, (bool, int, float)) for v in items):
+        return None
+    codes = [struct.unpack("<q", struct.pack("<d", v))[0] if isinstance(v, float)
+             else (int(v) + 2**63) % 2**64 - 2**63 for v in items]
+    return torch.tensor(codes, dtype=torch.int64)
+
+
 def _fingerprint(x: Any, device: torch.device) -> torch.Tensor:
     """``[_ROW]`` float64 on ``device``; the sums stay on the device (no host synchronisation)."""
     if not isinstance(x, torch.Tensor):
+        x = _host_codes(x)
+    if x is None:
         return torch.zeros(_ROW, dtype=torch.float64, device=device)
     # Nothing here may raise on one rank only: its peers would wait in the all-gather. A tensor
     # of more dims than _MAX_DIMS is told apart by its ndim; the model's own checks refuse it.
@@ -198,7 +213,12 @@ def _fingerprint(x: Any, device: torch.device) -> torch.Tensor:
     return torch.cat((torch.tensor(sizes, dtype=torch.float64, device=device), sums))
 
 
-def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device) -> None:
+_FORWARD_ONLY = ("dist_attn's sequence-parallel attention is forward only: call the transformer "
+                 "under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)")
+
+
+def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device, *,
+                             grad: bool) -> None:
     """One all-gather of shape and contents fingerprints; raises the same error on every rank.
 
     Ranks that pass different inputs (another seed, another prompt, another resolution) would
@@ -206,10 +226,16 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device)
     return a silently wrong mix of the two inputs.
     """
     names = rt.spec.compared_inputs
-    mine = torch.stack([_fingerprint(arguments.get(n), device) for n in names])  # [len(names), _ROW]
+    grad_row = torch.full((1, _ROW), float(grad), dtype=torch.float64, device=device)
+    mine = torch.cat([torch.stack([_fingerprint(arguments.get(n), device) for n in names]),
+                      grad_row])  # [len(names) + 1, _ROW]
     rows = [torch.empty_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(rows, mine, group=rt.group)
-    every = torch.stack(rows).cpu()  # [W, len(names), _ROW]
+    every = torch.stack(rows).cpu()  # [W, len(names) + 1, _ROW]
+    with_grad = [r for r in range(rt.world_size) if every[r, -1, 0] != 0]
+    if with_grad:
+        raise RuntimeError(f"{_FORWARD_ONLY}; grad mode is on for rank(s) {with_grad} of the group")
+    every = every[:, :-1]
     ref = every[0]
     for r in range(1, rt.world_size):
         other = every[r]
@@ -228,8 +254,8 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device)
                 if not torch.equal(sums_r.view(torch.int64), sums_ref.view(torch.int64)):
                     raise ValueError(
                         f"{name} has different contents on rank {r} and rank 0 of the group (its "
-                        f"integers, compared exactly, differ in value or order); every rank must "
-                        f"pass the same full inputs to the transformer"
+                        f"integers or Python numbers, compared exactly, differ in value or "
+                        f"order); every rank must pass the same full inputs to the transformer"
                     )
             elif not torch.allclose(sums_r, sums_ref, rtol=_FINGERPRINT_RTOL, atol=0.0, equal_nan=True):
                 raise ValueError(
@@ -261,11 +287,7 @@ def _forward_pre_hook(rt: Runtime):
         except TypeError as exc:
             raise TypeError(f"{type(model).__name__}.forward: {exc}") from None
         arguments = bound.arguments
-        if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
-            raise RuntimeError(
-                "dist_attn's sequence-parallel attention is forward only: call the transformer "
-                "under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)"
-            )
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
         # W: every rank that shares the sequence (R*U with a mesh); U: the all-to-all's ranks,
         # which need one folded (sample, head) pair each.
         groups = parallel_groups(mesh=rt.mesh, group=rt.group)
@@ -284,7 +306,11 @@ def _forward_pre_hook(rt: Runtime):
         # raises on every rank alike.
         if rt.world_size > 1:
             device = next(model.parameters()).device  # NCCL needs the compute device
-            _check_same_on_all_ranks(rt, arguments, device)
+            # grad mode travels with the fingerprints: one rank with grad enabled raised alone
+            # and left its peers in this all-gather
+            _check_same_on_all_ranks(rt, arguments, device, grad=grad)
+        elif grad:
+            raise RuntimeError(_FORWARD_ONLY)
         inputs = spec.read_inputs(model, arguments)
         heads = spec.num_heads(model)
         if inputs.batch * heads < groups.ulysses_size:
