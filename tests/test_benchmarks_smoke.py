@@ -102,6 +102,17 @@ def test_alltoall_smoke_two_ranks(tmp_path):
     assert data["parity_packed_vs_separate"] == {"0": True, "1": True}
 
 
+def test_pipeline_placement_smoke_two_ranks(tmp_path):
+    """It crashed on every run after the decode moved to dist_attn.serve.h3.decode (dec2a07)
+    and no test ran it: it still called H3Pipeline.run_decode."""
+    _torchrun("pipeline_placement.py", tmp_path)
+    data = _check_result(tmp_path, "pipeline-placement")
+    parts = {(r["part"], r["where"]) for r in data["rows"]}
+    assert {("text encode", "rank 0"), ("text encode", "every rank"),
+            ("decode video (served: over every rank)", "every rank")} <= parts, parts
+    assert data["config"]["world"] == 2
+
+
 def test_scaling_smoke_two_ranks_measured(tmp_path):
     _torchrun("scaling.py", tmp_path, "--backends", "sdpa", "--overlap", "1,2")
     data = _check_result(tmp_path, "scaling-gloo2")
