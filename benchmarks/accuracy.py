@@ -231,7 +231,11 @@ def _rel(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> tuple[float, flo
 
 
 def run(args, device, writer: ResultWriter, budget: Budget) -> None:
-    ks = {n: f for n, f in kernels(args.smoke).items() if not args.kernels or n in args.kernels}
+    known = kernels(args.smoke)
+    ks = {n: f for n, f in known.items() if not args.kernels or n in args.kernels}
+    if not ks:
+        raise SystemExit(f"accuracy: --kernels {','.join(args.kernels)} matches none of "
+                         f"{sorted(known)}{' (--smoke runs sdpa only)' if args.smoke else ''}")
     selected = [c for c in cases(args.smoke) if not args.cases or any(c.name.startswith(p) for p in args.cases)]
     for case in selected:
         try:

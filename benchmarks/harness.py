@@ -336,6 +336,38 @@ def init_distributed(backend: str = "auto", device: str = "auto", *,
 # ---------------------------------------------------------------------------------------------
 # results
 # ---------------------------------------------------------------------------------------------
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {low}")
+        return n
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    x = float(text)
+    if not x >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return x
+
+
+def _name_part(text: str) -> str:
+    if not text or "/" in text or os.sep in text:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a non-empty file-name part (no '/')")
+    return text
+
+
+def _device(text: str) -> str:
+    if text not in ("auto", "cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of 'auto', 'cuda', 'cpu'")
+    if text == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"'cuda' asked for, but torch.cuda.is_available() is False (torch {torch.__version__}); "
+            "use --device cpu, or auto")
+    return text
+
+
 def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
                     budget_s: float) -> None:
     g = parser.add_argument_group("common benchmark options")
@@ -344,14 +376,19 @@ def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
     g.add_argument("--out", default=None,
                    help=f"output folder (default {os.path.relpath(DEFAULT_OUT_DIR, _REPO)}; with "
                         "--smoke a fresh temp folder)")
-    g.add_argument("--iters", type=int, default=iters, help="timed iterations (median is reported)")
-    g.add_argument("--warmup", type=int, default=warmup, help="untimed iterations first")
-    g.add_argument("--budget-s", type=float, default=budget_s,
+    g.add_argument("--iters", type=_int_at_least(1), default=iters,
+                   help="timed iterations (median is reported)")
+    g.add_argument("--warmup", type=_int_at_least(0), default=warmup,
+                   help="untimed iterations first")
+    g.add_argument("--budget-s", type=_non_negative_float, default=budget_s,
                    help="wall-time budget of the whole script; measurements left when it is spent "
                         "are recorded as skipped rows (0 = unlimited)")
-    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    g.add_argument("--theme", default=None, help="override the theme part of the file names")
-    g.add_argument("--hardware", default=None, help="override the hardware part of the file names")
+    g.add_argument("--device", type=_device, default="auto",
+                   help="auto, cuda or cpu (cuda without a GPU is refused, never run on the CPU)")
+    g.add_argument("--theme", type=_name_part, default=None,
+                   help="override the theme part of the file names")
+    g.add_argument("--hardware", type=_name_part, default=None,
+                   help="override the hardware part of the file names")
 
 
 def resolve_out_dir(args: argparse.Namespace) -> str:

@@ -85,14 +85,17 @@ def w4_block_ms(row: dict, config: dict) -> float:
     return row["median_ms"] - once
 
 
+#: (linears, mode) -> the theme of the measured served job it is modeled from.
+_JOB_THEMES = {("bf16", "eager"): "serve-h3-job-full", ("bf16", "compiled"):
+               "serve-h3-job-full-compiled", ("fp8", "compiled"): "serve-h3-job-full-fp8",
+               ("fp8fast", "compiled"): "serve-h3-job-full-fp8fast"}
+
+
 def model(steps: int, path: str, mode: str, threading: str,
           overlap_chunks: int = 1) -> tuple[list[dict], dict]:
     """The job's terms for one ``path`` (``"<linears>:<attention>"``) in ``mode``."""
     linears, backend = path.split(":")
-    job_theme = {("bf16", "eager"): "serve-h3-job-full", ("bf16", "compiled"):
-                 "serve-h3-job-full-compiled", ("fp8", "compiled"): "serve-h3-job-full-fp8",
-                 ("fp8fast", "compiled"): "serve-h3-job-full-fp8fast"}
-    job_name, job = _newest(f"{job_theme[(linears, mode)]}_h200_*.json")
+    job_name, job = _newest(f"{_JOB_THEMES[(linears, mode)]}_h200_*.json")
     dec_name, dec = _newest("vae-decode_h200_*.json")
     timed = [r for r in job["rows"] if not r["warmup"]] or job["rows"]
     j = timed[-1]
@@ -174,18 +177,31 @@ def main() -> None:
     p.add_argument("--threading", default="frame", choices=("frame", "slice"))
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args()
+    if args.steps < 2:
+        p.error(f"--steps={args.steps} must be >= 2 (grid points: forwards = steps - 1)")
     runs = []
     for spec in args.paths.split(","):
-        linears, attention, mode, *chunks = spec.split(":")
+        parts = spec.split(":")
+        if len(parts) not in (3, 4) or (parts[0], parts[2]) not in _JOB_THEMES \
+                or (len(parts) == 4 and not (parts[3].isdigit() and int(parts[3]) >= 1)):
+            p.error(f"--paths entry {spec!r} must be <linears>:<attention>:<mode>[:C] with "
+                    f"(linears, mode) one of {sorted(_JOB_THEMES)} and C an int >= 1")
+        linears, attention, mode, *chunks = parts
         c = int(chunks[0]) if chunks else 1
-        runs.append((f"{linears}:{attention}" + (f" C={c}" if c > 1 else ""), mode,
-                     *model(args.steps, f"{linears}:{attention}", mode, args.threading, c)))
+        try:
+            terms_info = model(args.steps, f"{linears}:{attention}", mode, args.threading, c)
+        except (KeyError, ValueError, StopIteration) as exc:
+            p.error(f"--paths entry {spec!r}: the measured results have no rows for it "
+                    f"({type(exc).__name__}: {exc})")
+        runs.append((f"{linears}:{attention}" + (f" C={c}" if c > 1 else ""), mode, *terms_info))
     writer = ResultWriter(theme=THEME, args=args, config={"paths": args.paths, "steps": args.steps,
                                                           "runs": [r[3] for r in runs]},
                           device=torch.device("cpu"),
                           title="The served H3 job on 4 x H200, MODELED from one-H200 pieces")
-    writer.hardware = "h200"
-    writer.stem = os.path.join(writer.out_dir, f"{THEME}_h200_{writer.date}")
+    # the pieces are one H200's: the files say so unless --hardware / --theme say otherwise
+    writer.hardware = writer.payload["hardware"] = args.hardware or "h200"
+    writer.stem = os.path.join(writer.out_dir,
+                               f"{args.theme or THEME}_{writer.hardware}_{writer.date}")
     writer.note("MODELED: every term was measured on one H200 or computed from bytes; no "
                 "4-GPU machine ran this job. SGLang's measured 4 x H200 job: 74.38 s, its "
                 "decode 1.32 s (sglang PR #33398).")

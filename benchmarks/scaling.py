@@ -113,7 +113,11 @@ def _workload(cfg, smoke: bool) -> _Rows:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    """Comma-separated positive ints (rank counts, chunk counts)."""
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated ints >= 1")
+    return values
 
 
 def _runnable_backends(requested: str, device: torch.device, head_dim: int) -> list[tuple[str, str | None]]:
@@ -772,7 +776,7 @@ def main(argv: list[str] | None = None):
                   f"{row.get('status'):<11} {(row.get('total_ms') or 0):9.2f} ms  "
                   f"eff {(row.get('efficiency') or 0):.3f}  {row.get('reason', '')[:80]}", flush=True)
         print(f"[scaling] wrote {paths['json']} (+ .md, .png) in {budget.elapsed():.1f}s", flush=True)
-    if ctx is not None and not args.modeled:
+    if ctx is not None and not args.modeled and dist.is_initialized():
         ctx.barrier()
         dist.destroy_process_group()
     return paths

@@ -43,6 +43,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -75,7 +76,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=30, help="measured requests")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured requests first")
     p.add_argument("--url", help="measure an already running server instead of starting one")
-    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--out-dir", "--out", dest="out_dir", default=None,
+                   help="output folder (default benchmarks/results; with --smoke a fresh temp "
+                        "folder, as every benchmark's smoke)")
     p.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds to wait for the server (H3 weights init on 4 GPUs takes a while)")
     p.add_argument("--smoke", action="store_true",
@@ -94,6 +97,9 @@ def _parse() -> argparse.Namespace:
         args.config, args.requests, args.warmup = None, 5, 1
         args.nproc = args.nproc or 2
     args.nproc = args.nproc or 4
+    if args.out_dir is None:
+        args.out_dir = (tempfile.mkdtemp(prefix="dist_attn_bench_smoke_") if args.smoke
+                        else os.path.join(ROOT, "benchmarks", "results"))
     return args
 
 

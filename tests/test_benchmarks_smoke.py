@@ -362,3 +362,44 @@ def test_job_model_reads_the_measured_step_outside_the_blocks_when_there_is_one(
     assert how.endswith(name)
     s, _, name = jm.outside_blocks(5.0, 50, 0.096, compiled=False)
     assert s == pytest.approx(0.65) and name == "serve-h3-job-outside_h200_2026-12-08.json"
+
+
+def test_common_flags_refuse_what_they_cannot_honour(capsys):
+    """--iters 0 was recorded while max(1, iters) calls were timed; --device cuda on a machine
+    without CUDA raised an AssertionError deep in a benchmark (or, in vae_decode, quietly ran on
+    the CPU); --hardware a/b failed writing the file. Each is refused at parsing, by name."""
+    import torch
+
+    from benchmarks.harness import add_common_args
+
+    p = argparse.ArgumentParser(prog="bench")
+    add_common_args(p, iters=3, warmup=1, budget_s=0)
+    bad = [(["--iters", "0"], "argument --iters: 0 must be >= 1"),
+           (["--warmup", "-1"], "argument --warmup: -1 must be >= 0"),
+           (["--budget-s", "-5"], "argument --budget-s: -5 must be >= 0"),
+           (["--hardware", "a/b"], "argument --hardware: 'a/b' must be a non-empty file-name part")]
+    if not torch.cuda.is_available():
+        bad.append((["--device", "cuda"], "argument --device: 'cuda' asked for, but "
+                                          "torch.cuda.is_available() is False"))
+    for argv, needle in bad:
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+        assert needle in capsys.readouterr().err, argv
+    assert p.parse_args(["--iters", "1", "--device", "cpu"]).iters == 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["kernels", "--smoke", "--kernels", "nosuch"], "--kernels 'nosuch' matches no kernel"),
+    (["job_model", "--steps", "-3"], "--steps=-3 must be >= 2"),
+    (["job_model", "--paths", "foo"], "--paths entry 'foo' must be <linears>:<attention>:<mode>"),
+    (["scaling", "--smoke", "--modeled", "--ranks", "0"],
+     "argument --ranks: '0' must be comma-separated ints >= 1"),
+], ids=["kernels_none", "job_model_steps", "job_model_paths", "scaling_ranks"])
+def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
+    """Each wrote rows of nonsense (negative forwards, zero rows with exit 0) or crashed with a
+    raw traceback (ZeroDivisionError, 'not enough values to unpack')."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{argv[0]}", *argv[1:], "--out",
+                           str(tmp_path)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
