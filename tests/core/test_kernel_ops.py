@@ -67,3 +67,16 @@ def test_the_gluon_backend_on_a_cpu_points_to_the_backend_that_runs_there(monkey
     assert reason is not None and "(backend 'sage8_gluon') needs a CUDA GPU" in reason, reason
     assert "use backend 'sage8'" in reason and "TRITON_INTERPRET=1" in reason, reason
     assert "no Gluon" not in reason  # said first, whatever triton this is
+
+
+def test_off_a_gpu_the_device_is_named_before_dtype_and_head_size(monkeypatch):
+    """A diffusers user with a float32 model on a CPU was told to cast q, k and v, then about
+    the head size, and only last that sage8 needs a Hopper GPU: the first reason is the device."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.empty(1, 4, 2, 80, dtype=torch.float32)
+    reason = backends.get_backend("sage8").unsupported_reason(q)
+    assert reason.startswith("sage8 needs a CUDA GPU of compute capability 9.0 (q is on cpu)"), reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it: then the dtype speaks
+    reason = backends.get_backend("sage8").unsupported_reason(q)
+    assert reason.startswith("sage8 takes float16 or bfloat16 inputs, got torch.float32"), reason
+    assert "load or .to() it in torch.bfloat16" in reason

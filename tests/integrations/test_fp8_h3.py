@@ -166,6 +166,11 @@ def test_refusals_and_bf16_noop(served):
         quantize_linears(model, "int8")
     with pytest.raises(RuntimeError, match=r"device cpu has no FP8 matrix multiply .*emulate=True"):
         quantize_linears(model, "fp8")
+    # "no" is truthy: it was accepted and turned fast accumulation on
+    with pytest.raises(TypeError, match=r"fast_accum='no' must be True or False"):
+        quantize_linears(model, "fp8", emulate=True, fast_accum="no")
+    with pytest.raises(TypeError, match=r"emulate='yes' must be True or False"):
+        quantize_linears(model, "fp8", emulate="yes")
     assert type(model.transformer_blocks[0].attn.to_q) is nn.Linear  # nothing half-done
     quantize_linears(model, "fp8", emulate=True)
     with pytest.raises(ValueError, match=r"transformer_blocks.0.attn.to_q is already quantized"):

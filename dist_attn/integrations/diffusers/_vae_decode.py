@@ -213,16 +213,18 @@ def _agree(vae: nn.Module, z: torch.Tensor, settings: list[float], ok: bool, gro
         return [int(s) for s in row[2:2 + int(row[1])]]
 
     for r in range(1, world):
+        # z's shape first: a rank whose z is malformed also fails to plan, so its settings
+        # differ too, and "settings differ" hid the cause
+        if not torch.equal(every[r, shape], every[0, shape]):
+            raise ValueError(f"z differs across the W={world} ranks: shape {dims(every[r])} on "
+                             f"rank {r}, {dims(every[0])} on rank 0; every rank must pass the "
+                             "same latents to vae.decode")
         if not torch.equal(every[r, sets], every[0, sets]):
             raise ValueError(f"the decode's settings differ on rank {r} "
                              f"({every[r, sets].tolist()}) and rank 0 ({every[0, sets].tolist()}: "
                              "use_tiling, tile height, width, overlaps, tiles_per_call, the "
                              "decoder's output dtype); every rank must decode with the same "
                              "VAE settings, dtype and autocast")
-        if not torch.equal(every[r, shape], every[0, shape]):
-            raise ValueError(f"z differs across the W={world} ranks: shape {dims(every[r])} on "
-                             f"rank {r}, {dims(every[0])} on rank 0; every rank must pass the "
-                             "same latents to vae.decode")
         if not torch.allclose(every[r, sums], every[0, sums], rtol=1e-5, atol=0.0,
                               equal_nan=True):
             raise ValueError(f"z has different contents on rank {r} and rank 0 (sum |z| "

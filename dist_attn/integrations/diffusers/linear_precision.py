@@ -175,6 +175,9 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
     if precision not in LINEAR_PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of "
                          f"{', '.join(map(repr, LINEAR_PRECISIONS))}")
+    for name, flag in (("emulate", emulate), ("fast_accum", fast_accum)):
+        if not isinstance(flag, bool):  # "no" is truthy: it would have turned the option on
+            raise TypeError(f"{name}={flag!r} must be True or False")
     names = fp8_linear_names(transformer)
     kept = _KEPT[type(transformer).__name__]
     fp32 = tuple(_fp32_names(transformer))

@@ -75,11 +75,8 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
         return f"impl={impl!r} is not one of {IMPLS}"
     if importlib.util.find_spec("triton") is None:
         return "triton is not importable: install it (pip install triton) to use the sage8 kernels."
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"sage8 takes float16 or bfloat16 inputs, got {q.dtype}: cast q, k and v first."
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return (f"sage8 supports head_dim {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}: use another "
-                "attention backend for this head size.")
+    # The device first: on a machine that cannot run the kernel at all, the dtype and head size
+    # are not what a user has to fix (a diffusers user met them first, then the GPU).
     if impl == "gluon" and q.device.type != "cuda":
         # Said before Gluon's presence and whatever TRITON_INTERPRET says: nothing runs this
         # loop off a GPU, and the way out is the other backend.
@@ -88,20 +85,25 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
                 "specialization, TMA and wgmma have no CPU emulation). Without a GPU use backend "
                 "'sage8' (impl='triton' for the kernel entry points) on CPU tensors, with "
                 "TRITON_INTERPRET=1 set before triton is imported.")
-    if impl == "gluon":
-        missing = _gluon_missing()
-        if missing is not None:
-            return missing
     if q.device.type == "cuda":
         cc = torch.cuda.get_device_capability(q.device)
         if cc != (9, 0):
             return (f"sage8 is tuned for Hopper (compute capability 9.0) and uses its FP8/INT8 wgmma; "
                     f"this GPU is {cc[0]}.{cc[1]}: use another attention backend.")
-        return None
-    if q.device.type == "cpu" and interpreting():
-        return None
-    return (f"sage8 needs a CUDA GPU of compute capability 9.0 (q is on {q.device}); on the CPU its "
-            "Triton loop runs only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton.")
+    elif not (q.device.type == "cpu" and interpreting()):
+        return (f"sage8 needs a CUDA GPU of compute capability 9.0 (q is on {q.device}); on the CPU its "
+                "Triton loop runs only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton.")
+    if impl == "gluon":
+        missing = _gluon_missing()
+        if missing is not None:
+            return missing
+    if q.dtype not in SUPPORTED_DTYPES:
+        return (f"sage8 takes float16 or bfloat16 inputs, got {q.dtype}: cast q, k and v (a "
+                "diffusers model: load or .to() it in torch.bfloat16).")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return (f"sage8 supports head_dim {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}: use another "
+                "attention backend for this head size.")
+    return None
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
