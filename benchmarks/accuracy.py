@@ -40,7 +40,8 @@ from typing import Callable
 import torch
 
 import dist_attn
-from benchmarks.harness import Budget, ResultWriter, add_common_args, describe_exception, markdown_table
+from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception,
+                                markdown_table, refuse_unhonoured)
 
 __all__ = ["family_case", "main"]
 
@@ -232,10 +233,11 @@ def _rel(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> tuple[float, flo
 
 def run(args, device, writer: ResultWriter, budget: Budget) -> None:
     known = kernels(args.smoke)
-    ks = {n: f for n, f in known.items() if not args.kernels or n in args.kernels}
-    if not ks:
-        raise SystemExit(f"accuracy: --kernels {','.join(args.kernels)} matches none of "
+    unknown = [k for k in args.kernels or () if k not in known]
+    if unknown:
+        raise SystemExit(f"accuracy: --kernels {','.join(unknown)}: not among "
                          f"{sorted(known)}{' (--smoke runs sdpa only)' if args.smoke else ''}")
+    ks = {n: f for n, f in known.items() if not args.kernels or n in args.kernels}
     selected = [c for c in cases(args.smoke) if not args.cases or any(c.name.startswith(p) for p in args.cases)]
     for case in selected:
         try:
@@ -407,6 +409,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
                    default=["fa3", "sage8", "sage8_gluon"], help="backends of the latent-drift run (+ sdpa)")
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args(argv)
+    refuse_unhonoured(p, args, smoke_on_cpu=True)
     if args.rows is None:
         args.rows = 32 if args.smoke else 512
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" and not args.smoke else "cpu")

@@ -391,6 +391,24 @@ def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
                    help="override the hardware part of the file names")
 
 
+def refuse_unhonoured(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                      smoke_on_cpu: bool = False, cpu_only: bool = False,
+                      device_unused: bool = False, no_budget: bool = False) -> None:
+    """Exits with a usage error when a common flag would be ignored, never run otherwise:
+    ``--device cuda`` where the benchmark runs on the CPU (always, or with ``--smoke``), any
+    ``--device`` where it chooses none (a server it starts does), and ``--budget-s`` where nothing
+    is budgeted."""
+    if device_unused and args.device != "auto":
+        parser.error(f"--device {args.device} would not be honoured: this benchmark chooses no "
+                     "device (the server it starts does)")
+    if args.device == "cuda" and (cpu_only or (smoke_on_cpu and args.smoke)):
+        parser.error("--device cuda would not be honoured: this benchmark runs on the CPU"
+                     + (" with --smoke (drop --smoke to run on the GPU)" if not cpu_only else ""))
+    if no_budget and args.budget_s:
+        parser.error(f"--budget-s {args.budget_s:g} would not be honoured: this benchmark has no "
+                     "budget to spend")
+
+
 def resolve_out_dir(args: argparse.Namespace) -> str:
     if args.out:
         return os.path.abspath(args.out)

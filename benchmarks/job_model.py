@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from benchmarks.harness import ResultWriter, add_common_args, markdown_table
+from benchmarks.harness import ResultWriter, add_common_args, markdown_table, refuse_unhonoured
 
 THEME = "job-modeled"
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -177,6 +177,7 @@ def main() -> None:
     p.add_argument("--threading", default="frame", choices=("frame", "slice"))
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args()
+    refuse_unhonoured(p, args, cpu_only=True, no_budget=True)
     if args.steps < 2:
         p.error(f"--steps={args.steps} must be >= 2 (grid points: forwards = steps - 1)")
     runs = []
@@ -190,7 +191,7 @@ def main() -> None:
         c = int(chunks[0]) if chunks else 1
         try:
             terms_info = model(args.steps, f"{linears}:{attention}", mode, args.threading, c)
-        except (KeyError, ValueError, StopIteration) as exc:
+        except (KeyError, IndexError, ValueError, StopIteration) as exc:
             p.error(f"--paths entry {spec!r}: the measured results have no rows for it "
                     f"({type(exc).__name__}: {exc})")
         runs.append((f"{linears}:{attention}" + (f" C={c}" if c > 1 else ""), mode, *terms_info))

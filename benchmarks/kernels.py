@@ -682,8 +682,11 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
     patterns = [s.strip() for s in args.kernels.split(",") if s.strip()]
     specs = [s for s in kernel_specs() if any(fnmatch.fnmatchcase(s.name, pat) for pat in patterns)]
-    if not specs:
-        p.error(f"--kernels {args.kernels!r} matches no kernel; the names are listed in --help")
+    unmatched = [pat for pat in patterns
+                 if not any(fnmatch.fnmatchcase(s.name, pat) for s in kernel_specs())]
+    if unmatched or not specs:
+        p.error(f"--kernels {args.kernels!r}: {', '.join(map(repr, unmatched or patterns))} "
+                "matches no kernel; the names are listed in --help")
     try:
         auto = da_backends.resolve_backend("auto", torch.empty(1, args.head_dim, device=device,
                                                                dtype=dtype)).name

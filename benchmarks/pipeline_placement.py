@@ -36,7 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import ResultWriter, add_common_args, init_distributed, markdown_table
+from benchmarks.harness import (ResultWriter, add_common_args, init_distributed, markdown_table,
+                                refuse_unhonoured)
 
 THEME = "pipeline-placement"
 
@@ -76,6 +77,7 @@ def main() -> None:
                    help="prompt length in tokens (the tiny tokenizer: one per byte)")
     add_common_args(p, iters=5, warmup=1, budget_s=0)
     args = p.parse_args()
+    refuse_unhonoured(p, args, cpu_only=True, no_budget=True)
     if args.smoke:
         args.iters, args.prompt_tokens = 2, 16
     ctx = init_distributed(backend="gloo", device="cpu")

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from benchmarks.harness import ResultWriter, add_common_args, markdown_table
+from benchmarks.harness import ResultWriter, add_common_args, markdown_table, refuse_unhonoured
 
 THEME = "serve-h3-job"
 PHASES = ("text_encode", "denoise", "decode_audio", "decode_video", "mux", "after_denoise")
@@ -166,6 +166,7 @@ def main() -> None:
                         "not with --diffusers on; --compile compiles the refiner as served")
     add_common_args(p, iters=1, warmup=1, budget_s=400)
     args = p.parse_args()
+    refuse_unhonoured(p, args, smoke_on_cpu=True)
     if args.blocks == "identity" and args.diffusers == "on":
         p.error("--blocks identity measures the served step outside the blocks: not with "
                 "--diffusers on (diffusers' own pipeline would run the real blocks)")

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import ResultWriter, add_common_args, markdown_table
+from benchmarks.harness import ResultWriter, add_common_args, markdown_table, refuse_unhonoured
 from dist_attn.serve.launch.process import set_parent_death_signal
 from dist_attn.serve.launch.supervise import rank_pids
 
@@ -164,6 +164,7 @@ def main() -> int:
                         "to after the soak")
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args()
+    refuse_unhonoured(p, args, device_unused=True, no_budget=True)
     if args.smoke:
         args.nproc, args.jobs, args.poll_rate, args.seconds = 2, 4, 50.0, 3.0
         args.poll_threads, args.steps = 4, 2

@@ -38,7 +38,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.harness import Budget, ResultWriter, add_common_args, markdown_table
+from benchmarks.harness import (Budget, ResultWriter, add_common_args, markdown_table,
+                                refuse_unhonoured)
 
 THEME = "vae-decode"
 
@@ -239,9 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=("precision", "time", "mux"))
     add_common_args(p, iters=1, warmup=1, budget_s=420)
     args = p.parse_args(argv)
-    if args.smoke and args.device == "cuda":
-        p.error("--smoke decodes the tiny VAE on the CPU; --device cuda would not be honoured "
-                "(leave --device out, or drop --smoke)")
+    refuse_unhonoured(p, args, smoke_on_cpu=True)
     budget = Budget(args.budget_s)
     cuda = torch.cuda.is_available() and args.device != "cpu" and not args.smoke
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -389,12 +389,15 @@ def test_common_flags_refuse_what_they_cannot_honour(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["kernels", "--smoke", "--kernels", "nosuch"], "--kernels 'nosuch' matches no kernel"),
+    (["kernels", "--smoke", "--kernels", "nosuch"], "--kernels 'nosuch': 'nosuch' matches no kernel"),
+    (["kernels", "--smoke", "--kernels", "dense:sdpa*,sage8_glun"], "'sage8_glun' matches no kernel"),
+    (["job_model", "--budget-s", "5"], "--budget-s 5 would not be honoured"),
     (["job_model", "--steps", "-3"], "--steps=-3 must be >= 2"),
     (["job_model", "--paths", "foo"], "--paths entry 'foo' must be <linears>:<attention>:<mode>"),
     (["scaling", "--smoke", "--modeled", "--ranks", "0"],
      "argument --ranks: '0' must be comma-separated ints >= 1"),
-], ids=["kernels_none", "job_model_steps", "job_model_paths", "scaling_ranks"])
+], ids=["kernels_none", "kernels_typo", "job_model_budget", "job_model_steps", "job_model_paths",
+        "scaling_ranks"])
 def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
     """Each wrote rows of nonsense (negative forwards, zero rows with exit 0) or crashed with a
     raw traceback (ZeroDivisionError, 'not enough values to unpack')."""

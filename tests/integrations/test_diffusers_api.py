@@ -205,3 +205,24 @@ def test_missing_diffusers_gives_an_install_hint(repo_root):
                          env=subprocess_env(), timeout=60)
     assert res.returncode == 0, res.stderr
     assert "pip install 'dist-attn[diffusers]'" in res.stdout, res.stdout
+
+
+def test_python_numbers_are_fingerprinted_by_value():
+    """The cross-rank check compares LTX's Python-valued inputs by their float64 values: 5, 5.0
+    and numpy's 5 agree (the model uses them as floats); a one-element tensor inside a tuple is
+    read (diffusers types rope_interpolation_scale tuple[Tensor, float, float]); anything else
+    is marked, so the check refuses it on every rank instead of skipping it as absent."""
+    import numpy as np
+
+    from dist_attn.integrations.diffusers._runtime import _UNCOMPARABLE, _describe, _fingerprint
+
+    cpu = torch.device("cpu")
+    five = [_fingerprint(v, cpu) for v in (5, 5.0, np.int64(5), np.float32(5))]
+    assert all(torch.equal(f, five[0]) for f in five) and _describe(five[0]) == "a Python number"
+    a = _fingerprint((torch.tensor(0.5), 32, 32), cpu)
+    assert torch.equal(a, _fingerprint((0.5, 32.0, 32), cpu)) and _describe(a) == "3 Python numbers"
+    assert not torch.equal(a, _fingerprint((0.25, 32.0, 32), cpu))
+    assert not torch.equal(_fingerprint((1, 2), cpu), _fingerprint((2, 1), cpu))  # order counts
+    for odd in ("5", [1, [2]], 2**2000, {"a": 1}):
+        assert _fingerprint(odd, cpu)[0] == _UNCOMPARABLE, odd
+    assert _fingerprint(None, cpu)[0] == 0

@@ -135,7 +135,10 @@ def _worker_2(rank, world):
     ltx = tiny_ltx(2)
     x = ltx_inputs(1, 1, 3, 5)
     for key, theirs in (("height", dict(height=5, width=3)),
-                        ("rope_interpolation_scale", dict(rope_interpolation_scale=(1 / 24, 32, 32)))):
+                        ("rope_interpolation_scale", dict(rope_interpolation_scale=(1 / 24, 32, 32))),
+                        # diffusers types it tuple[Tensor, float, float]: a tensor inside counts
+                        ("rope_tensor", dict(rope_interpolation_scale=(torch.tensor(1 / 24), 32, 32))),
+                        ("height_str", dict(height="3"))):
         with enable_ulysses(ltx, backend="sdpa"), torch.no_grad():
             try:
                 ltx(**(dict(x, **theirs) if rank == 1 else x))
@@ -205,6 +208,10 @@ def test_two_ranks_parity_and_errors(tmp_path):
         for key in ("height", "rope_interpolation_scale"):
             got = res[f"ltx_{key}"]
             assert got and f"{key} has different contents on rank 1 and rank 0" in got, (key, got)
+        got = res["ltx_rope_tensor"]
+        assert got and "rope_interpolation_scale has different contents on rank 1" in got, got
+        got = res["ltx_height_str"]
+        assert got and "height on rank(s) [1] is neither a tensor nor Python numbers" in got, got
         assert res["after_errors"] <= ATOL, res["after_errors"]
         assert res["restored_bitwise"], f"rank {rank}: output after remove() is not diffusers' own"
         assert res["processors_restored"], f"rank {rank}: remove() left dist_attn's processors"

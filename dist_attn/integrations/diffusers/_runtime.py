@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import numbers
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,14 +31,18 @@ __all__ = ["Runtime", "install_hooks"]
 
 logger = logging.getLogger(__name__)
 
-# Per compared input: present flag, ndim, up to _MAX_DIMS sizes, integer flag, then two contents
-# slots (float64): sum |x| and sum x^2 for floating tensors; for integer and bool tensors an exact,
-# order-sensitive hash (bit-cast into the first slot) and 0. Index tensors (H3's video_indices,
-# token_tags, ...) are compared exactly: a rank with the same rows in another order has the same
-# sums but scatters its rows elsewhere.
+# Per compared input: present flag (0 absent, 1 present, _UNCOMPARABLE), ndim, up to _MAX_DIMS
+# sizes, kind flag (_FLOAT_TENSOR, _INT_TENSOR, _HOST_NUMBERS), then two contents slots (float64):
+# sum |x| and sum x^2 for floating tensors; for integer and bool tensors, and for Python numbers
+# (a scalar: ndim 0; a flat tuple/list: ndim 1) by their float64 bits, an exact, order-sensitive
+# hash (bit-cast into the first slot) and 0. Index tensors (H3's video_indices, token_tags, ...)
+# are compared exactly: a rank with the same rows in another order has the same sums but scatters
+# its rows elsewhere.
 _MAX_DIMS = 6
 _SHAPE = 2 + _MAX_DIMS + 1
 _ROW = _SHAPE + 2
+_FLOAT_TENSOR, _INT_TENSOR, _HOST_NUMBERS = 0.0, 1.0, 2.0
+_UNCOMPARABLE = 2.0
 # Relative tolerance on the contents fingerprint. Another draw of N Gaussian values moves
 # sum |x| by ~0.75/sqrt(N) relative (3e-4 for the 4.8M latent values of a 720p Wan video, 3e-2
 # for the test's 1,440), so unseeded ranks are caught up to N ~ 5e9; values equal up to float32
@@ -178,28 +183,47 @@ def _gather_hook(rt: Runtime, path: str, dim: int):
 
 
 def _host_codes(x: Any) -> torch.Tensor | None:
-    """A Python number, or a flat tuple/list of them, as int64 codes compared exactly (an int as
-    itself mod 2**64, a float by its float64 bits: host values are computed alike on every rank,
-    so no tolerance); None for anything else (and for None: the argument is absent)."""
+    """A number (Python, numpy, or a one-element tensor inside a tuple) or a flat tuple/list of
+    them as int64 codes of their float64 values, compared exactly: host values are computed alike
+    on every rank, so no tolerance, and 5 equals 5.0 (the models use them as floats). A scalar
+    gives a 0-d tensor. None when ``x`` is anything else. Never raises (a rank raising here
+    alone would leave its peers in the all-gather)."""
     items = x if isinstance(x, (tuple, list)) else (x,)
-    if not items or not all(isinstance(v, (bool, int, float)) for v in items):
+    values = []
+    try:
+        for v in items:
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()  # LTX types rope_interpolation_scale tuple[Tensor, float, float]
+            if not isinstance(v, numbers.Real):
+                return None
+            values.append(float(v))
+    except Exception:  # noqa: BLE001 - e.g. an int too large for a float, a meta tensor
         return None
-    codes = [struct.unpack("<q", struct.pack("<d", v))[0] if isinstance(v, float)
-             else (int(v) + 2**63) % 2**64 - 2**63 for v in items]
-    return torch.tensor(codes, dtype=torch.int64)
+    if not values:
+        return None
+    codes = torch.tensor([struct.unpack("<q", struct.pack("<d", v))[0] for v in values],
+                         dtype=torch.int64)
+    return codes if isinstance(x, (tuple, list)) else codes[0]
 
 
 def _fingerprint(x: Any, device: torch.device) -> torch.Tensor:
     """``[_ROW]`` float64 on ``device``; the sums stay on the device (no host synchronisation)."""
-    if not isinstance(x, torch.Tensor):
-        x = _host_codes(x)
+    row = torch.zeros(_ROW, dtype=torch.float64, device=device)
     if x is None:
-        return torch.zeros(_ROW, dtype=torch.float64, device=device)
+        return row  # absent
+    kind = _FLOAT_TENSOR
+    if not isinstance(x, torch.Tensor):
+        x, kind = _host_codes(x), _HOST_NUMBERS
+        if x is None:  # present, but nothing this check can compare: refused after the gather
+            row[0] = _UNCOMPARABLE
+            return row
+    elif not (x.is_floating_point() or x.is_complex()):
+        kind = _INT_TENSOR
     # Nothing here may raise on one rank only: its peers would wait in the all-gather. A tensor
     # of more dims than _MAX_DIMS is told apart by its ndim; the model's own checks refuse it.
     dims = list(map(float, x.shape[:_MAX_DIMS]))
-    exact = not (x.is_floating_point() or x.is_complex())
-    sizes = [1.0, float(x.ndim), *dims] + [-1.0] * (_MAX_DIMS - len(dims)) + [float(exact)]
+    exact = kind != _FLOAT_TENSOR
+    sizes = [1.0, float(x.ndim), *dims] + [-1.0] * (_MAX_DIMS - len(dims)) + [kind]
     if exact:
         flat = x.detach().reshape(-1).to(device, torch.int64)
         weights = 2 * torch.arange(flat.numel(), device=device, dtype=torch.int64) + 1
@@ -236,6 +260,14 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device,
     if with_grad:
         raise RuntimeError(f"{_FORWARD_ONLY}; grad mode is on for rank(s) {with_grad} of the group")
     every = every[:, :-1]
+    for i, name in enumerate(names):
+        odd = [r for r in range(rt.world_size) if every[r, i, 0] == _UNCOMPARABLE]
+        if odd:
+            raise ValueError(
+                f"{name} on rank(s) {odd} is neither a tensor nor Python numbers (a number or a "
+                f"flat tuple/list of them), so the ranks cannot check they agree; pass "
+                f"{name} as one of those"
+            )
     ref = every[0]
     for r in range(1, rt.world_size):
         other = every[r]
@@ -250,7 +282,7 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device,
                     f"every rank must pass the same full inputs to the transformer"
                 )
             sums_ref, sums_r = ref[i, _SHAPE:], other[i, _SHAPE:]
-            if ref[i, _SHAPE - 1] == 1:  # integers: the hashes must match bit for bit
+            if ref[i, _SHAPE - 1] != _FLOAT_TENSOR:  # integers, numbers: hashes match bit for bit
                 if not torch.equal(sums_r.view(torch.int64), sums_ref.view(torch.int64)):
                     raise ValueError(
                         f"{name} has different contents on rank {r} and rank 0 of the group (its "
@@ -269,11 +301,16 @@ def _describe(row: torch.Tensor) -> str:
     if row[0] == 0:
         return "absent"
     ndim = int(row[1])
+    if row[_SHAPE - 1] == _HOST_NUMBERS:
+        return "a Python number" if ndim == 0 else f"{int(row[2])} Python numbers"
     return f"shape {tuple(int(s) for s in row[2:2 + min(ndim, _MAX_DIMS)])}" + ("..." if ndim > _MAX_DIMS else "")
 
 
 def _kind(row: torch.Tensor) -> str:
-    return "an integer tensor" if row[_SHAPE - 1] == 1 else "a floating tensor"
+    if row[0] == 0:
+        return "absent"
+    return {_INT_TENSOR: "an integer tensor", _HOST_NUMBERS: "Python numbers"}.get(
+        float(row[_SHAPE - 1]), "a floating tensor")
 
 
 def _forward_pre_hook(rt: Runtime):

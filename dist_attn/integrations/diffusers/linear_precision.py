@@ -171,6 +171,7 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         TypeError: no plan for the transformer's class.
         RuntimeError: the weights' device cannot run FP8 GEMMs (CPU included) and not ``emulate``.
         ImportError: torchao is missing (the ``fp8`` extra) and not ``emulate``.
+        TypeError: ``emulate`` or ``fast_accum`` is not a bool.
     """
     if precision not in LINEAR_PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of "
