@@ -336,7 +336,8 @@ def init_distributed(backend: str = "auto", device: str = "auto", *,
 # ---------------------------------------------------------------------------------------------
 # results
 # ---------------------------------------------------------------------------------------------
-def _int_at_least(low: int):
+def int_at_least(low: int):
+    """An argparse ``type=`` for ints >= ``low``."""
     def parse(text: str) -> int:
         n = int(text)
         if n < low:
@@ -376,9 +377,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
     g.add_argument("--out", default=None,
                    help=f"output folder (default {os.path.relpath(DEFAULT_OUT_DIR, _REPO)}; with "
                         "--smoke a fresh temp folder)")
-    g.add_argument("--iters", type=_int_at_least(1), default=iters,
+    g.add_argument("--iters", type=int_at_least(1), default=iters,
                    help="timed iterations (median is reported)")
-    g.add_argument("--warmup", type=_int_at_least(0), default=warmup,
+    g.add_argument("--warmup", type=int_at_least(0), default=warmup,
                    help="untimed iterations first")
     g.add_argument("--budget-s", type=_non_negative_float, default=budget_s,
                    help="wall-time budget of the whole script; measurements left when it is spent "

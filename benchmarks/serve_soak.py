@@ -53,7 +53,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import ResultWriter, add_common_args, markdown_table, refuse_unhonoured
+from benchmarks.harness import (ResultWriter, add_common_args, int_at_least, markdown_table,
+                                refuse_unhonoured)
 from dist_attn.serve.launch.process import set_parent_death_signal
 from dist_attn.serve.launch.supervise import rank_pids
 
@@ -77,14 +78,6 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _at_least_one(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 1 (with no warm-up job the baseline "
-                                         "would include the first job's start-up)")
-    return n
 
 
 def _children(pid: int) -> list[int]:
@@ -155,9 +148,10 @@ def main() -> int:
     p.add_argument("--drain-s", type=float, default=300.0,
                    help="after polling, wait up to this long for the jobs to finish (memory is "
                         "judged only once they have)")
-    p.add_argument("--warmup-jobs", type=_at_least_one, default=3,
+    p.add_argument("--warmup-jobs", type=int_at_least(1), default=3,
                    help="jobs run to completion before the soak; rank 0's RSS at rest after them "
-                        "is the baseline of 'flat'")
+                        "is the baseline of 'flat' (at least 1: without one the baseline would "
+                        "include the first job's start-up)")
     p.add_argument("--video-runner", default="h3", choices=("h3", "synthetic"))
     p.add_argument("--max-rss-growth-mb", type=float, default=64.0,
                    help="'flat': rank 0's RSS at rest rises less than this from after the warm-up "

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("av")
 
 from tests.conftest import ROOT, subprocess_env  # noqa: E402
-from tests.serve._server import STARTUP_S  # noqa: E402
+from tests.serve._server import STARTUP_S, _alive  # noqa: E402
 
 
 def test_soak_smoke(tmp_path):
@@ -56,9 +56,10 @@ def _servers_of(marker: str) -> list[int]:
     return found
 
 
-def _gone(marker: str, timeout_s: float) -> list[int]:
+def _still_alive(pids: list[int], timeout_s: float) -> list[int]:
+    """Those of ``pids`` still alive (not zombies) after waiting up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while (alive := _servers_of(marker)) and time.monotonic() < deadline:
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
     return alive
 
@@ -74,7 +75,7 @@ def test_a_failed_or_killed_driver_leaves_no_server(tmp_path):
                          text=True, timeout=STARTUP_S + 120)
     assert res.returncode == 1 and "the warm-up job was answered 413" in res.stderr, res.stderr[-2000:]
     out_dir = re.search(r"see (/\S+)/server\.log", res.stderr).group(1)
-    assert _gone(out_dir, 5) == []
+    assert _still_alive(_servers_of(out_dir), 5) == []
 
     driver = subprocess.Popen([sys.executable, "-m", "benchmarks.serve_soak", "--smoke",
                                "--out", str(tmp_path)], cwd=ROOT, env=subprocess_env(),
@@ -89,10 +90,7 @@ def test_a_failed_or_killed_driver_leaves_no_server(tmp_path):
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait(30)
-    deadline = time.monotonic() + 60
-    while (alive := [p for p in servers if os.path.exists(f"/proc/{p}")
-                     and _state(p) != "Z"]) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    alive = _still_alive(servers, 60)
     assert alive == [], f"server processes {alive} outlived their killed driver"
 
 
@@ -101,14 +99,6 @@ def _ppid(pid: int) -> int | None:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
-        return None
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
         return None
 
 
