@@ -8,8 +8,9 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
 * ``gemm``: q/k/v (5376->7168, 3 per block), out (7168->5376), FFN in (5376->28672), FFN out
   (14336->5376) at 38,016 and 9,504 rows: ``bf16``; ``fp8`` = the quantized linear (activation
   quantization + ``torch._scaled_mm``, fp32 accumulation); ``fp8_fast`` (fast accumulation);
-  ``scaled_mm[_fast]`` = the GEMM alone on pre-quantized operands; ``quant`` = the activation
-  quantization alone. TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
+  ``scaled_mm[_fast]`` = the GEMM alone on pre-quantized operands; ``scaled_mm_tensor[_fast]`` =
+  the same with one scale per tensor (x and w), the other cuBLAS route; ``quant[_tensor]`` = the
+  activation quantization alone, per row (one pass) or per tensor (two). TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
   outlier channels; the layer's own init).
 * ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
@@ -173,7 +174,15 @@ def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
                 variants["fp8" + tag] = _fp8_linear(lin, x, emulate, fast)
                 variants["scaled_mm" + tag] = (lambda f: lambda: torch._scaled_mm(
                     xc, wc.t(), xs, ws.t(), out_dtype=torch.bfloat16, use_fast_accum=f))(fast)
+            # per-tensor scales (one for x, one for w): the other cuBLAS FP8 route, timed beside
+            # the per-row one to know what the recipe's accuracy costs in GEMM time
+            xt, xts = _quantize_tensor_e4m3(x)
+            wt, wts = _quantize_tensor_e4m3(w)
+            for fast, tag in ((False, ""), (True, "_fast")):
+                variants["scaled_mm_tensor" + tag] = (lambda f: lambda: torch._scaled_mm(
+                    xt, wt.t(), xts, wts, out_dtype=torch.bfloat16, use_fast_accum=f))(fast)
             variants["quant"] = lambda: quantize_rows_e4m3(x, amax_floor=ACTIVATION_AMAX_FLOOR)
+            variants["quant_tensor"] = lambda: _quantize_tensor_e4m3(x)
             base = None
             for variant, fn in variants.items():
                 row = {"section": "gemm", "shape": name, "rows": n_rows, "k": k, "n": n, "path": variant,
@@ -185,16 +194,24 @@ def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
                 try:
                     with torch.no_grad():
                         row.update(status="ok", **_timed(fn, dev, args, budget))
-                        if variant != "quant":
+                        if not variant.startswith("quant"):
                             row["tflops"] = 2 * n_rows * k * n / row["median_ms"] / 1e9
                             row["rel_l2"] = _rel(fn()[:1024], ref)
                     base = row["median_ms"] if variant == "bf16" else base
-                    if base and variant != "quant":
+                    if base and not variant.startswith("quant"):
                         row["x_bf16"] = base / row["median_ms"]
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="unavailable", reason=describe_exception(exc))
                 rows.append(row)
-            del x, lin, w, wc, xc, ref, variants
+            del x, lin, w, wc, xc, xt, wt, ref, variants
+
+
+def _quantize_tensor_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes of ``x`` with ONE float32 scale (0-dim): max |x| / 448, floored like activations."""
+    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, E4M3_MAX
+
+    scale = (x.abs().amax().float().clamp(min=ACTIVATION_AMAX_FLOOR) / E4M3_MAX)
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def _fp8_linear(lin, x, emulate: bool, fast: bool):
