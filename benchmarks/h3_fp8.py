@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from benchmarks.h3_block import attach, block_inputs, h3_ref_layout, padded_total
 from benchmarks.h3_fp8_report import plot, report, targets
 from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception, kernel_table,
-                                time_fn)
+                                smoke_values, time_fn)
 from benchmarks.scaling import overlapped_ms
 
 __all__ = ["main"]
@@ -571,9 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     path = args.config or os.path.join(_REPO, "configs", "tiny.toml" if args.smoke else "h3.toml")
     cfg = load_config(path)
+    smoke_values(p, args, iters=2, warmup=1, reserve_s=0.0, compile_reserve_s=0.0, rounds=2, acc_layers=2,
+                 acc_steps=2)
     if args.smoke:
-        args.iters, args.warmup, args.reserve_s, args.compile_reserve_s, args.rounds = 2, 1, 0.0, 0.0, 2
-        args.acc_layers, args.acc_steps = 2, 2
         args.layout = cfg.layout(frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)
     else:
         args.layout = h3_ref_layout()

@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.h3_block import attach, block_inputs, h3_ref_layout, model_inputs
 from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception,
-                                markdown_table, time_fn)
+                                markdown_table, smoke_values, time_fn)
 
 __all__ = ["main"]
 
@@ -335,10 +335,8 @@ def main(argv: list[str] | None = None) -> int:
 
     diffusers_logging.set_verbosity_error()  # one "experimental feature" warning per backend switch
     dev = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
-    if args.smoke:
-        args.layers, args.serve_layers, args.serve_steps = 2, 2, 2
-        args.iters, args.model_iters, args.warmup, args.overhead_reps = 2, 2, 1, 1
-        args.reserve_s = 0
+    smoke_values(p, args, layers=2, serve_layers=2, serve_steps=2, iters=2, model_iters=2, warmup=1,
+                 overhead_reps=1, reserve_s=0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     path, cfg = _config(args)
     budget = Budget(args.budget_s or None)

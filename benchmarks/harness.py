@@ -47,6 +47,7 @@ __all__ = [
     "ResultWriter",
     "Timing",
     "add_common_args",
+    "smoke_values",
     "attention_tflops",
     "collect_versions",
     "describe_exception",
@@ -373,7 +374,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
                     budget_s: float) -> None:
     g = parser.add_argument_group("common benchmark options")
     g.add_argument("--smoke", action="store_true",
-                   help="tiny shapes that run on CPU in seconds (CI); results are not for committing")
+                   help="tiny shapes that run on CPU in seconds (CI); results are not for committing. "
+                        "Options left at their defaults take small values; ones given are kept")
     g.add_argument("--out", default=None,
                    help=f"output folder (default {os.path.relpath(DEFAULT_OUT_DIR, _REPO)}; with "
                         "--smoke a fresh temp folder)")
@@ -390,6 +392,18 @@ def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
                    help="override the theme part of the file names")
     g.add_argument("--hardware", type=_name_part, default=None,
                    help="override the hardware part of the file names")
+
+
+def smoke_values(parser: argparse.ArgumentParser, args: argparse.Namespace, **values) -> None:
+    """With ``--smoke``: each named option still at its default takes the smoke value given here;
+    one the caller set keeps the caller's value (``--smoke --iters 5`` times 5 iterations)."""
+    if not args.smoke:
+        return
+    for name, value in values.items():
+        if not hasattr(args, name):
+            raise AttributeError(f"smoke_values: {name!r} is not an option of this parser")
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
 
 
 def refuse_unhonoured(parser: argparse.ArgumentParser, args: argparse.Namespace, *,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness import (ResultWriter, add_common_args, init_distributed, markdown_table,
-                                refuse_unhonoured)
+                                refuse_unhonoured, smoke_values)
 
 THEME = "pipeline-placement"
 
@@ -78,8 +78,7 @@ def main() -> None:
     add_common_args(p, iters=5, warmup=1, budget_s=0)
     args = p.parse_args()
     refuse_unhonoured(p, args, cpu_only=True, no_budget=True)
-    if args.smoke:
-        args.iters, args.prompt_tokens = 2, 16
+    smoke_values(p, args, iters=2, prompt_tokens=16)
     ctx = init_distributed(backend="gloo", device="cpu")
     env = ctx.env
     from dist_attn.serve.config import load_config

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import (ResultWriter, add_common_args, int_at_least, markdown_table,
-                                refuse_unhonoured)
+                                refuse_unhonoured, smoke_values)
 from dist_attn.serve.launch.process import set_parent_death_signal
 from dist_attn.serve.launch.supervise import rank_pids
 
@@ -159,9 +159,7 @@ def main() -> int:
     add_common_args(p, iters=1, warmup=0, budget_s=0)
     args = p.parse_args()
     refuse_unhonoured(p, args, device_unused=True, no_budget=True)
-    if args.smoke:
-        args.nproc, args.jobs, args.poll_rate, args.seconds = 2, 4, 50.0, 3.0
-        args.poll_threads, args.steps = 4, 2
+    smoke_values(p, args, nproc=2, jobs=4, poll_rate=50.0, seconds=3.0, poll_threads=4, steps=2)
     out_dir = tempfile.mkdtemp(prefix="dist_attn_soak_")
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

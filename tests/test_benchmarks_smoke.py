@@ -388,6 +388,24 @@ def test_common_flags_refuse_what_they_cannot_honour(capsys):
     assert p.parse_args(["--iters", "1", "--device", "cpu"]).iters == 1
 
 
+def test_smoke_keeps_the_options_the_caller_gave():
+    """--smoke used to overwrite --iters (and other options) silently in five benchmarks: a
+    caller asking for --smoke --iters 5 got 2. Options left at their defaults still shrink."""
+    from benchmarks.harness import add_common_args, smoke_values
+
+    p = argparse.ArgumentParser(prog="bench")
+    p.add_argument("--rounds", type=int, default=3)
+    add_common_args(p, iters=10, warmup=2, budget_s=0)
+    args = p.parse_args(["--smoke", "--iters", "5"])
+    smoke_values(p, args, iters=2, warmup=1, rounds=1)
+    assert (args.iters, args.warmup, args.rounds) == (5, 1, 1)
+    args = p.parse_args(["--iters", "5"])  # no --smoke: nothing changes
+    smoke_values(p, args, iters=2, warmup=1, rounds=1)
+    assert (args.iters, args.warmup, args.rounds) == (5, 2, 3)
+    with pytest.raises(AttributeError, match="'nosuch' is not an option"):
+        smoke_values(p, p.parse_args(["--smoke"]), nosuch=1)
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["kernels", "--smoke", "--kernels", "nosuch"], "--kernels 'nosuch': 'nosuch' matches no kernel"),
     (["kernels", "--smoke", "--kernels", "dense:sdpa*,sage8_glun"], "'sage8_glun' matches no kernel"),
