@@ -110,3 +110,8 @@ def model_inputs(cfg: ModelConfig, layout: PackedLayout, device: torch.device, d
         "timestep": timestep.to(device), "timestep_indices": indices.to(device),
         **{k: v.to(device) for k, v in layout.rows().items()},
     }
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks.h3_block is a module of other benchmarks, with nothing to run by itself; "
+                     "run python -m benchmarks.h3_model or python -m benchmarks.h3_fp8")

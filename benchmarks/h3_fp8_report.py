@@ -102,3 +102,8 @@ def plot(writer):
         axes[2].set_title(f"GEMM speed x bf16 ({writer.gpu})", fontsize=9)
         fig.tight_layout()
     return draw
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks.h3_fp8_report is a module of other benchmarks, with nothing to run by itself; "
+                     "run python -m benchmarks.h3_fp8")

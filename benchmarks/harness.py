@@ -574,3 +574,8 @@ class ResultWriter:
             _placeholder_png(p["png"])
         self.save(sections)
         return p
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks.harness is a module of other benchmarks, with nothing to run by itself; "
+                     "run one of the benchmarks in the table of benchmarks/README.md")

@@ -173,3 +173,8 @@ def model_layer(spec: LayoutSpec, *, seq: int, used: int, heads: int, head_dim: 
     return {**asdict(spec), "gpus": spec.world, "hosts": -(-spec.world // spec.gpus_per_host),
             "overlap_chunks": chunks, "ring_overlap": ring_overlap, **slow,
             "nonattn_ms": nonattn, "block_ms": slow["total_ms"] + nonattn}
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks.multihost_model is a module of other benchmarks, with nothing to run by itself; "
+                     "run python -m benchmarks.scaling --modeled --multi-host")
