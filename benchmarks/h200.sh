@@ -37,7 +37,8 @@
 # .sa2build/ (git-ignored, so never carried and kept on the machine between calls; started in the
 # background when either is asked for, so it overlaps the steps before it). Results and h200.log
 # go to $OUT (the device tool) or benchmarks/results/.
-# Knobs: BUDGET (fp8's --budget-s), PROFILE (fp8's --profile: block paths whose kernels it lists), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
+# Knobs: BUDGET (fp8's --budget-s), PROFILE (fp8's --profile: block paths whose kernels it lists),
+# COMPILED (fp8's --compiled: its compiled block paths, in order), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
 # kernels-side), ACC_KERNELS (accuracy's --kernels), PYTHON (python3).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -181,7 +182,7 @@ step() {
             --overlap 1,4 --backends sdpa,sage8 --out "$RES" --budget-s 35 --iters 5 --warmup 1 ;;
     fp8)
         run $((${BUDGET:-330} + 25)) fp8 "$PY" -m benchmarks.h3_fp8 --out "$RES" --budget-s "${BUDGET:-330}" \
-            ${PROFILE:+--profile "$PROFILE"} ;;
+            ${PROFILE:+--profile "$PROFILE"} ${COMPILED:+--compiled "$COMPILED"} ;;
     serve-overhead)
         run 120 serve-overhead "$PY" -m benchmarks.serve_overhead --config configs/h3.toml --layers 1 --nproc 1 \
             --requests 20 --warmup 3 --load 1,4,50 --load-requests 60 --load-seconds 15 --out-dir "$RES" ;;

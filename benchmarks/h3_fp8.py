@@ -12,7 +12,9 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   the same with one scale per tensor (x and w), the other cuBLAS route; ``quant[_tensor]`` = the
   activation quantization alone, per row (one pass) or per tensor (two). TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
   outlier channels; the layer's own init).
-* ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) linears x attention ``sdpa`` | ``sage8`` |
+* ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) |
+  ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
+  named in ``--compiled`` and one accuracy row) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
   the q/k/v projections, as in h3-model's 30.8 ms compiled "none"); ``none@w4``: the rest at
@@ -144,12 +146,45 @@ def _models(cfg, dev, emulate: bool):
     def make(prec: str):
         model = copy.deepcopy(pristine)
         if prec != "bf16":
-            quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec == "fp8fast")
+            _quantize(model, prec, emulate)
         return model
 
     fp8 = copy.deepcopy(pristine)
     summary = quantize_linears(fp8, "fp8", emulate=emulate)
     return summary, {"bf16": bf16, "fp8": fp8, "copy": make}
+
+
+def _recipe_unavailable(prec: str, emulate: bool) -> str | None:
+    if prec == "fp8tfast" and emulate:
+        return "fp8tfast (per-tensor scales) is a GPU-only benchmark recipe: no float32 emulation"
+    return None
+
+
+def _quantize(model, prec: str, emulate: bool) -> None:
+    """The block linears of ``model`` in ``prec``: ``fp8`` / ``fp8fast``, the shipped recipe
+    (``quantize_linears``); ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
+    activation tensor and per weight, fast accumulation (the other cuBLAS FP8 route)."""
+    from dist_attn.integrations.diffusers import quantize_linears
+
+    if prec != "fp8tfast":
+        quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec == "fp8fast")
+        return
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8MMConfig,
+                                      PerTensor, quantize_)
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR
+    from dist_attn.integrations.diffusers.linear_precision import fp8_linear_names
+
+    wanted = set(fp8_linear_names(model))
+    config = Float8DynamicActivationFloat8WeightConfig(
+        activation_dtype=torch.float8_e4m3fn, weight_dtype=torch.float8_e4m3fn, granularity=PerTensor(),
+        mm_config=Float8MMConfig(use_fast_accum=True), activation_value_lb=ACTIVATION_AMAX_FLOOR,
+        kernel_preference=KernelPreference.TORCH, set_inductor_config=False)
+    quantize_(model, config, filter_fn=lambda module, fqn: fqn in wanted)
+    for name in wanted:
+        if not hasattr(model.get_submodule(name).weight, "qdata"):
+            raise RuntimeError(f"torchao left {name} unquantized")
 
 
 def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
@@ -266,7 +301,7 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
             attn = attn.removesuffix("@w4")
             row = {"section": "block" if where == "w1" else "w4-rest", "path": key, "mode": mode,
                    "rows": inputs[where][0].shape[1]}
-            reason = _unavailable(attn, dev, cfg)
+            reason = _unavailable(attn, dev, cfg) or _recipe_unavailable(prec, args.emulate)
             if reason:
                 row.update(status="unavailable", reason=reason)
             elif budget.expired(reserve_s=args.compile_reserve_s if mode == "compiled" else args.reserve_s):
@@ -485,10 +520,10 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
     model, ref, ref_block0, quantized = None, None, None, "bf16"
     for prec, backend in (("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8"),
-                          ("fp8fast", "sage8")):
+                          ("fp8fast", "sage8"), ("fp8tfast", "sage8")):
         row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": "eager",
                "layers": args.acc_layers, "steps": args.acc_steps}
-        reason = _unavailable(backend, dev, cfg)
+        reason = _unavailable(backend, dev, cfg) or _recipe_unavailable(prec, emulate)
         if reason or budget.expired(reserve_s=args.reserve_s / 2):
             row.update(status="unavailable" if reason else "skipped", reason=reason or _SKIPPED)
             rows.append(row)
@@ -501,7 +536,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
             if model is None:  # the same weights each time (configs' weight_seed)
                 model, quantized = build_h3(acc.model, device=dev, dtype=torch.bfloat16), "bf16"
             if prec != quantized:  # in place, after the bf16 paths
-                quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec == "fp8fast")
+                _quantize(model, prec, emulate)
                 quantized = prec
             timer = PhaseTimer(dev)
             handle = parallelize(model, backend=backend, timer=timer)
@@ -583,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason and not args.smoke:
         p.error(f"FP8 linears cannot run here ({reason}); --smoke runs the float32 emulation on CPU")
     emulate = reason is not None  # --smoke on CPU only
+    args.emulate = emulate
     budget = Budget(args.budget_s or None)
     sections, modes = _names(args.sections), _names(args.modes)
     writer = ResultWriter(theme=THEME, args=args, device=dev,
