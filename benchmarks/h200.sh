@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/h200.sh [--dry-run] SUBCOMMAND [SUBCOMMAND ...]   # run in order; a failed step
 #                                                                     # does not stop the next one
-#   tests               GPU tests of the core and the kernels -> gpu-tests_h200_<date>.log       (~5 min)
-#   fp8-tests           tests/integrations/test_fp8_gpu.py -> fp8-gpu-tests_h200_<date>.log       (~1.5 min)
+#   tests               GPU tests of the core and the kernels -> gpu-tests_<gpu>_<date>.log      (~5 min)
+#   fp8-tests           tests/integrations/test_fp8_gpu.py -> fp8-gpu-tests_<gpu>_<date>.log      (~1.5 min)
 #   kernels             kernels: every kernel at W = 4, 1, 8, 2: speed, error, bridge overhead   (~2 min)
 #   kernels-side        kernels: sage8 vs SageAttention 2 vs cuDNN side by side, each half apart (~5 min + build)
 #   accuracy            accuracy: every kernel against float64, served-DiT drift                 (~3 min)
@@ -48,6 +48,10 @@ RES=${OUT:-benchmarks/results}
 LOG="$RES/h200.log"
 SA2=$PWD/.sa2build/SageAttention
 TODAY=$(date -u +%F)
+# the GPU in the names of the logs written here (the device tool may lend an H100 for an H200)
+HW=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 |
+      grep -oiE 'h100|h200|b200|a100' | tr 'A-Z' 'a-z' || true)
+HW=${HW:-gpu}
 ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-variants ncu sage8-dev
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
      job-full-compiled job-full-fp8 job-full-fp8fast job-outside)
@@ -132,11 +136,11 @@ step() {
     local c i=0 mode
     case $1 in
     tests)
-        run 330 tests --log "$RES/gpu-tests_h200_$TODAY.log" "$PY" -m pytest tests/core/test_gpu_core.py \
+        run 330 tests --log "$RES/gpu-tests_${HW}_$TODAY.log" "$PY" -m pytest tests/core/test_gpu_core.py \
             tests/core/test_gpu_fa3.py tests/core/test_kernel_sage8.py tests/core/test_kernel_accuracy.py \
             -rs -q -s -p no:cacheprovider ;;
     fp8-tests)
-        run 90 fp8-tests --log "$RES/fp8-gpu-tests_h200_$TODAY.log" "$PY" -m pytest \
+        run 90 fp8-tests --log "$RES/fp8-gpu-tests_${HW}_$TODAY.log" "$PY" -m pytest \
             tests/integrations/test_fp8_gpu.py -rs -q -s -p no:cacheprovider ;;
     kernels)
         run 130 kernels "$PY" -m benchmarks.kernels --out "$RES" --budget-s 110 --iters 20 --warmup 3 ;;
@@ -159,11 +163,11 @@ step() {
     ncu)  # the v2 loop (P V summed in the FP8 MMA, no magic add) against the shipped config
         for c in '{"pv_accum":"running","add_magic":false}' '{}'; do
             i=$((i + 1))
-            run 120 "ncu $c" --log "$RES/ncu-$i-of-2_h200_$TODAY.csv" ncu --clock-control none \
+            run 120 "ncu $c" --log "$RES/ncu-$i-of-2_${HW}_$TODAY.csv" ncu --clock-control none \
                 --kernel-name _attn_ws_kernel --launch-skip 2 --launch-count 1 --csv --metrics \
                 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg' \
                 "$PY" -m benchmarks.dev.sage8_ncu "$c"
-            [ "$DRY" = 1 ] || ncu_stalls "$RES/ncu-$i-of-2_h200_$TODAY.csv"
+            [ "$DRY" = 1 ] || ncu_stalls "$RES/ncu-$i-of-2_${HW}_$TODAY.csv"
         done ;;
     sage8-dev)
         run 290 sage8-dev "$PY" -m benchmarks.dev.sage8_dev --out "$RES" ;;
