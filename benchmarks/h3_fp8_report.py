@@ -65,7 +65,7 @@ def report(rows) -> list[tuple[str, str]]:
                        f"(target <= 80), {t['x_native_compiled']} x diffusers native compiled (target "
                        f">= 1.45); fp8fast:sage8: {t['block_w1_fp8fast_sage8_compiled_ms']} ms, "
                        f"{t['x_native_compiled_fp8fast']} x; round by round (fp8 / fp8fast): "
-                       f"{_fmt(t['x_native_rounds'])} / {_fmt(t['x_native_rounds_fp8fast'])}\n- modeled 4 x H200 50-block step, best ({t['w4_best']}): "
+                       f"{_fmt(t['x_native_rounds'])} / {_fmt(t['x_native_rounds_fp8fast'])}\n- modeled W = 4 50-block step (its parts timed on the GPU above), best ({t['w4_best']}): "
                        f"{t['w4_best_step_s']} s (target <= 1.0); the block computed in one piece (w4-seq), best "
                        f"({t['w4_seq_best']}): {t['w4_seq_best_step_s']} s")]
     for name, columns in cols.items():
