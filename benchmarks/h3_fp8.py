@@ -54,8 +54,8 @@ import torch.nn.functional as F
 
 from benchmarks.h3_block import attach, block_inputs, h3_ref_layout, padded_total
 from benchmarks.h3_fp8_report import plot, report, targets
-from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception, kernel_table,
-                                smoke_values, time_fn)
+from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception, device_busy_ms,
+                                kernel_table, smoke_values, time_fn)
 from benchmarks.scaling import overlapped_ms
 
 __all__ = ["main"]
@@ -470,11 +470,16 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
                           "overlap_chunks": 1}, block))
     _time_rounds(seqs, args, dev, budget, args.compile_reserve_s)
     a2a = parts["a_in_ms"] + parts["a_out_ms"]
-    for row, _block in seqs:
+    for row, block in seqs:
         if row.get("status") != "error":
             compute = row.pop("median_ms")
             row.update(status="ok", compute_ms=compute, a2a_ms=a2a, median_ms=compute + a2a,
                        step_s=(compute + a2a) * args.step_blocks / 1e3)
+            if not budget.expired(reserve_s=args.compile_reserve_s):
+                # the kernels' own time: what the sequence spends beyond it, the GPU waited
+                with torch.no_grad():
+                    row["busy_ms"] = device_busy_ms(block, dev)
+                row["idle_ms"] = compute - row["busy_ms"]
         rows.append(row)
         print(row, flush=True)
 

@@ -53,6 +53,7 @@ def report(rows) -> list[tuple[str, str]]:
                    ("step_s", "50-block step s", ".3f"), ("reason", "reason", "")],
             "w4-seq": [("path", "linears:attention", ""), ("mode", "rest mode", ""), ("status", "status", ""),
                        ("compute_ms", "rest + pack + attention + unpack ms", ".2f"), ("rounds", "rounds ms", ""),
+                       ("busy_ms", "its kernels ms", ".2f"), ("idle_ms", "GPU waiting ms", ".2f"),
                        ("a2a_ms", "all-to-alls ms (bytes)", ".2f"), ("median_ms", "block ms", ".2f"),
                        ("step_s", "50-block step s", ".3f")],
             "accuracy": [("path", "linears:attention", ""), ("status", "status", ""), ("median_ms", "step ms", ".1f"),

@@ -47,6 +47,7 @@ __all__ = [
     "ResultWriter",
     "Timing",
     "add_common_args",
+    "device_busy_ms",
     "smoke_values",
     "attention_tflops",
     "collect_versions",
@@ -319,6 +320,14 @@ def kernel_table(fn: Callable[[], Any], device: torch.device, *, calls: int = 3,
     return [{"kernel": e.key[:100], "calls": e.count / calls,
              "ms": getattr(e, attr) / 1e3 / calls, "share": getattr(e, attr) / total}
             for e in events[:top]]
+
+
+def device_busy_ms(fn: Callable[[], Any], device: torch.device, *, calls: int = 3) -> float:
+    """The device time of ``fn``'s kernels per call (torch.profiler, summed over ``calls`` calls
+    after the caller's warm-up): beside ``fn``'s wall time per call, what remains is time the
+    device spent waiting (launch gaps, host syncs). One stream assumed: overlapping kernels would
+    be counted twice. CPU: the CPU time of its ops."""
+    return sum(k["ms"] for k in kernel_table(fn, device, calls=calls, top=10 ** 6))
 
 
 def init_distributed(backend: str = "auto", device: str = "auto", *,

@@ -270,7 +270,8 @@ def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
 
 def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_alls_from_bytes():
     """w4-seq: for each compiled rest at 9,504 rows, rest + pack + the 14-head kernel + unpack run
-    back to back (in that order, once per timed call), timed in --rounds passes, plus A_in + A_out."""
+    back to back (in that order, once per timed call), timed in --rounds passes, plus A_in + A_out;
+    then profiled: the kernels' own time beside the wall time (the GPU's waiting)."""
     import torch
 
     from benchmarks import h3_fp8
@@ -291,7 +292,9 @@ def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_all
     h3_fp8.run_w4_sequence(args, parts, live, torch.device("cpu"), Budget(None), rows)
     (row,) = rows  # no sdpa kernel measured, no W = 1 block, no failed rest: one row
     assert row["section"] == "w4-seq" and row["path"] == "fp8fast:sage8" and len(row["rounds_ms"]) == 2
-    assert calls == ["rest", "pack", "sage8", "unpack"] * (2 * (3 + 1))  # 2 rounds of warm-up + iters
+    # 2 rounds of warm-up + iters, then 3 calls under the profiler (the kernels' own time)
+    assert calls == ["rest", "pack", "sage8", "unpack"] * (2 * (3 + 1) + 3)
+    assert row["busy_ms"] >= 0 and row["idle_ms"] == pytest.approx(row["compute_ms"] - row["busy_ms"])
     assert row["a2a_ms"] == pytest.approx(0.85 + 0.28)
     assert row["median_ms"] == pytest.approx(row["compute_ms"] + 1.13)
     assert row["step_s"] == pytest.approx(50 * row["median_ms"] / 1e3)
@@ -386,6 +389,20 @@ def test_common_flags_refuse_what_they_cannot_honour(capsys):
             p.parse_args(argv)
         assert needle in capsys.readouterr().err, argv
     assert p.parse_args(["--iters", "1", "--device", "cpu"]).iters == 1
+
+
+def test_device_busy_ms_sums_the_ops_of_one_call():
+    """The profiler's time per call of fn's ops (on CPU, their CPU time): more work, more time;
+    a call with no ops, none."""
+    import torch
+
+    from benchmarks.harness import device_busy_ms
+
+    a = torch.randn(256, 256)
+    one = device_busy_ms(lambda: a @ a, torch.device("cpu"))
+    four = device_busy_ms(lambda: [a @ a for _ in range(4)], torch.device("cpu"))
+    assert 0 < one < four
+    assert device_busy_ms(lambda: None, torch.device("cpu")) == 0
 
 
 def test_smoke_keeps_the_options_the_caller_gave():
