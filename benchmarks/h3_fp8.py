@@ -63,6 +63,7 @@ __all__ = ["main"]
 THEME, _REPO = "h3-fp8", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = "skipped: the --budget-s wall-time budget was spent"
 _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
+_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8tfast")
 _COMPILED = ("fp8:sage8,fp8fast:sage8,bf16:sage8,fp8:none@w4,fp8fast:none@w4,bf16:none@w4,bf16:native,"
              "fp8:sdpa,bf16:sdpa,fp8:native")
 
@@ -601,6 +602,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-reserve-s", type=float, default=20.0, help="budget a compiled row needs")
     add_common_args(p, iters=10, warmup=2, budget_s=270)
     args = p.parse_args(argv)
+    for key in _names(args.compiled):
+        prec, _, attn = key.partition(":")
+        if prec not in _PRECISIONS or attn.removesuffix("@w4") not in _ATTN:
+            p.error(f"--compiled entry {key!r} must be <linears>:<attention>[@w4] with linears one of "
+                    f"{', '.join(_PRECISIONS)} and attention one of {', '.join(_ATTN)}")
     args.overlap = [int(c) for c in _names(args.overlap)]
     from diffusers.utils import logging as diffusers_logging
 
@@ -611,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     path = args.config or os.path.join(_REPO, "configs", "tiny.toml" if args.smoke else "h3.toml")
     cfg = load_config(path)
-    smoke_values(p, args, iters=2, warmup=1, reserve_s=0.0, compile_reserve_s=0.0, rounds=2, acc_layers=2,
+    smoke_values(p, args, argv, iters=2, warmup=1, reserve_s=0.0, compile_reserve_s=0.0, rounds=2, acc_layers=2,
                  acc_steps=2)
     if args.smoke:
         args.layout = cfg.layout(frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     diffusers_logging.set_verbosity_error()  # one "experimental feature" warning per backend switch
     dev = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
-    smoke_values(p, args, layers=2, serve_layers=2, serve_steps=2, iters=2, model_iters=2, warmup=1,
+    smoke_values(p, args, argv, layers=2, serve_layers=2, serve_steps=2, iters=2, model_iters=2, warmup=1,
                  overhead_reps=1, reserve_s=0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     path, cfg = _config(args)

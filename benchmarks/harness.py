@@ -48,6 +48,7 @@ __all__ = [
     "Timing",
     "add_common_args",
     "device_busy_ms",
+    "given_options",
     "smoke_values",
     "attention_tflops",
     "collect_versions",
@@ -403,15 +404,34 @@ def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
                    help="override the hardware part of the file names")
 
 
-def smoke_values(parser: argparse.ArgumentParser, args: argparse.Namespace, **values) -> None:
-    """With ``--smoke``: each named option still at its default takes the smoke value given here;
-    one the caller set keeps the caller's value (``--smoke --iters 5`` times 5 iterations)."""
+def given_options(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> set[str]:
+    """The destinations ``argv`` (None: ``sys.argv[1:]``) sets on the command line, whatever their
+    values: ``parser`` reparsed with every default suppressed (then restored)."""
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        given, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(given))
+
+
+def smoke_values(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 argv: list[str] | None = None, **values) -> None:
+    """With ``--smoke``: each named option the command line ``argv`` (None: ``sys.argv[1:]``)
+    did not set takes the smoke value given here; one it set keeps its value, the default's too
+    (``--smoke --iters 5`` times 5 iterations)."""
+    dests = {action.dest for action in parser._actions}
+    unknown = sorted(set(values) - dests)
+    if unknown:
+        raise AttributeError(f"smoke_values: {unknown[0]!r} is not an option of this parser")
     if not args.smoke:
         return
+    given = given_options(parser, argv)
     for name, value in values.items():
-        if not hasattr(args, name):
-            raise AttributeError(f"smoke_values: {name!r} is not an option of this parser")
-        if getattr(args, name) == parser.get_default(name):
+        if name not in given:
             setattr(args, name, value)
 
 

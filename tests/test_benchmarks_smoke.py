@@ -407,31 +407,37 @@ def test_device_busy_ms_sums_the_ops_of_one_call():
 
 def test_smoke_keeps_the_options_the_caller_gave():
     """--smoke used to overwrite --iters (and other options) silently in five benchmarks: a
-    caller asking for --smoke --iters 5 got 2. Options left at their defaults still shrink."""
+    caller asking for --smoke --iters 5 got 2. Options the command line did not set still shrink;
+    one it set keeps its value even when that value is the default."""
     from benchmarks.harness import add_common_args, smoke_values
 
     p = argparse.ArgumentParser(prog="bench")
     p.add_argument("--rounds", type=int, default=3)
     add_common_args(p, iters=10, warmup=2, budget_s=0)
-    args = p.parse_args(["--smoke", "--iters", "5"])
-    smoke_values(p, args, iters=2, warmup=1, rounds=1)
-    assert (args.iters, args.warmup, args.rounds) == (5, 1, 1)
-    args = p.parse_args(["--iters", "5"])  # no --smoke: nothing changes
-    smoke_values(p, args, iters=2, warmup=1, rounds=1)
-    assert (args.iters, args.warmup, args.rounds) == (5, 2, 3)
-    with pytest.raises(AttributeError, match="'nosuch' is not an option"):
-        smoke_values(p, p.parse_args(["--smoke"]), nosuch=1)
+    for argv, want in ((["--smoke", "--iters", "5"], (5, 1, 1)),
+                       (["--smoke", "--iters=10", "--rounds", "3"], (10, 1, 3)),  # the defaults, given
+                       (["--smoke"], (2, 1, 1)),
+                       (["--iters", "5"], (5, 2, 3))):  # no --smoke: nothing changes
+        args = p.parse_args(argv)
+        smoke_values(p, args, argv, iters=2, warmup=1, rounds=1)
+        assert (args.iters, args.warmup, args.rounds) == want, argv
+    assert p.get_default("iters") == 10  # the parser's defaults are restored
+    args = p.parse_args(["--smoke"])
+    args.later = 1  # set after parsing: not an option
+    with pytest.raises(AttributeError, match="'later' is not an option"):
+        smoke_values(p, args, ["--smoke"], later=2)
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["kernels", "--smoke", "--kernels", "nosuch"], "--kernels 'nosuch': 'nosuch' matches no kernel"),
     (["kernels", "--smoke", "--kernels", "dense:sdpa*,sage8_glun"], "'sage8_glun' matches no kernel"),
+    (["h3_fp8", "--smoke", "--compiled", "fp8tfst:sage8"], "--compiled entry 'fp8tfst:sage8' must be"),
     (["job_model", "--budget-s", "5"], "--budget-s 5 would not be honoured"),
     (["job_model", "--steps", "-3"], "--steps=-3 must be >= 2"),
     (["job_model", "--paths", "foo"], "--paths entry 'foo' must be <linears>:<attention>:<mode>"),
     (["scaling", "--smoke", "--modeled", "--ranks", "0"],
      "argument --ranks: '0' must be comma-separated ints >= 1"),
-], ids=["kernels_none", "kernels_typo", "job_model_budget", "job_model_steps", "job_model_paths",
+], ids=["kernels_none", "kernels_typo", "h3_fp8_compiled_typo", "job_model_budget", "job_model_steps", "job_model_paths",
         "scaling_ranks"])
 def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
     """Each wrote rows of nonsense (negative forwards, zero rows with exit 0) or crashed with a
