@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from benchmarks.h3_block import attach, block_inputs, h3_ref_layout, padded_total
 from benchmarks.h3_fp8_report import plot, report, targets
-from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception, device_busy_ms,
+from benchmarks.harness import (Budget, ResultWriter, add_common_args, describe_exception, device_timeline_ms,
                                 kernel_table, smoke_values, time_fn)
 from benchmarks.scaling import overlapped_ms
 
@@ -477,10 +477,9 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
             row.update(status="ok", compute_ms=compute, a2a_ms=a2a, median_ms=compute + a2a,
                        step_s=(compute + a2a) * args.step_blocks / 1e3)
             if not budget.expired(reserve_s=args.compile_reserve_s):
-                # the kernels' own time: what the sequence spends beyond it, the GPU waited
+                # one profiled run: the time its kernels ran, and the time the GPU sat between them
                 with torch.no_grad():
-                    row["busy_ms"] = device_busy_ms(block, dev)
-                row["idle_ms"] = compute - row["busy_ms"]
+                    row["busy_ms"], row["idle_ms"] = device_timeline_ms(block, dev)
         rows.append(row)
         print(row, flush=True)
 

@@ -47,7 +47,7 @@ __all__ = [
     "ResultWriter",
     "Timing",
     "add_common_args",
-    "device_busy_ms",
+    "device_timeline_ms",
     "given_options",
     "smoke_values",
     "attention_tflops",
@@ -323,12 +323,34 @@ def kernel_table(fn: Callable[[], Any], device: torch.device, *, calls: int = 3,
             for e in events[:top]]
 
 
-def device_busy_ms(fn: Callable[[], Any], device: torch.device, *, calls: int = 3) -> float:
-    """The device time of ``fn``'s kernels per call (torch.profiler, summed over ``calls`` calls
-    after the caller's warm-up): beside ``fn``'s wall time per call, what remains is time the
-    device spent waiting (launch gaps, host syncs). One stream assumed: overlapping kernels would
-    be counted twice. CPU: the CPU time of its ops."""
-    return sum(k["ms"] for k in kernel_table(fn, device, calls=calls, top=10 ** 6))
+def device_timeline_ms(fn: Callable[[], Any], device: torch.device, *,
+                       calls: int = 3) -> tuple[float, float | None]:
+    """``(busy, idle)`` ms per call of ``fn`` from ONE torch.profiler run of ``calls`` back-to-back
+    calls (after the caller's warm-up): ``busy``, the time some kernel ran (the union of their
+    intervals); ``idle``, the time between the first kernel's start and the last one's end that
+    none ran (launch gaps, host waits). Both from the same run: an unprofiled wall time beside a
+    profiled kernel sum differs by a few percent either way (clocks), which is not waiting.
+    CPU: ``busy`` is the CPU time of its ops, ``idle`` None."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return sum(k["ms"] for k in kernel_table(fn, device, calls=calls, top=10 ** 6)), None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0, 0.0
+    busy, (lo, hi) = 0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo = busy + hi - lo, a
+        hi = max(hi, b)
+    busy += hi - lo
+    window = max(b for _, b in spans) - spans[0][0]
+    return busy / 1e3 / calls, (window - busy) / 1e3 / calls
 
 
 def init_distributed(backend: str = "auto", device: str = "auto", *,
