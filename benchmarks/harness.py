@@ -340,7 +340,7 @@ def device_timeline_ms(fn: Callable[[], Any], device: torch.device, *,
             fn()
         _sync(device)
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
     if not spans:
         return 0.0, 0.0
     busy, (lo, hi) = 0, spans[0]
@@ -428,15 +428,21 @@ def add_common_args(parser: argparse.ArgumentParser, *, iters: int, warmup: int,
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> set[str]:
     """The destinations ``argv`` (None: ``sys.argv[1:]``) sets on the command line, whatever their
-    values: ``parser`` reparsed with every default suppressed (then restored)."""
+    values: ``parser`` reparsed with every default suppressed, ``set_defaults`` ones too (then
+    restored). For parsers without mutually exclusive groups: a reparse there can refuse an
+    ``argv`` the first parse took (argparse tells a given value equal to the default apart only
+    with the defaults in place)."""
     saved = [(action, action.default) for action in parser._actions]
+    saved_defaults = dict(parser._defaults)
     try:
         for action, _ in saved:
             action.default = argparse.SUPPRESS
+        parser._defaults.clear()
         given, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     finally:
         for action, default in saved:
             action.default = default
+        parser._defaults.update(saved_defaults)
     return set(vars(given))
 
 

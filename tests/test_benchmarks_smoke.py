@@ -421,6 +421,10 @@ def test_smoke_keeps_the_options_the_caller_gave():
         smoke_values(p, args, argv, iters=2, warmup=1, rounds=1)
         assert (args.iters, args.warmup, args.rounds) == want, argv
     assert p.get_default("iters") == 10  # the parser's defaults are restored
+    p.set_defaults(rounds=4)  # a parser-level default is not a given option either
+    args = p.parse_args(["--smoke"])
+    smoke_values(p, args, ["--smoke"], rounds=1)
+    assert args.rounds == 1 and p.get_default("rounds") == 4
     args = p.parse_args(["--smoke"])
     args.later = 1  # set after parsing: not an option
     with pytest.raises(AttributeError, match="'later' is not an option"):
@@ -431,12 +435,13 @@ def test_smoke_keeps_the_options_the_caller_gave():
     (["kernels", "--smoke", "--kernels", "nosuch"], "--kernels 'nosuch': 'nosuch' matches no kernel"),
     (["kernels", "--smoke", "--kernels", "dense:sdpa*,sage8_glun"], "'sage8_glun' matches no kernel"),
     (["h3_fp8", "--smoke", "--compiled", "fp8tfst:sage8"], "--compiled entry 'fp8tfst:sage8' must be"),
+    (["h3_fp8", "--smoke", "--compiled", "fp8:sage8@w4"], "--compiled entry 'fp8:sage8@w4' must be"),
     (["job_model", "--budget-s", "5"], "--budget-s 5 would not be honoured"),
     (["job_model", "--steps", "-3"], "--steps=-3 must be >= 2"),
     (["job_model", "--paths", "foo"], "--paths entry 'foo' must be <linears>:<attention>:<mode>"),
     (["scaling", "--smoke", "--modeled", "--ranks", "0"],
      "argument --ranks: '0' must be comma-separated ints >= 1"),
-], ids=["kernels_none", "kernels_typo", "h3_fp8_compiled_typo", "job_model_budget", "job_model_steps", "job_model_paths",
+], ids=["kernels_none", "kernels_typo", "h3_fp8_compiled_typo", "h3_fp8_compiled_w4_attention", "job_model_budget", "job_model_steps", "job_model_paths",
         "scaling_ranks"])
 def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
     """Each wrote rows of nonsense (negative forwards, zero rows with exit 0) or crashed with a

@@ -28,7 +28,7 @@ _BLOCKING = ("Synchronize", "cudaMemcpy", "cudaMalloc", "cudaFree", "cudaHostAll
 
 def _analyse(prof, calls: int) -> dict:
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                      and e.device_resource_id is not None),
+                      and e.device_resource_id is not None and not e.is_user_annotation),
                      key=lambda e: e.time_range.start)
     spans = [(e.time_range.start, e.time_range.end, e.name) for e in kernels]
     busy = sum(b - a for a, b, _ in spans)
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--calls", type=int, default=5)
     args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
     from diffusers.utils import logging as diffusers_logging
 
     from benchmarks.h3_block import block_inputs, h3_ref_layout, padded_total
