@@ -170,18 +170,14 @@ def _quantize(model, prec: str, emulate: bool) -> None:
     if prec != "fp8tfast":
         quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec == "fp8fast")
         return
-    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8MMConfig,
-                                      PerTensor, quantize_)
-    from torchao.quantization.quantize_.common import KernelPreference
+    from torchao.quantization import PerTensor, quantize_
 
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR
+    from dist_attn.fp8_linear import torchao_fp8_config
     from dist_attn.integrations.diffusers.linear_precision import fp8_linear_names
 
     wanted = set(fp8_linear_names(model))
-    config = Float8DynamicActivationFloat8WeightConfig(
-        activation_dtype=torch.float8_e4m3fn, weight_dtype=torch.float8_e4m3fn, granularity=PerTensor(),
-        mm_config=Float8MMConfig(use_fast_accum=True), activation_value_lb=ACTIVATION_AMAX_FLOOR,
-        kernel_preference=KernelPreference.TORCH, set_inductor_config=False)
+    # the shipped recipe's config (floor, kernel preference, inductor settings), one scale per tensor
+    config = dataclasses.replace(torchao_fp8_config(fast_accum=True), granularity=PerTensor())
     quantize_(model, config, filter_fn=lambda module, fqn: fqn in wanted)
     for name in wanted:
         if not hasattr(model.get_submodule(name).weight, "qdata"):
