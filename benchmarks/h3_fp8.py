@@ -25,7 +25,9 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
 * ``w4`` (modeled as ``benchmarks.scaling --modeled`` does): rank 0 of Ulysses 4 = ``none@w4`` +
   its attention layer: pack + all-to-alls (bytes / ``--bandwidth-gbs``: q, k, v in, the output
   back) + attention at 14 heads x 38,016 rows + unpack, plain (C = 1) or with the heads in
-  ``--overlap`` C chunks pipelined against their all-to-alls (``overlap_chunks``); ``step_s`` =
+  ``--overlap`` C chunks pipelined against their all-to-alls (``overlap_chunks``), cut as the core
+  cuts them: ``chunking`` "even", and "waves" where the backend reports its kernel's waves and
+  the wave-aligned widths differ (``dist_attn.plan.chunk_widths``); ``step_s`` =
   50 such blocks (refiner, embeddings and heads left out). Its parts are timed in ``--rounds``
   interleaved passes (from the run of 2026-12-05 12:22; before, once each, in turn). Runs before 2026-12-05
   counted the all-to-alls twice (+1.135 ms a block); ``benchmarks.job_model`` corrects their rows.
@@ -131,6 +133,16 @@ def _unavailable(backend: str, dev, cfg) -> str | None:
     except Exception as exc:  # noqa: BLE001 - a backend that cannot run is a row with its reason
         return describe_exception(exc)
     return None
+
+
+def _kernel_waves(backend: str, layout, q: torch.Tensor, dev, cfg):
+    """The backend's ``kernel_waves`` for a call over ``layout`` (None: unknown or unavailable),
+    as the core asks it before cutting overlapped chunks."""
+    if _unavailable(backend, dev, cfg) is not None:
+        return None
+    from dist_attn import backends as da_backends
+
+    return da_backends.get_backend(backend).kernel_waves(layout, q)
 
 
 def _models(cfg, dev, emulate: bool):
@@ -370,11 +382,11 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     h0 = make_plan(world=4, rank=0, s_local=s_local, folded_heads=H, head_dim=D, overlap_chunks=1).counts[0]
     one_tensor_ms = s_local * (H - h0) * D * 2 / (args.bandwidth_gbs * 1e9) * 1e3
     parts = {"s_local": s_local, "heads": h0, "a_in_ms": 3 * one_tensor_ms, "a_out_ms": one_tensor_ms,
-             "chunks": {}, "kernel_ms": {}, "rounds": {}}
+             "chunks": {}, "rounds": {}}
     cu = torch.tensor([0, lay.used, total], dtype=torch.int32, device=dev)
     layout = segment_layout([0, lay.used, total], total=total, valid_len=lay.used)
     views: dict[int, tuple] = {}  # width -> the receive buffer's q/k/v views and an output
-    timers: dict[tuple, object] = {}  # ("kernel", backend, width) | ("pack" | "unpack", C) -> callable
+    timers: dict[tuple, object] = {}  # ("kernel", backend, width) | ("pack" | "unpack", widths) -> callable
     failed: dict[tuple, str] = {}
 
     def kernel(backend: str, width: int):
@@ -402,25 +414,36 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
         if reason:
             failed[key] = reason
 
-    plans = {}
+    # per backend and C, the core's plan: the even split, and the wave-aligned one where the
+    # backend reports its kernel's waves (dist_attn.plan.chunk_widths) and it differs
+    plans: dict[tuple, tuple[int, ...]] = {}  # (backend, C, chunking) -> rank 0's chunk widths
     for C in args.overlap:
-        plan = make_plan(world=4, rank=0, s_local=s_local, folded_heads=H, head_dim=D, overlap_chunks=C)
-        spans_in = [(c.head_ranges, c.in_send) for c in plan.chunks]
-        spans_out = [(c.head_ranges, c.out_recv) for c in plan.chunks]
-
-        def pack_all(spans_in=spans_in):
-            for ranges, (a, b) in spans_in:
-                pack_qkv(q, k, v, send[a:b], ranges)
-
-        def unpack_all(spans_out=spans_out):
-            for ranges, (a, b) in spans_out:
-                unpack_output(recv_out[a:b], out, ranges)
-
-        timers["pack", C], timers["unpack", C] = pack_all, unpack_all
-        plans[C] = [c.local_heads(0) for c in plan.chunks]
         for backend in ("sdpa", "sage8", "fa3"):
-            for w in set(plans[C]):
-                kernel(backend, w)
+            waves = _kernel_waves(backend, layout, q, dev, cfg)
+            for chunking, wv in (("even", None), ("waves", waves)):
+                if chunking == "waves" and wv is None:
+                    continue
+                plan = make_plan(world=4, rank=0, s_local=s_local, folded_heads=H, head_dim=D,
+                                 overlap_chunks=C, waves=wv)
+                widths = tuple(c.local_heads(0) for c in plan.chunks)
+                if chunking == "waves" and widths == plans[backend, C, "even"]:
+                    continue
+                plans[backend, C, chunking] = widths
+                if ("pack", widths) not in timers:
+                    spans_in = [(c.head_ranges, c.in_send) for c in plan.chunks]
+                    spans_out = [(c.head_ranges, c.out_recv) for c in plan.chunks]
+
+                    def pack_all(spans_in=spans_in):
+                        for ranges, (a, b) in spans_in:
+                            pack_qkv(q, k, v, send[a:b], ranges)
+
+                    def unpack_all(spans_out=spans_out):
+                        for ranges, (a, b) in spans_out:
+                            unpack_output(recv_out[a:b], out, ranges)
+
+                    timers["pack", widths], timers["unpack", widths] = pack_all, unpack_all
+                for w in set(widths):
+                    kernel(backend, w)
     # every part timed once per round, in the same order: the medians of the rounds' medians
     recs = {key: {} for key in timers}
     _time_rounds([(recs[key], fn) for key, fn in timers.items()], args, dev, budget, args.reserve_s)
@@ -432,12 +455,14 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
             failed[key] = rec["reason"]
         else:
             med[key] = rec["median_ms"]
-    parts["rounds"] = {" ".join(map(str, key)): rec["rounds_ms"] for key, rec in recs.items()}
-    for C, widths in plans.items():
-        parts["chunks"][len(widths)] = {"widths": widths, "pack_ms": med["pack", C], "unpack_ms": med["unpack", C]}
-        for backend in ("sdpa", "sage8", "fa3"):
-            bad = next((failed[key] for w in widths if (key := ("kernel", backend, w)) in failed), None)
-            parts["kernel_ms"][backend, len(widths)] = bad if bad else [med["kernel", backend, w] for w in widths]
+    def name(key):  # ("pack", (2, 4, 4, 4)) -> "pack 2,4,4,4"
+        return " ".join(",".join(map(str, x)) if isinstance(x, tuple) else str(x) for x in key)
+    parts["rounds"] = {name(key): rec["rounds_ms"] for key, rec in recs.items()}
+    for (backend, C, chunking), widths in plans.items():
+        bad = next((failed[key] for w in widths if (key := ("kernel", backend, w)) in failed), None)
+        parts["chunks"][backend, C, chunking] = {
+            "widths": list(widths), "pack_ms": med["pack", widths], "unpack_ms": med["unpack", widths],
+            "kernel_ms": bad if bad else [med["kernel", backend, w] for w in widths]}
     parts["timers"] = timers  # kept for run_w4_sequence (their closures hold the buffers); not saved
     return parts
 
@@ -453,11 +478,11 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
         if row["section"] != "w4-rest" or row.get("status") != "ok":
             continue
         for backend in ("sage8", "sdpa"):
-            kern = timers.get(("kernel", backend, parts["heads"]))
-            if kern is None or ("pack", 1) not in timers:
+            kern, whole = timers.get(("kernel", backend, parts["heads"])), (parts["heads"],)
+            if kern is None or ("pack", whole) not in timers:
                 continue
 
-            def block(fn=fn, inp=inp, kern=kern, pack=timers["pack", 1], unpack=timers["unpack", 1]):
+            def block(fn=fn, inp=inp, kern=kern, pack=timers["pack", whole], unpack=timers["unpack", whole]):
                 fn(*inp)
                 pack()
                 kern()
@@ -490,10 +515,11 @@ def w4_rows(args, parts: dict, rest: dict, rows) -> None:
     unpack; C > 1, the chunks pipelined against their all-to-alls (:func:`overlapped_ms`)."""
     a_in, a_out = parts["a_in_ms"], parts["a_out_ms"]
     for (prec, mode), rest_ms in sorted(rest.items()):
-        for (backend, C), ks in parts["kernel_ms"].items():
-            ch = parts["chunks"][C]
+        for (backend, C, chunking), ch in parts["chunks"].items():
+            ks = ch["kernel_ms"]
             row = {"section": "w4", "path": f"{prec}:{backend}", "mode": mode, "rows": parts["s_local"],
-                   "heads": parts["heads"], "overlap_chunks": C}
+                   "heads": parts["heads"], "overlap_chunks": C, "chunking": chunking,
+                   "widths": ch["widths"]}
             if isinstance(ks, str):
                 row.update(status="unavailable", reason=ks)
             else:

@@ -28,7 +28,8 @@ def targets(rows) -> dict:
                                           if native and compiled.get("fp8fast:sage8") else None),
             "x_native_rounds": per_round("fp8:sage8"), "x_native_rounds_fp8fast": per_round("fp8fast:sage8"),
             "w4_best_step_s": w4[0]["step_s"] if w4 else None,
-            "w4_best": f"{w4[0]['path']} {w4[0]['mode']} C={w4[0].get('overlap_chunks', 1)}" if w4 else None, "w4_step_target_s": 1.0,
+            "w4_best": (f"{w4[0]['path']} {w4[0]['mode']} C={w4[0].get('overlap_chunks', 1)}"
+                        f" {w4[0].get('chunking', 'even')} {w4[0].get('widths', '')}" if w4 else None), "w4_step_target_s": 1.0,
             "w4_seq_best_step_s": seq[0]["step_s"] if seq else None,
             "w4_seq_best": f"{seq[0]['path']} {seq[0]['mode']}" if seq else None}
 
@@ -46,7 +47,8 @@ def report(rows) -> list[tuple[str, str]]:
                       ("status", "status", ""), ("median_ms", "ms", ".2f"), ("rounds", "rounds ms", ""),
                       ("wall_s", "wall s", ".1f"), ("reason", "reason", "")],
             "w4": [("path", "linears:attention", ""), ("mode", "rest mode", ""),
-                   ("overlap_chunks", "C", ""), ("status", "status", ""),
+                   ("overlap_chunks", "C", ""), ("chunking", "chunks", ""), ("widths", "heads a chunk", ""),
+                   ("status", "status", ""),
                    ("rest_ms", "rest ms", ".2f"), ("kernel_ms", "attention ms", ".2f"),
                    ("comm_ms", "pack+a2a+unpack ms", ".2f"), ("hidden_ms", "hidden ms", ".2f"),
                    ("median_ms", "block ms", ".2f"),

@@ -8,9 +8,11 @@ all-to-alls serves the whole batch and ``B * H >= W`` is all a batch needs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["heads_per_rank", "head_offsets", "UlyssesPlan", "ChunkSlices", "make_plan"]
+__all__ = ["heads_per_rank", "head_offsets", "chunk_widths", "KernelWaves", "UlyssesPlan", "ChunkSlices",
+           "make_plan"]
 
 
 def heads_per_rank(num_heads: int, world_size: int) -> tuple[int, ...]:
@@ -43,6 +45,54 @@ def head_offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
     for c in counts:
         offsets.append(offsets[-1] + c)
     return tuple(offsets)
+
+
+@dataclass(frozen=True)
+class KernelWaves:
+    """How an attention kernel fills the GPU: ``tiles_per_head`` programs for each head of a call,
+    at most ``slots`` of them resident at once (SMs x programs per SM). A call of w heads runs in
+    ``ceil(w * tiles_per_head / slots)`` waves; the last one may be part-full."""
+
+    tiles_per_head: int
+    slots: int
+
+    def __post_init__(self):
+        for name in ("tiles_per_head", "slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelWaves.{name}={value!r} must be an int >= 1")
+
+    @property
+    def quantum(self) -> int:
+        """The fewest heads that fill whole waves: ``slots / gcd(tiles_per_head, slots)``."""
+        return self.slots // math.gcd(self.tiles_per_head, self.slots)
+
+    def waves(self, heads: int) -> int:
+        """Waves of a call on ``heads`` heads, the last part-full one counted whole."""
+        return -(-heads * self.tiles_per_head // self.slots)
+
+
+def chunk_widths(heads: int, n_chunks: int, waves: KernelWaves | None = None) -> tuple[int, ...]:
+    """How many heads each of ``n_chunks`` pipelined chunks attends, out of ``heads``.
+
+    Without ``waves``: as even as possible, the first chunks one head wider (:func:`heads_per_rank`).
+    With ``waves``: every chunk but one is a whole number of the kernel's wave quantum (in heads),
+    so only one chunk can end on a part-full wave, and the total wave count is the least any split
+    into ``n_chunks`` chunks has. The chunk that holds the remainder, the narrowest, goes first:
+    its input all-to-all is the one nothing hides. When ``heads`` holds fewer quanta than chunks
+    the even split stands. E.g. 14 heads, 594 tiles a head, 396 slots (quantum 2 heads), 4 chunks:
+    ``(2, 4, 4, 4)`` (3 + 6 + 6 + 6 = 21 waves) where the even split ``(4, 4, 3, 3)`` takes 22.
+    """
+    even = heads_per_rank(heads, n_chunks)
+    if waves is None:
+        return even
+    q = waves.quantum
+    units, rest = divmod(heads, q)
+    if q == 1 or units < n_chunks:
+        return even
+    widths = sorted(u * q for u in heads_per_rank(units, n_chunks))
+    widths[0] += rest
+    return tuple(sorted(widths))
 
 
 @dataclass(frozen=True)
@@ -102,15 +152,17 @@ class UlyssesPlan:
 
 
 def make_plan(*, world: int, rank: int, s_local: int, folded_heads: int, head_dim: int,
-              overlap_chunks: int) -> UlyssesPlan:
+              overlap_chunks: int, waves: KernelWaves | None = None) -> UlyssesPlan:
     """The plan of one forward; raises ValueError (on every rank alike) when B*H < W.
 
-    ``overlap_chunks`` is capped at the smallest rank's head count so no chunk is empty.
+    ``overlap_chunks`` is capped at the smallest rank's head count so no chunk is empty. ``waves``
+    (the attention kernel's, for one call over the whole sequence) shapes the chunks' widths
+    (:func:`chunk_widths`); it must be the same on every rank, as every other argument.
     """
     counts = heads_per_rank(folded_heads, world)
     n_chunks = min(overlap_chunks, min(counts))
     offsets = head_offsets(counts)
-    splits = [head_offsets(heads_per_rank(n, n_chunks)) for n in counts]
+    splits = [head_offsets(chunk_widths(n, n_chunks, waves)) for n in counts]
     seq, d = s_local * world, head_dim
     chunks = []
     pos = dict.fromkeys(("in_send", "in_recv", "out_send", "out_recv"), 0)

@@ -5,7 +5,9 @@ sequence. One all-to-all of a single destination-major staging buffer gives ever
 of q, k and v for its share of the B*H (sample, head) pairs; the varlen bridge attends; one
 all-to-all returns the output shard in the caller's layout. With ``overlap_chunks=C > 1`` the heads
 are cut into C chunks whose all-to-alls are issued asynchronously, so chunk c+1's transfer runs
-while chunk c's kernel does. Under ``torch.compile`` the whole call is one opaque custom op.
+while chunk c's kernel does; when the attention backend says how its kernel fills the GPU
+(``kernel_waves``), the chunks' widths are cut so that only one of them ends on a part-full wave
+(:func:`dist_attn.plan.chunk_widths`). Under ``torch.compile`` the whole call is one opaque custom op.
 
 Beyond one host, a 2-D mesh ``("ring", "ulysses")`` (:mod:`dist_attn.mesh`) replaces the group:
 the all-to-all runs over the mesh's Ulysses dim and gathers the rows of this rank's ring chunk,
@@ -21,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_attn.backends import available_backends, default_softmax_scale
+from dist_attn.backends import AttentionBackend, available_backends, default_softmax_scale
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
 from dist_attn.distributed import (check_group, compile_key, register_for_compile,
                                    resolve_compile_key)
 from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
-from dist_attn.plan import make_plan
+from dist_attn.plan import KernelWaves, heads_per_rank, make_plan
 from dist_attn.profiling import PhaseTimer
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
 from dist_attn.validation import (check_bounds, check_no_grad, check_op_scalars,
@@ -144,8 +146,13 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
             f"num_heads={n_heads} x batch {batch} = {batch * n_heads} (sample, head) pairs must be "
             f">= the Ulysses world size {world} (the size of {groups.desc}): every "
             "rank needs at least one head")
+    waves = None
+    if n_ring == 1 and overlap_chunks > 1 and min(heads_per_rank(batch * n_heads, world)) > 1:
+        # a backend that does not override kernel_waves answers None on every rank: no check
+        if getattr(type(be), "kernel_waves", AttentionBackend.kernel_waves) is not AttentionBackend.kernel_waves:
+            waves = _agreed_waves(be.kernel_waves(layout, q4), be, groups, q.device, overlap_chunks)
     plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
-                     head_dim=d, overlap_chunks=overlap_chunks)
+                     head_dim=d, overlap_chunks=overlap_chunks, waves=waves)
     pool = buffers if buffers is not None else default_staging_buffers()
     pool.reserve(plan.buffer_sizes(), q.dtype, q.device)  # raises on every rank alike
     bufs = {role: pool.get(role, n, q.dtype, q.device) for role, n in plan.buffer_sizes().items()}
@@ -193,6 +200,37 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
         with phase("unpack"):
             unpack_output(view("out_recv", c.out_recv), out, c.head_ranges)
     return out if batched else out[0]
+
+
+#: (group, backend name, this rank's answer) -> the answer every rank of the group gave
+_AGREED_WAVES: dict[tuple, KernelWaves | None] = {}
+
+
+def _agreed_waves(local: KernelWaves | None, be, groups, device: torch.device,
+                  overlap_chunks: int) -> KernelWaves | None:
+    """``local`` once every rank of the Ulysses group has reported the same one; RuntimeError on
+    every rank otherwise (the chunk widths, hence the all-to-all splits, depend on it). One
+    all-reduce of four integers the first time a group sees an answer, none after."""
+    key = (groups.ulysses_group, be.name, local)
+    if key in _AGREED_WAVES:
+        return _AGREED_WAVES[key]
+    mine = [-1, -1] if local is None else [local.tiles_per_head, local.slots]
+    on_device = device.type == "cuda" and "nccl" in str(dist.get_backend(groups.ulysses_group)).lower()
+    t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64,
+                     device=device if on_device else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.ulysses_group)
+    hi, lo = t[:2].tolist(), [-x for x in t[2:].tolist()]
+    if hi != lo:
+        def span(i):
+            return f"{lo[i]}" if lo[i] == hi[i] else f"from {lo[i]} to {hi[i]}"
+        raise RuntimeError(
+            f"overlap_chunks={overlap_chunks}: the ranks of {groups.desc} disagree on how backend "
+            f"{be.name!r} fills their GPUs (kernel_waves: tiles per head {span(0)}, slots "
+            f"{span(1)}; -1 where a rank cannot tell), and the chunks' widths, hence the "
+            "all-to-all splits, depend on it. Run the group on one kind of GPU, or pass "
+            "overlap_chunks=1")
+    _AGREED_WAVES[key] = local
+    return local
 
 
 # ---- torch.compile: the whole call as one custom op with a fake (shape-only) implementation ----

@@ -250,22 +250,28 @@ def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
     never beat the kernel plus the rest."""
     from benchmarks import h3_fp8
 
-    parts = {"s_local": 9504, "heads": 14, "a_in_ms": 0.85, "a_out_ms": 0.28,
-             "chunks": {1: {"widths": [14], "pack_ms": 0.2, "unpack_ms": 0.1},
-                        4: {"widths": [4, 4, 3, 3], "pack_ms": 0.4, "unpack_ms": 0.13}},
-             "kernel_ms": {("sage8", 1): [12.6], ("sage8", 4): [3.7, 3.7, 2.8, 2.8],
-                           ("fa3", 1): "fa3: needs a CUDA GPU"}}
+    parts = {"s_local": 9504, "heads": 14, "a_in_ms": 0.85, "a_out_ms": 0.28, "chunks": {
+        ("sage8", 1, "even"): {"widths": [14], "pack_ms": 0.2, "unpack_ms": 0.1, "kernel_ms": [12.6]},
+        ("sage8", 4, "even"): {"widths": [4, 4, 3, 3], "pack_ms": 0.4, "unpack_ms": 0.13,
+                               "kernel_ms": [3.7, 3.7, 2.8, 2.8]},
+        ("sage8", 4, "waves"): {"widths": [2, 4, 4, 4], "pack_ms": 0.4, "unpack_ms": 0.13,
+                                "kernel_ms": [1.8, 3.6, 3.6, 3.6]},
+        ("fa3", 1, "even"): {"widths": [14], "pack_ms": 0.2, "unpack_ms": 0.1,
+                             "kernel_ms": "fa3: needs a CUDA GPU"}}}
     rows: list[dict] = []
     h3_fp8.w4_rows(argparse.Namespace(step_blocks=50), parts, {("fp8", "compiled"): 6.7}, rows)
-    by = {(r["path"], r["overlap_chunks"]): r for r in rows}
-    plain, chunked = by["fp8:sage8", 1], by["fp8:sage8", 4]
+    by = {(r["path"], r["overlap_chunks"], r["chunking"]): r for r in rows}
+    plain, chunked, waves = by["fp8:sage8", 1, "even"], by["fp8:sage8", 4, "even"], by["fp8:sage8", 4, "waves"]
     assert plain["median_ms"] == pytest.approx(6.7 + 0.2 + 0.85 + 12.6 + 0.28 + 0.1)
     assert plain["hidden_ms"] == pytest.approx(0.0, abs=1e-9)
     assert plain["step_s"] == pytest.approx(50 * plain["median_ms"] / 1e3)
     # pipelined: pack + the first chunk's input + the 4 kernels + the last chunk's output + unpack
     assert chunked["median_ms"] == pytest.approx(6.7 + 0.4 + 0.85 * 4 / 14 + 13.0 + 0.28 * 3 / 14 + 0.13)
     assert 0 < chunked["hidden_ms"] < 0.85 + 0.28 and chunked["median_ms"] < plain["median_ms"]
-    assert by["fp8:fa3", 1]["status"] == "unavailable"
+    # wave-aligned: the narrow chunk first, so less input waits before the first kernel
+    assert waves["widths"] == [2, 4, 4, 4] and waves["kernel_chunk_ms"] == [1.8, 3.6, 3.6, 3.6]
+    assert waves["median_ms"] == pytest.approx(6.7 + 0.4 + 0.85 * 2 / 14 + 12.6 + 0.28 * 4 / 14 + 0.13)
+    assert by["fp8:fa3", 1, "even"]["status"] == "unavailable"
 
 
 def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_alls_from_bytes():
@@ -278,7 +284,7 @@ def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_all
     from benchmarks.harness import Budget
 
     calls: list[str] = []
-    timers = {("pack", 1): lambda: calls.append("pack"), ("unpack", 1): lambda: calls.append("unpack"),
+    timers = {("pack", (14,)): lambda: calls.append("pack"), ("unpack", (14,)): lambda: calls.append("unpack"),
               ("kernel", "sage8", 14): lambda: calls.append("sage8")}
     live = [({"section": "w4-rest", "path": "fp8fast:none@w4", "mode": "compiled", "status": "ok"},
              lambda *a: calls.append("rest"), ()),

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from dist_attn.plan import KernelWaves
+
 __all__ = ["AttentionBackend", "BackendUnavailableError", "default_softmax_scale"]
 
 
@@ -83,6 +85,16 @@ class AttentionBackend:
         """Whether :meth:`dense_lse` is implemented for any key length (ring attention needs it:
         its steps pair a query chunk with a key chunk of another length)."""
         return type(self).dense_lse is not AttentionBackend.dense_lse
+
+    def kernel_waves(self, layout, q: torch.Tensor) -> KernelWaves | None:
+        """How one call of this kernel on every row of ``layout`` (a
+        :class:`dist_attn.varlen.SegmentLayout`) fills q's GPU, per head; None when not known.
+
+        Pipelined Ulysses chunks (``overlap_chunks > 1``) use it to cut the heads so that only
+        one chunk ends on a part-full wave (:func:`dist_attn.plan.chunk_widths`). The answer
+        must depend only on the layout and the kind of GPU, so that every rank of a group gives
+        the same one (the core checks that they do)."""
+        return None
 
     # A backend that handles packed varlen natively sets this to a callable
     # (q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out) -> out.

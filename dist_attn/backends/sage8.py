@@ -15,6 +15,7 @@ import torch
 from dist_attn import kernels
 from dist_attn.backends.base import AttentionBackend
 from dist_attn.kernels.sage8 import ops
+from dist_attn.plan import KernelWaves
 
 __all__ = ["Sage8Backend", "SAGE8_IMPL"]
 
@@ -65,6 +66,23 @@ class Sage8Backend(AttentionBackend):
         # with ring 2), which would fail on some ranks only. "auto" under a ring therefore
         # skips sage8, and an explicit sage8 is refused before any collective.
         return False
+
+    def kernel_waves(self, layout, q):
+        # the Triton loop's programs are BM query rows of one head each, with a register cap that
+        # fixes how many share an SM; the Gluon loop has no such cap (None: unknown)
+        if self.impl != "triton" or q.device.type != "cuda":
+            return None
+        from dist_attn.kernels.sage8 import attn_triton, launch
+        cfg = launch.default_config("triton")
+        props = torch.cuda.get_device_properties(q.device)
+        ctas = attn_triton.resident_ctas(
+            cfg, q.shape[-1], regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+            smem_per_sm=props.shared_memory_per_multiprocessor,
+            threads_per_sm=props.max_threads_per_multi_processor)
+        if not ctas:
+            return None
+        tiles = sum(-(-(b - a) // cfg.block_m) for a, b in layout.segments)
+        return KernelWaves(tiles_per_head=tiles, slots=ctas * props.multi_processor_count)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out):
         if out is None:

@@ -158,9 +158,60 @@ def _placement_worker(rank, world, heads, chunks):
 PLACEMENT = {2: [(4, 1), (5, 2)], 3: [(7, 1), (7, 2)], 4: [(6, 1), (8, 2)]}
 
 
+class _WaveProbe(_ProbeBackend):
+    """A probe whose kernel reports waves: 3 tiles a head, ``slots(rank)`` at once (None: unknown)."""
+
+    def __init__(self, name, slots):
+        super().__init__()
+        self.name, self.slots = name, slots
+
+    def kernel_waves(self, layout, q):
+        from dist_attn.plan import KernelWaves
+
+        slots = self.slots(torch.distributed.get_rank())
+        return None if slots is None else KernelWaves(tiles_per_head=3, slots=slots)
+
+
+def _waves_worker(rank, world):
+    """Wave-aligned chunks: widths, placement, one agreement all-reduce, and refusals."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from dist_attn import UlyssesSageAttention, register_backend, unregister_backend
+
+    heads = 6 * world  # 6 a rank; quantum 2 heads (3 tiles, 2 slots): chunks (2, 4), not (3, 3)
+    s_local = PL_SEQ // world
+    rows = slice(rank * s_local, (rank + 1) * s_local)
+    q, k, v = (_encode(role, PL_SEQ, heads)[rows].clone() for role in range(3))
+    args = (torch.tensor([0, PL_SEQ]), PL_SEQ, [0, PL_SEQ])
+    res = {}
+    probes = {"wp_same": lambda r: 2, "wp_slots": lambda r: 2 + r, "wp_unknown": lambda r: None if r == 0 else 2}
+    try:
+        for name, slots in probes.items():
+            probe = _WaveProbe(name, slots)
+            register_backend(probe, replace=True)
+            attn = UlyssesSageAttention(heads, PL_D, backend=name, overlap_chunks=2)
+            try:
+                with CommDebugMode() as first:
+                    out = attn(q, k, v, *args)
+                with CommDebugMode() as second:
+                    attn(q, k, v, *args)
+                res[name] = dict(widths=[s[0].shape[2] for s in probe.seen[:2]], out_ok=torch.equal(out, v),
+                                 first={str(o): n for o, n in first.get_comm_counts().items()},
+                                 second={str(o): n for o, n in second.get_comm_counts().items()})
+            except RuntimeError as exc:
+                res[name] = dict(error=str(exc), calls=len(probe.seen))
+            # the group is still in step: a plain call after a refused one
+            res[name]["after"] = torch.equal(UlyssesSageAttention(heads, PL_D, backend=name)(q, k, v, *args), v)
+    finally:
+        for name in probes:
+            unregister_backend(name)
+    return res
+
+
 def _misc_worker(rank, world):
     """Everything but parity for one world size, in one spawn (process start-up dominates)."""
     return dict(
+        waves=_waves_worker(rank, world),
         placement={hc: _placement_worker(rank, world, *hc) for hc in PLACEMENT[world]},
         collectives={c: _collective_worker(rank, world, c) for c in (1, 2)},
         buffers=_buffer_worker(rank, world),
@@ -182,6 +233,25 @@ def test_exact_placement_round_trip(misc_run):
             assert res["out_ok"], f"{case}: output rows/heads not returned to their place"
             assert res["scratch"], "K in the receive buffer should be offered as scratch"
             assert res["calls"] == min(chunks, heads // world), f"{case}: one kernel call per chunk"
+
+
+def test_wave_aligned_chunks(misc_run):
+    world, per_rank = misc_run
+    for rank, res in enumerate(per_rank):
+        same = res["waves"]["wp_same"]
+        assert same["widths"] == [2, 4], f"rank {rank}: chunks of {same['widths']} heads, not (2, 4)"
+        assert same["out_ok"], f"rank {rank}: output misplaced with wave-aligned chunks"
+        # the first call agrees on the waves (one all-reduce), the second reuses the answer
+        assert sum(n for op, n in same["first"].items() if "allreduce" in op) == 1, same["first"]
+        assert all("alltoall" in op for op in same["second"]), same["second"]
+        assert sum(same["second"].values()) == 4, same["second"]
+        for name, needle in (("wp_slots", f"slots from 2 to {1 + world}"), ("wp_unknown", "slots from -1 to 2")):
+            bad = res["waves"][name]
+            assert "error" in bad, f"rank {rank}: {name} should be refused on every rank: {bad}"
+            assert "disagree" in bad["error"] and needle in bad["error"], bad["error"]
+            assert "overlap_chunks=2" in bad["error"] and bad["calls"] == 0, bad
+            assert bad["after"], f"rank {rank}: the group fell out of step after refusing {name}"
+        assert same["after"]
 
 
 # ---------------------------------------------------------------------------------------------

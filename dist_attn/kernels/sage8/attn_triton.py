@@ -29,7 +29,7 @@ from dist_attn.kernels.sage8 import numerics
 from dist_attn.kernels.sage8.quant import Quantized, seg_bounds, seg_strides, to_fp8
 
 __all__ = ["TritonConfig", "V_ORDER", "attention", "epilogue_lse", "exp2_ftz", "kscale_direct", "lse_args",
-           "pv_block"]
+           "pv_block", "resident_ctas"]
 
 _PAD = tl.constexpr(numerics.PAD)
 _MAGIC_I = tl.constexpr(numerics.MAGIC_I)
@@ -194,6 +194,27 @@ def _attn_kernel(q_desc, k_desc, v_desc, Qs, Ks, Vscale, Out, Q, Ksum, Lse, cu, 
     if WITH_LSE:
         lse = epilogue_lse(m_i, l_i, Q, Ksum, seg, h, lo, L, rows, offs_d, sqb, sqt, sqh, H, qk_scale, D)
         tl.store(Lse + seg.to(tl.int64) * slb + h.to(tl.int64) * slh + lo + rows, lse, mask=rows < L)
+
+
+#: shared memory the driver keeps back for every CTA (cudaDevAttrReservedSharedMemoryPerBlock, sm_80+)
+RESERVED_SMEM_PER_CTA = 1024
+
+
+def resident_ctas(cfg: TritonConfig, head_dim: int, *, regs_per_sm: int, smem_per_sm: int,
+                  threads_per_sm: int) -> int | None:
+    """How many programs of :func:`attention` one SM holds at once; None when ``cfg`` sets no
+    register cap (the count then depends on what ptxas allocates).
+
+    Registers: ``maxnreg`` per thread, allocated per warp in units of 256. Shared memory: the
+    8-bit Q tile and ``num_stages`` K and V tiles, plus the driver's reserve. At the defaults and
+    head_dim 128 on sm_90 (64K registers, 228 KB): 21,504 registers and 73 KB a program, so 3
+    (tests/core/test_kernel_waves_gpu.py checks this against the compiled kernel)."""
+    if cfg.maxnreg is None:
+        return None
+    regs = -(-cfg.maxnreg * 32 // 256) * 256 * cfg.num_warps
+    smem = (cfg.block_m * head_dim + cfg.num_stages * 2 * cfg.block_n * head_dim
+            + RESERVED_SMEM_PER_CTA)
+    return min(regs_per_sm // regs, smem_per_sm // smem, threads_per_sm // (32 * cfg.num_warps))
 
 
 def lse_args(lse: torch.Tensor | None, dense: bool, dummy: torch.Tensor):

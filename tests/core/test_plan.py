@@ -1,0 +1,84 @@
+"""The Ulysses plan's chunk widths: even without wave information, wave-aligned with it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dist_attn.plan import KernelWaves, chunk_widths, heads_per_rank, make_plan
+
+# H3 at Ulysses 4 on an H100 / H200: 14 heads a rank, 594 query tiles of 64 rows a head
+# (37,980 rows), 3 sage8 programs on each of 132 SMs
+H3 = KernelWaves(tiles_per_head=594, slots=396)
+
+
+def _compositions(total: int, parts: int):
+    """Every way to write ``total`` as ``parts`` positive ints, in order."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def test_without_waves_the_split_is_the_even_one():
+    for heads, chunks in [(14, 4), (7, 3), (5, 5), (9, 2)]:
+        assert chunk_widths(heads, chunks) == heads_per_rank(heads, chunks)
+
+
+def test_h3_at_ulysses_4_takes_one_wave_fewer():
+    assert H3.quantum == 2
+    assert chunk_widths(14, 4, H3) == (2, 4, 4, 4)
+    assert sum(map(H3.waves, chunk_widths(14, 4, H3))) == 21
+    assert sum(map(H3.waves, chunk_widths(14, 4))) == 22  # (4, 4, 3, 3): 6 + 6 + 5 + 5 waves
+    assert chunk_widths(14, 2, H3) == (6, 8)
+    assert chunk_widths(14, 7, H3) == (2,) * 7
+    # fewer quanta than chunks: the even split
+    assert chunk_widths(14, 8, H3) == heads_per_rank(14, 8)
+    # a quantum of one head: every split is whole waves, so the even one
+    assert chunk_widths(14, 4, KernelWaves(tiles_per_head=396, slots=132)) == heads_per_rank(14, 4)
+
+
+@pytest.mark.parametrize("tiles,slots", [(594, 396), (3, 2), (5, 3), (7, 4), (10, 4), (1, 6)])
+def test_wave_aligned_widths_take_the_fewest_waves_of_any_split(tiles, slots):
+    waves = KernelWaves(tiles_per_head=tiles, slots=slots)
+    for heads in range(1, 17):
+        for chunks in range(1, heads + 1):
+            widths = chunk_widths(heads, chunks, waves)
+            assert len(widths) == chunks and sum(widths) == heads and min(widths) >= 1
+            assert list(widths) == sorted(widths) or widths == heads_per_rank(heads, chunks)
+            if heads // waves.quantum >= chunks:
+                best = min(sum(map(waves.waves, c)) for c in _compositions(heads, chunks))
+                assert sum(map(waves.waves, widths)) == best, (heads, chunks, widths)
+
+
+def test_plan_uses_the_widths_on_every_rank():
+    # 15 heads on 4 ranks: (4, 4, 4, 3); quantum 2: (2, 2) on the ranks of 4 heads, the even
+    # (2, 1) on the last, whose 3 heads hold one quantum for two chunks
+    for rank in range(4):
+        plan = make_plan(world=4, rank=rank, s_local=8, folded_heads=15, head_dim=4, overlap_chunks=2,
+                         waves=KernelWaves(tiles_per_head=3, slots=2))
+        widths = [[b - a for a, b in c.head_ranges] for c in plan.chunks]
+        assert widths == [[2, 2, 2, 2], [2, 2, 2, 1]]
+        assert [c.local_heads(rank) for c in plan.chunks] == [widths[0][rank], widths[1][rank]]
+        # the chunks tile each rank's heads in order
+        for j in range(4):
+            assert plan.chunks[0].head_ranges[j][1] == plan.chunks[1].head_ranges[j][0]
+
+
+@pytest.mark.parametrize("field,value", [("tiles_per_head", 0), ("slots", -1), ("slots", True),
+                                         ("tiles_per_head", 2.0)])
+def test_kernel_waves_refuses_what_is_not_a_positive_int(field, value):
+    kw = {"tiles_per_head": 4, "slots": 4, field: value}
+    with pytest.raises(ValueError, match=f"KernelWaves.{field}="):
+        KernelWaves(**kw)
+
+
+def test_sage8_resident_programs_at_the_shipped_config():
+    attn_triton = pytest.importorskip("dist_attn.kernels.sage8.attn_triton")
+    cfg = attn_triton.TritonConfig()
+    # sm_90: 64K registers, 228 KB of shared memory, 2,048 threads an SM
+    sm90 = dict(regs_per_sm=65536, smem_per_sm=233472, threads_per_sm=2048)
+    assert attn_triton.resident_ctas(cfg, 128, **sm90) == 3
+    # 3 stages no longer fit three programs' shared memory
+    assert attn_triton.resident_ctas(attn_triton.TritonConfig(num_stages=3), 128, **sm90) == 2
+    assert attn_triton.resident_ctas(attn_triton.TritonConfig(maxnreg=None), 128, **sm90) is None
