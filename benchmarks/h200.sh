@@ -138,6 +138,7 @@ step() {
     tests)
         run 330 tests --log "$RES/gpu-tests_${HW}_$TODAY.log" "$PY" -m pytest tests/core/test_gpu_core.py \
             tests/core/test_gpu_fa3.py tests/core/test_gpu_harness.py tests/core/test_kernel_sage8.py \
+            tests/core/test_kernel_waves_gpu.py \
             tests/core/test_kernel_accuracy.py \
             -rs -q -s -p no:cacheprovider ;;
     fp8-tests)

@@ -120,7 +120,7 @@ def _gpu_worker(rank, world, backend, chunks):
     return res
 
 
-@pytest.mark.parametrize("backend,chunks", [("sage", 1), ("sage", 2), ("auto", 1)])
+@pytest.mark.parametrize("backend,chunks", [("sage", 1), ("sage", 2), ("auto", 1), ("sage8", 2)])
 def test_four_ranks_share_one_gpu_cosine(tmp_path, backend, chunks):
     world = 4
     per_rank = run_ranks(_gpu_worker, world, tmp_path, backend, chunks, timeout=300)
