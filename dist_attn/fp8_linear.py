@@ -40,6 +40,8 @@ __all__ = [
     "FP8_MIN_CAPABILITY",
     "LINEAR_PRECISIONS",
     "EmulatedFp8Linear",
+    "Fp8SwiGLUFeedForward",
+    "SWIGLU_MAX_INNER",
     "LinearPrecision",
     "fix_zero_rows",
     "fp8_linear_emulated",
@@ -61,6 +63,9 @@ E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 ACTIVATION_AMAX_FLOOR = 1e-12
 #: ``torch._scaled_mm`` with e4m3 operands needs Ada (8.9), Hopper (9.0) or newer.
 FP8_MIN_CAPABILITY = (8, 9)
+#: Widest SwiGLU output row (the FFN's inner size) that :class:`Fp8SwiGLUFeedForward`'s kernel
+#: holds in one program's registers.
+SWIGLU_MAX_INNER = 16384
 #: The package extra that installs torchao.
 FP8_EXTRA = "pip install 'dist-attn[fp8]'"
 
@@ -164,6 +169,47 @@ class EmulatedFp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, fp8=e4m3 per-row (float32 emulation)")
+
+
+class Fp8SwiGLUFeedForward(nn.Module):
+    """A SwiGLU feed-forward whose two linears are FP8 (the recipe above), with the SwiGLU and the
+    quantization of its output in one kernel (:func:`dist_attn.kernels.swiglu_fp8.swiglu_e4m3_rows`).
+
+    ``forward(x) = down(value * silu(gate))`` with ``[value, gate] = proj(x)``, as diffusers'
+    ``FeedForward(activation_fn="swiglu")``; the down projection is ``torch._scaled_mm`` on the
+    kernel's codes and row scales. Its output is the same FFN with a torchao FP8 down projection
+    (the same recipe and GEMM; on the GPU the kernel's fast exponential and division may move a
+    code by one e4m3 step, tests/integrations/test_fp8_gpu.py bounds how often): one pass over
+    the FFN's projection is saved.
+
+    Args:
+        proj: the input projection ``[*, K] -> [*, 2I]`` (a torchao FP8 ``nn.Linear``), kept as is.
+        down_codes: ``[N, I]`` float8_e4m3fn and ``down_scales``: ``[N, 1]`` float32, the down
+            projection's weight (:func:`quantize_weight_e4m3`, or torchao's ``qdata`` / ``scale``).
+        fast_accum: ``use_fast_accum`` of the down projection's ``torch._scaled_mm``.
+    """
+
+    def __init__(self, proj: nn.Module, down_codes: torch.Tensor, down_scales: torch.Tensor, *,
+                 fast_accum: bool) -> None:
+        super().__init__()
+        self.proj = proj
+        self.register_buffer("down_codes", down_codes)
+        self.register_buffer("down_scales", down_scales.reshape(1, -1))  # [1, N], as _scaled_mm takes
+        self.fast_accum = fast_accum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., K]`` bf16 -> ``[..., N]`` bf16."""
+        from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+
+        codes, scales = swiglu_e4m3_rows(self.proj(x))  # [M, I] e4m3, [M, 1] float32
+        y = torch._scaled_mm(codes, self.down_codes.t(), scale_a=scales, scale_b=self.down_scales,
+                             out_dtype=x.dtype, use_fast_accum=self.fast_accum)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        n, i = self.down_codes.shape
+        return (f"inner={i}, out_features={n}, fast_accum={self.fast_accum}, "
+                "SwiGLU + e4m3 row quantization fused")
 
 
 def fp8_unsupported_reason(device: torch.device | str) -> str | None:

@@ -98,6 +98,74 @@ def test_activation_codes_match_torchao():
     assert torch.equal(scales, s) and torch.equal(codes.view(torch.uint8), c.view(torch.uint8))
 
 
+def _code_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 steps apart two code tensors are, element by element (same-sign codes are
+    ordered by their bits; +0 and -0 are one value)."""
+    def ordinal(c):
+        b = c.view(torch.uint8).to(torch.int32)
+        return torch.where(b >= 128, -(b - 128), b)
+    return (ordinal(got) - ordinal(want)).abs()
+
+
+def test_swiglu_kernel_is_the_recipe_at_h3_width():
+    """The fused kernel on the GPU at H3's inner size 14,336 against torch's eager bf16 SwiGLU +
+    the recipe's row quantization: the fast exponential and division may move a bf16 rounding, so
+    a code may sit one e4m3 step away, rarely; a scale may move by one bf16 step, rarely. (The CPU
+    test runs the interpreter, exact, and checks every bit.)"""
+    import torch.nn.functional as F
+
+    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(2048, 2 * 14336, device="cuda", generator=g)
+    h[:256] *= 8
+    h[256:512] *= 1e-3
+    h[600, 17] = 500.0
+    h[601] = 0
+    h = h.to(torch.bfloat16)
+    value, gate = h.chunk(2, dim=-1)
+    codes, scales = quantize_rows_e4m3(value * F.silu(gate), amax_floor=ACTIVATION_AMAX_FLOOR)
+    got_codes, got_scales = swiglu_e4m3_rows(h)
+    rows_off = int((got_scales != scales).sum())
+    ratio = (got_scales / scales).sub(1).abs().max().item()
+    same = (got_scales == scales).squeeze(1)
+    steps = _code_steps(got_codes[same], codes[same])
+    frac = (steps > 0).float().mean().item()
+    print(f"swiglu kernel vs eager: {rows_off} of {len(scales)} row scales differ (max ratio - 1 "
+          f"{ratio:.2e}); {frac:.2e} of the codes of the other rows differ, by at most "
+          f"{int(steps.max())} step")
+    assert rows_off <= len(scales) // 100 and ratio <= 2 ** -7, (rows_off, ratio)
+    assert frac <= 1e-3 and int(steps.max()) <= 1, (frac, int(steps.max()))
+    assert int((got_codes[601].float() != 0).sum()) == 0 and got_scales[601].item() > 0
+
+
+def test_fused_swiglu_ffn_matches_torchao_ffn():
+    """Fp8SwiGLUFeedForward built from a torchao-quantized diffusers FeedForward gives its output
+    to within what one-step code moves give (eager and compiled fullgraph); fast accumulation is
+    passed through."""
+    from diffusers.models.attention import FeedForward
+    from torchao.quantization import quantize_
+
+    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward
+
+    torch.manual_seed(0)
+    for fast in (False, True):
+        ff = FeedForward(5376, inner_dim=14336, activation_fn="swiglu", bias=False).cuda()
+        ff = ff.to(torch.bfloat16).eval().requires_grad_(False)
+        quantize_(ff, torchao_fp8_config(fast_accum=fast))
+        down = ff.net[2].weight
+        fused = Fp8SwiGLUFeedForward(ff.net[0].proj, down.qdata, down.scale, fast_accum=fast)
+        x = torch.randn(2, 1500, 5376, device="cuda").to(torch.bfloat16)
+        with torch.no_grad():
+            want = ff(x)
+            got = fused(x)
+            compiled = torch.compile(fused, fullgraph=True)(x)
+        print(f"fused FFN vs torchao FFN, fast_accum={fast}: eager {_rel(got, want):.2e}, "
+              f"compiled {_rel(compiled, want):.2e}")
+        assert _rel(got, want) <= 2e-3, (fast, _rel(got, want))
+        assert _rel(compiled, want) <= 2e-3, (fast, _rel(compiled, want))
+
+
 def _served(precision: str):
     import dataclasses
 

@@ -200,7 +200,7 @@ def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
     cfg, bf16, _ = served
     emulated, tao = copy.deepcopy(bf16), copy.deepcopy(bf16)
     quantize_linears(emulated, "fp8", emulate=True)
-    summary = quantize_linears(tao, "fp8")
+    summary = quantize_linears(tao, "fp8", fuse_swiglu=False)  # the fused FFN's kernel needs CUDA
     assert summary.kernel == "torchao" and summary.count == 6 * cfg.model.num_layers
     for name in summary.layers:
         w, e = tao.get_submodule(name).weight, emulated.get_submodule(name)
@@ -217,3 +217,21 @@ def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
         compiled = _forward(tao, inputs)
     for a, b, c in zip(got, ours, compiled):
         assert torch.equal(a, b) and _rel(c, a) <= 1e-6
+
+
+def test_fuse_swiglu_refuses_another_ffn_before_changing_anything(served, monkeypatch):
+    """quantize_linears(fuse_swiglu=True) checks every block's FFN is diffusers' bias-free SwiGLU
+    before torchao touches a weight (the device and torchao gates are lifted: no GPU here)."""
+    import dist_attn.integrations.diffusers.linear_precision as lp
+
+    monkeypatch.setattr(lp, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(lp, "torchao_fp8_config", lambda fast_accum: None)
+    _, bf16, _ = served
+    model = copy.deepcopy(bf16)
+    model.transformer_blocks[-1].ff.net[2] = nn.Sequential(model.transformer_blocks[-1].ff.net[2])
+    last = len(model.transformer_blocks) - 1
+    with pytest.raises(TypeError, match=rf"transformer_blocks.{last}.ff is not diffusers' bias-free "
+                                        r"SwiGLU FeedForward .*fuse_swiglu=False"):
+        quantize_linears(model, "fp8", fuse_swiglu=True)
+    assert type(model.transformer_blocks[0].attn.to_q) is nn.Linear  # nothing half-done
+    assert not hasattr(model.transformer_blocks[0].attn.to_q.weight, "qdata")

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import (LINEAR_PRECISIONS, EmulatedFp8Linear, LinearPrecision,
-                                  fix_zero_rows, fp8_unsupported_reason, torchao_fp8_config)
+from dist_attn.fp8_linear import (LINEAR_PRECISIONS, SWIGLU_MAX_INNER, EmulatedFp8Linear,
+                                  Fp8SwiGLUFeedForward, LinearPrecision, fix_zero_rows,
+                                  fp8_unsupported_reason, torchao_fp8_config)
 
 __all__ = ["LINEAR_PRECISIONS", "LinearPrecision", "LinearQuantization", "fp8_linear_names",
            "quantize_linears"]
@@ -67,6 +68,9 @@ class LinearQuantization:
     """The class's float32 modules, never quantized."""
     kept_other: str
     """Other linears left in the blocks' dtype on purpose, in words."""
+    fused_ffns: tuple[str, ...] = ()
+    """Dotted names of the SwiGLU FFNs now :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`
+    (their two linears are in ``layers`` under the names they had before)."""
 
     @property
     def count(self) -> int:
@@ -85,7 +89,8 @@ class LinearQuantization:
                 f"activation and per-channel weight scales, fast_accum={self.fast_accum}); weights "
                 f"{_size(self.bytes_before)} -> {_size(self.bytes_after)} "
                 f"({_size(self.bytes_saved)} saved); kept float32: "
-                f"{', '.join(self.kept_fp32) or 'none'}; kept in the blocks' dtype: {self.kept_other}")
+                f"{', '.join(self.kept_fp32) or 'none'}; kept in the blocks' dtype: {self.kept_other}"
+                f"; SwiGLU fused with its output's quantization in {len(self.fused_ffns)} FFNs")
 
 
 def _size(n: int) -> str:
@@ -148,7 +153,8 @@ def _check_targets(transformer: nn.Module, names: list[str]) -> None:
 
 
 def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8", *,
-                     emulate: bool = False, fast_accum: bool = False) -> LinearQuantization:
+                     emulate: bool = False, fast_accum: bool = False,
+                     fuse_swiglu: bool = False) -> LinearQuantization:
     """Puts the transformer's block linears (:func:`fp8_linear_names`) in ``precision``, in place.
 
     Args:
@@ -161,6 +167,12 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             automatically.
         fast_accum: ``use_fast_accum`` of ``torch._scaled_mm``: Hopper's FP8 accumulator without
             periodic float32 promotion (faster, fewer bits kept over K = 5,376-14,336).
+        fuse_swiglu: with torchao (not ``emulate``; needs CUDA), each block's SwiGLU FFN becomes
+            :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
+            projection's activation quantization run as one kernel (one read of the FFN's
+            projection instead of two). The same recipe as the unfused torchao FFN, with the
+            GPU's fast exponential and division (:mod:`dist_attn.kernels.swiglu_fp8`); False keeps
+            diffusers' modules.
 
     Returns:
         A :class:`LinearQuantization` (also logged at INFO).
@@ -196,6 +208,7 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             raise RuntimeError(f"quantize_linears(precision='fp8'): {reason}. (Tests may pass "
                                "emulate=True: the same recipe in float32 emulation.)")
         config = torchao_fp8_config(fast_accum=fast_accum)  # ImportError naming the extra
+    swiglu = _swiglu_blocks(transformer) if fuse_swiglu and not emulate else []
     before = sum(_bytes(transformer.get_submodule(n)) for n in names)
     if emulate:
         for name in names:
@@ -212,9 +225,41 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             if not hasattr(w, "qdata"):  # torchao skips a layer it cannot run, silently
                 raise RuntimeError(f"torchao left {name} unquantized ({type(w).__name__})")
             fix_zero_rows(w.qdata, w.scale)
+    after = sum(_bytes(transformer.get_submodule(n)) for n in names)
+    fused = _fuse_swiglu(swiglu, fast_accum) if swiglu else ()
     summary = LinearQuantization(
         precision=precision, kernel="emulated" if emulate else "torchao", layers=tuple(names),
-        bytes_before=before, bytes_after=sum(_bytes(transformer.get_submodule(n)) for n in names),
-        fast_accum=fast_accum, kept_fp32=fp32, kept_other=kept)
+        bytes_before=before, bytes_after=after, fast_accum=fast_accum, kept_fp32=fp32,
+        kept_other=kept, fused_ffns=fused)
     logger.info("quantize_linears: %s", summary.describe())
     return summary
+
+
+def _swiglu_blocks(transformer: nn.Module) -> list[nn.Module]:
+    """The blocks whose ``ff`` is diffusers' bias-free SwiGLU ``FeedForward`` (``net = [SwiGLU(proj),
+    Dropout, Linear]``; the dropout is the identity in eval). Checked before anything changes: an
+    FFN of another shape is refused, not skipped."""
+    from diffusers.models.activations import SwiGLU
+
+    for i, block in enumerate(transformer.transformer_blocks):
+        net = getattr(block.ff, "net", None)
+        if (net is None or len(net) != 3 or not isinstance(net[0], SwiGLU)
+                or not isinstance(net[1], nn.Dropout) or not isinstance(net[2], nn.Linear)
+                or net[2].bias is not None):
+            raise TypeError(f"fuse_swiglu=True: transformer_blocks.{i}.ff is not diffusers' "
+                            f"bias-free SwiGLU FeedForward ({type(block.ff).__name__}); pass "
+                            "fuse_swiglu=False")
+        if net[2].in_features > SWIGLU_MAX_INNER:
+            raise ValueError(f"fuse_swiglu=True: transformer_blocks.{i}.ff's inner size "
+                             f"{net[2].in_features} is over the fused kernel's {SWIGLU_MAX_INNER}; "
+                             "pass fuse_swiglu=False")
+    return list(transformer.transformer_blocks)
+
+
+def _fuse_swiglu(blocks: list[nn.Module], fast_accum: bool) -> tuple[str, ...]:
+    """Each (torchao-quantized) block FFN -> :class:`Fp8SwiGLUFeedForward`, same weights."""
+    for block in blocks:
+        net = block.ff.net
+        down = net[2].weight
+        block.ff = Fp8SwiGLUFeedForward(net[0].proj, down.qdata, down.scale, fast_accum=fast_accum)
+    return tuple(f"transformer_blocks.{i}.ff" for i in range(len(blocks)))

@@ -1,0 +1,85 @@
+"""Dev probe: the fused SwiGLU + FP8 row-quantization kernel alone, beside inductor's fusion of the
+same unfused ops (one GPU, ~1 min).
+
+At H3's FFN (inner size 14,336) and 37,980 / 9,504 rows: ``swiglu_e4m3_rows`` at 8, 16 and 32
+warps a program, and ``torch.compile`` of diffusers' eager SwiGLU + ``quantize_rows_e4m3`` (what the
+compiled block runs unfused); CUDA-event medians of three interleaved rounds, and the bytes one
+read of the projection and one write of the codes move, as a rate. Writes ``swiglu-probe.json``.
+
+    python3 -m benchmarks.dev.swiglu_probe --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args(argv)
+    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
+    from dist_attn.kernels import swiglu_fp8
+
+    dev, inner = torch.device("cuda"), 14336
+
+    def unfused(h):
+        value, gate = h.chunk(2, dim=-1)
+        return quantize_rows_e4m3(value * F.silu(gate), amax_floor=ACTIVATION_AMAX_FLOOR)
+
+    compiled = torch.compile(unfused, fullgraph=True, dynamic=False)
+
+    def fused(warps):
+        def call(h):
+            swiglu_fp8.NUM_WARPS = warps
+            return swiglu_fp8.swiglu_e4m3_rows(h)
+        return call
+
+    def timed(fn, h) -> float:
+        for _ in range(3):
+            fn(h)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(args.iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(h)
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return sorted(ts)[len(ts) // 2]
+
+    paths = {"inductor unfused": compiled, "fused 8 warps": fused(8), "fused 16 warps": fused(16),
+             "fused 32 warps": fused(32)}
+    res = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "inner": inner, "rows": {}}
+    with torch.no_grad():
+        for rows in (37980, 9504):
+            h = (torch.randn(rows, 2 * inner, device=dev) * 2).to(torch.bfloat16)
+            bytes_moved = h.numel() * 2 + rows * inner
+            per = {name: [] for name in paths}
+            for _ in range(3):
+                for name, fn in paths.items():
+                    per[name].append(timed(fn, h))
+            out = {}
+            for name, ts in per.items():
+                ms = sorted(ts)[1]
+                out[name] = {"ms": ms, "rounds_ms": ts, "one_pass_gbs": bytes_moved / ms / 1e6}
+                print(rows, name, out[name], flush=True)
+            res["rows"][rows] = out
+    swiglu_fp8.NUM_WARPS = 16
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "swiglu-probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

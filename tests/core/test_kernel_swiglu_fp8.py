@@ -1,0 +1,110 @@
+"""The fused SwiGLU + FP8 row quantization kernel (dist_attn.kernels.swiglu_fp8) on CPU.
+
+The Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be set
+before triton decorates the kernel) and must equal, bit for bit, diffusers' eager bf16 SwiGLU
+followed by the recipe's row quantization (:func:`dist_attn.fp8_linear.quantize_rows_e4m3`):
+every code and every scale, over rows chosen to hit the roundings (normal and subnormal e4m3
+values, an all-zero row, an outlier row, a non-power-of-two width). The same check at H3's width
+with the GPU's libdevice ``expf`` is in tests/integrations/test_fp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+__all__: list[str] = []
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, EmulatedFp8Linear,
+                                      Fp8SwiGLUFeedForward, quantize_rows_e4m3, quantize_weight_e4m3)
+    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+
+    g = torch.Generator().manual_seed(0)
+    for inner in (96, 100):
+        h = torch.randn(40, 2 * inner, generator=g)
+        h[:10] *= 4.0
+        h[10:20] *= 1e-3      # products deep in e4m3's subnormal range after scaling by the row
+        h[20, 3] = 300.0      # one outlier: the rest of its row lands on subnormal codes
+        h[21] = 0.0           # an all-zero row: the floor's scale, zero codes, no NaN
+        h = h.to(torch.bfloat16)
+        before = h.clone()
+        value, gate = h.chunk(2, dim=-1)
+        y = value * F.silu(gate)  # diffusers' SwiGLU, eager bf16
+        want_codes, want_scales = quantize_rows_e4m3(y, amax_floor=ACTIVATION_AMAX_FLOOR)
+        codes, scales = swiglu_e4m3_rows(h.view(4, 10, 2 * inner))  # leading dims are flattened
+        assert torch.equal(h, before), "h was modified"
+        assert codes.shape == (40, inner) and scales.shape == (40, 1), (codes.shape, scales.shape)
+        assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+        assert torch.equal(scales, want_scales), (scales - want_scales).abs().max()
+        bad = int((codes.view(torch.uint8) != want_codes.view(torch.uint8)).sum())
+        assert bad == 0, f"{bad} codes differ at inner={inner}"
+        assert int((codes[21].float() != 0).sum()) == 0
+        sub = (codes.float().abs() < 2 ** -6) & (codes.float() != 0)
+        print(f"inner={inner} codes equal, {int(sub.sum())} subnormal codes")
+
+    # the module: the fused kernel + torch._scaled_mm equals the emulated down projection
+    proj = torch.nn.Linear(64, 192, bias=False).bfloat16()
+    down = torch.nn.Linear(96, 48, bias=False).bfloat16()
+    w_codes, w_scales = quantize_weight_e4m3(down.weight.detach())
+    ff = Fp8SwiGLUFeedForward(proj, w_codes, w_scales, fast_accum=False)
+    x = torch.randn(3, 7, 64, generator=g).bfloat16()
+    with torch.no_grad():
+        got = ff(x)
+        value, gate = proj(x).chunk(2, dim=-1)
+        want = EmulatedFp8Linear(w_codes, w_scales, None)(value * F.silu(gate))
+    assert got.shape == (3, 7, 48) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    print("OK")
+    """
+)
+
+
+def test_interp_swiglu_e4m3_is_the_recipe_bit_for_bit():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"the interpreter run needs triton >= 3.9, found {triton.__version__}")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "OK", proc.stdout
+    # the subnormal rows must really reach e4m3's subnormal codes, or the test proves less
+    assert all(int(line.split()[3]) > 0 for line in lines if line.startswith("inner=")), lines
+
+
+@pytest.mark.parametrize("shape, dtype, match", [
+    ((4, 96), torch.float16, "h.dtype"),
+    ((4, 97), torch.bfloat16, "must be even"),
+    ((4, 2 * 16384 + 2), torch.bfloat16, "at most"),
+])
+def test_swiglu_e4m3_rejects_bad_h(shape, dtype, match):
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+
+    with pytest.raises(ValueError, match=match):
+        swiglu_e4m3_rows(torch.zeros(shape, dtype=dtype))
+
+
+def test_swiglu_e4m3_rejects_a_strided_last_dim():
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+
+    with pytest.raises(ValueError, match="contiguous"):
+        swiglu_e4m3_rows(torch.zeros(96, 4, dtype=torch.bfloat16).t())
