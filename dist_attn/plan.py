@@ -8,11 +8,11 @@ all-to-alls serves the whole batch and ``B * H >= W`` is all a batch needs.
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 
-__all__ = ["heads_per_rank", "head_offsets", "chunk_widths", "KernelWaves", "UlyssesPlan", "ChunkSlices",
-           "make_plan"]
+__all__ = ["heads_per_rank", "head_offsets", "chunk_widths", "KernelWaves", "MAX_SEARCH_STEPS",
+           "UlyssesPlan", "ChunkSlices", "make_plan"]
 
 
 def heads_per_rank(num_heads: int, world_size: int) -> tuple[int, ...]:
@@ -62,36 +62,51 @@ class KernelWaves:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelWaves.{name}={value!r} must be an int >= 1")
 
-    @property
-    def quantum(self) -> int:
-        """The fewest heads that fill whole waves: ``slots / gcd(tiles_per_head, slots)``."""
-        return self.slots // math.gcd(self.tiles_per_head, self.slots)
-
     def waves(self, heads: int) -> int:
         """Waves of a call on ``heads`` heads, the last part-full one counted whole."""
         return -(-heads * self.tiles_per_head // self.slots)
 
 
+#: Above this many DP steps (chunks x heads^2) :func:`chunk_widths` keeps the even split: the
+#: search is Python, and shapes that large (hundreds of folded heads a rank) are not pipelined.
+MAX_SEARCH_STEPS = 500_000
+
+
+@functools.lru_cache(maxsize=1024)
 def chunk_widths(heads: int, n_chunks: int, waves: KernelWaves | None = None) -> tuple[int, ...]:
     """How many heads each of ``n_chunks`` pipelined chunks attends, out of ``heads``.
 
     Without ``waves``: as even as possible, the first chunks one head wider (:func:`heads_per_rank`).
-    With ``waves``: every chunk but one is a whole number of the kernel's wave quantum (in heads),
-    so only one chunk can end on a part-full wave, and the total wave count is the least any split
-    into ``n_chunks`` chunks has. The chunk that holds the remainder, the narrowest, goes first:
-    its input all-to-all is the one nothing hides. When ``heads`` holds fewer quanta than chunks
-    the even split stands. E.g. 14 heads, 594 tiles a head, 396 slots (quantum 2 heads), 4 chunks:
-    ``(2, 4, 4, 4)`` (3 + 6 + 6 + 6 = 21 waves) where the even split ``(4, 4, 3, 3)`` takes 22.
+    With ``waves``: the split whose kernel calls leave the fewest slots idle in their last waves
+    (a part-full last wave costs about a full one or more; benchmarks/KERNEL_NOTES.md), the most
+    even of those (least sum of squared widths), sorted narrowest first (the first chunk's input all-to-all is the one nothing hides). E.g. 14 heads,
+    594 tiles a head, 396 slots (sage8 at H3's W = 4 on an H100 / H200), 4 chunks: ``(2, 4, 4, 4)``,
+    3 + 6 + 6 + 6 = 21 waves, where the even split ``(4, 4, 3, 3)`` takes 22. A search over
+    ``n_chunks * heads**2`` steps; beyond ``MAX_SEARCH_STEPS`` the even split stands.
     """
     even = heads_per_rank(heads, n_chunks)
-    if waves is None:
+    if waves is None or n_chunks * heads * heads > MAX_SEARCH_STEPS:
         return even
-    q = waves.quantum
-    units, rest = divmod(heads, q)
-    if q == 1 or units < n_chunks:
-        return even
-    widths = sorted(u * q for u in heads_per_rank(units, n_chunks))
-    widths[0] += rest
+    t, s = waves.tiles_per_head, waves.slots
+
+    def idle(w: int) -> int:  # empty slots of the last wave of a w-head call, in tiles
+        return -w * t % s
+
+    # best[c][h]: ((idle tiles, sum of squared widths), width of the last chunk) of the best split
+    # of h heads into c chunks. Both terms add up chunk by chunk, so comparing the pairs in order
+    # (fewest idle tiles, then the most even) keeps the search exact.
+    best: list[dict[int, tuple[tuple[int, int], int]]] = [{0: ((0, 0), 0)}]
+    for c in range(1, n_chunks + 1):
+        row = {}
+        for h in range(c, heads - (n_chunks - c) + 1):
+            row[h] = min(((best[c - 1][h - w][0][0] + idle(w), best[c - 1][h - w][0][1] + w * w), w)
+                         for w in range(1, h - c + 2) if h - w in best[c - 1])
+        best.append(row)
+    widths, h = [], heads
+    for c in range(n_chunks, 0, -1):
+        w = best[c][h][1]
+        widths.append(w)
+        h -= w
     return tuple(sorted(widths))
 
 

@@ -16,14 +16,16 @@ and the kernel step becomes ring attention over the ring dim (:mod:`dist_attn.ri
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import zlib
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_attn.backends import AttentionBackend, available_backends, default_softmax_scale
+from dist_attn.backends import available_backends, default_softmax_scale
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
 from dist_attn.distributed import (check_group, compile_key, register_for_compile,
@@ -59,7 +61,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             are documents, never padding.
         max_seqlen: the longest segment (an int, a one-element tensor, or None).
         cu_seqlens_host: optional list/tuple of the same bounds as Python ints; when given the
-            call makes no device-to-host synchronisation.
+            call makes no device-to-host synchronisation, except the first call with
+            ``overlap_chunks > 1`` of a group for each sequence layout: the ranks then agree on
+            how the kernel fills their GPUs with one all-reduce of six integers, which the host
+            reads (through the device under NCCL).
         valid_len: rows ``>= valid_len`` of the global sequence are padding: never attended, and
             exactly zero in the output. None = no padding.
         group: process group (None = the default group; no group initialised = local attention).
@@ -70,7 +75,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         num_heads, head_dim: expected H and D (checked when given).
         buffers: staging pool; None = the process-wide pool.
         timer: optional :class:`PhaseTimer` that records pack / a2a_in / kernel / a2a_out / unpack.
-        overlap_chunks: number of head chunks to pipeline (1 = two all-to-alls per call, plus
+        overlap_chunks: number of head chunks to pipeline, cut to the kernel's waves where the
+            backend reports them (``kernel_waves``; :func:`dist_attn.plan.chunk_widths`) (1 = two all-to-alls per call, plus
             R-1 K/V ring steps with a mesh; each chunk runs its own ring; with a Ulysses size
             of 1 there is no all-to-all to overlap and one ring runs).
 
@@ -148,9 +154,12 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
             "rank needs at least one head")
     waves = None
     if n_ring == 1 and overlap_chunks > 1 and min(heads_per_rank(batch * n_heads, world)) > 1:
-        # a backend that does not override kernel_waves answers None on every rank: no check
-        if getattr(type(be), "kernel_waves", AttentionBackend.kernel_waves) is not AttentionBackend.kernel_waves:
-            waves = _agreed_waves(be.kernel_waves(layout, q4), be, groups, q.device, overlap_chunks)
+        # every rank takes this branch (shared facts only), whatever backend it resolved
+        kernel_waves = getattr(be, "kernel_waves", None)
+        waves = _agreed_waves(kernel_waves(layout, q4) if kernel_waves is not None else None, be,
+                              key=(groups.ulysses_group, backend, layout.segments, layout.total, d, q.dtype),
+                              groups=groups, device=q.device, overlap_chunks=overlap_chunks,
+                              backend_arg=backend)
     plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
                      head_dim=d, overlap_chunks=overlap_chunks, waves=waves)
     pool = buffers if buffers is not None else default_staging_buffers()
@@ -202,34 +211,41 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     return out if batched else out[0]
 
 
-#: (group, backend name, this rank's answer) -> the answer every rank of the group gave
-_AGREED_WAVES: dict[tuple, KernelWaves | None] = {}
+#: (group, backend argument, segments, rows, head_dim, dtype): inputs every rank shares -> the waves all
+#: ranks agreed on. Bounded: the oldest answer goes first (it is asked again if needed).
+_AGREED_WAVES: collections.OrderedDict[tuple, KernelWaves | None] = collections.OrderedDict()
+_AGREED_WAVES_MAX = 256
 
 
-def _agreed_waves(local: KernelWaves | None, be, groups, device: torch.device,
-                  overlap_chunks: int) -> KernelWaves | None:
-    """``local`` once every rank of the Ulysses group has reported the same one; RuntimeError on
-    every rank otherwise (the chunk widths, hence the all-to-all splits, depend on it). One
-    all-reduce of four integers the first time a group sees an answer, none after."""
-    key = (groups.ulysses_group, be.name, local)
+def _agreed_waves(local: KernelWaves | None, be, *, key: tuple, groups, device: torch.device,
+                  overlap_chunks: int, backend_arg) -> KernelWaves | None:
+    """``local`` once every rank of the Ulysses group reported the same one; RuntimeError on every
+    rank otherwise (the chunk widths, hence the all-to-all splits, depend on it). One all-reduce of
+    six integers the first time ``key`` (inputs every rank shares) is seen, none after."""
     if key in _AGREED_WAVES:
+        _AGREED_WAVES.move_to_end(key)
         return _AGREED_WAVES[key]
     mine = [-1, -1] if local is None else [local.tiles_per_head, local.slots]
+    mine.append(zlib.crc32(str(be.name).encode()) & 0x7FFFFFFF)  # which kernel this rank resolved
     on_device = device.type == "cuda" and "nccl" in str(dist.get_backend(groups.ulysses_group)).lower()
-    t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64,
-                     device=device if on_device else "cpu")
+    t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=device if on_device else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.ulysses_group)
-    hi, lo = t[:2].tolist(), [-x for x in t[2:].tolist()]
-    if hi != lo:
+    hi, lo = t[:3].tolist(), [-x for x in t[3:].tolist()]
+    if hi[:2] != lo[:2]:
         def span(i):
             return f"{lo[i]}" if lo[i] == hi[i] else f"from {lo[i]} to {hi[i]}"
+        unknown = "; -1: a rank whose kernel cannot tell" if lo[0] < 0 else ""
+        kernels = (f"; backend={backend_arg!r} resolved to different kernels on different ranks"
+                   if hi[2] != lo[2] else "")
         raise RuntimeError(
-            f"overlap_chunks={overlap_chunks}: the ranks of {groups.desc} disagree on how backend "
-            f"{be.name!r} fills their GPUs (kernel_waves: tiles per head {span(0)}, slots "
-            f"{span(1)}; -1 where a rank cannot tell), and the chunks' widths, hence the "
-            "all-to-all splits, depend on it. Run the group on one kind of GPU, or pass "
+            f"overlap_chunks={overlap_chunks}: the ranks of {groups.desc} disagree on how the "
+            f"attention kernel fills their GPUs (kernel_waves: tiles per head {span(0)}, slots "
+            f"{span(1)}{unknown}{kernels}), and the chunks' widths, hence the all-to-all splits, "
+            "depend on it. Run the group on one kind of GPU with one named backend, or pass "
             "overlap_chunks=1")
     _AGREED_WAVES[key] = local
+    if len(_AGREED_WAVES) > _AGREED_WAVES_MAX:
+        _AGREED_WAVES.popitem(last=False)
     return local
 
 

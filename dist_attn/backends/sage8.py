@@ -68,9 +68,12 @@ class Sage8Backend(AttentionBackend):
         return False
 
     def kernel_waves(self, layout, q):
-        # the Triton loop's programs are BM query rows of one head each, with a register cap that
-        # fixes how many share an SM; the Gluon loop has no such cap (None: unknown)
-        if self.impl != "triton" or q.device.type != "cuda":
+        # The Triton loop's programs are BM query rows of one head each, with a register cap that
+        # bounds how many share an SM: exactly at head_dim 128, where the loop fills the cap
+        # (tests/core/test_kernel_waves_gpu.py checks it against the driver's occupancy). None
+        # (unknown): the Gluon loop, other head dims, or segments of different tile counts, whose
+        # programs run for different times, so that waves say little.
+        if self.impl != "triton" or q.device.type != "cuda" or q.shape[-1] != 128:
             return None
         from dist_attn.kernels.sage8 import attn_triton, launch
         cfg = launch.default_config("triton")
@@ -81,7 +84,10 @@ class Sage8Backend(AttentionBackend):
             threads_per_sm=props.max_threads_per_multi_processor)
         if not ctas:
             return None
-        tiles = sum(-(-(b - a) // cfg.block_m) for a, b in layout.segments)
+        per_segment = {-(-(b - a) // cfg.block_m) for a, b in layout.segments}
+        if len(per_segment) != 1:
+            return None
+        tiles = per_segment.pop() * len(layout.segments)
         return KernelWaves(tiles_per_head=tiles, slots=ctas * props.multi_processor_count)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, *, used, softmax_scale, out):

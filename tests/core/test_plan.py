@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dist_attn.plan import KernelWaves, chunk_widths, heads_per_rank, make_plan
+from dist_attn.plan import MAX_SEARCH_STEPS, KernelWaves, chunk_widths, heads_per_rank, make_plan
 
 # H3 at Ulysses 4 on an H100 / H200: 14 heads a rank, 594 query tiles of 64 rows a head
 # (37,980 rows), 3 sage8 programs on each of 132 SMs
@@ -26,39 +26,47 @@ def test_without_waves_the_split_is_the_even_one():
 
 
 def test_h3_at_ulysses_4_takes_one_wave_fewer():
-    assert H3.quantum == 2
     assert chunk_widths(14, 4, H3) == (2, 4, 4, 4)
     assert sum(map(H3.waves, chunk_widths(14, 4, H3))) == 21
     assert sum(map(H3.waves, chunk_widths(14, 4))) == 22  # (4, 4, 3, 3): 6 + 6 + 5 + 5 waves
     assert chunk_widths(14, 2, H3) == (6, 8)
     assert chunk_widths(14, 7, H3) == (2,) * 7
-    # fewer quanta than chunks: the even split
-    assert chunk_widths(14, 8, H3) == heads_per_rank(14, 8)
-    # a quantum of one head: every split is whole waves, so the even one
-    assert chunk_widths(14, 4, KernelWaves(tiles_per_head=396, slots=132)) == heads_per_rank(14, 4)
+    # 8 chunks of 14 heads: two must be odd; the rest whole waves
+    assert chunk_widths(14, 8, H3) == (1, 1, 2, 2, 2, 2, 2, 2)
+    # 593 tiles a head share no factor with 396 slots, and a split still saves a wave
+    odd = KernelWaves(tiles_per_head=593, slots=396)
+    assert sum(map(odd.waves, chunk_widths(14, 4, odd))) == 21 < sum(map(odd.waves, (4, 4, 3, 3)))
+    # every split takes whole waves: the most even one, narrowest first
+    assert chunk_widths(14, 4, KernelWaves(tiles_per_head=396, slots=132)) == (3, 3, 4, 4)
 
 
-@pytest.mark.parametrize("tiles,slots", [(594, 396), (3, 2), (5, 3), (7, 4), (10, 4), (1, 6)])
-def test_wave_aligned_widths_take_the_fewest_waves_of_any_split(tiles, slots):
+@pytest.mark.parametrize("tiles,slots", [(594, 396), (593, 396), (3, 2), (5, 3), (7, 4), (10, 4), (1, 6),
+                                         (594, 342)])
+def test_wave_aware_widths_take_the_fewest_waves_then_the_most_even(tiles, slots):
     waves = KernelWaves(tiles_per_head=tiles, slots=slots)
-    for heads in range(1, 17):
+    for heads in range(1, 15):
         for chunks in range(1, heads + 1):
             widths = chunk_widths(heads, chunks, waves)
             assert len(widths) == chunks and sum(widths) == heads and min(widths) >= 1
-            assert list(widths) == sorted(widths) or widths == heads_per_rank(heads, chunks)
-            if heads // waves.quantum >= chunks:
-                best = min(sum(map(waves.waves, c)) for c in _compositions(heads, chunks))
-                assert sum(map(waves.waves, widths)) == best, (heads, chunks, widths)
+            assert list(widths) == sorted(widths), widths
+            best = min((sum(map(waves.waves, c)), sum(w * w for w in c))
+                       for c in _compositions(heads, chunks))
+            assert (sum(map(waves.waves, widths)), sum(w * w for w in widths)) == best, (heads, chunks, widths)
+
+
+def test_a_search_too_large_keeps_the_even_split():
+    heads = 1 + int((MAX_SEARCH_STEPS / 8) ** 0.5)
+    assert chunk_widths(heads, 8, H3) == heads_per_rank(heads, 8)
 
 
 def test_plan_uses_the_widths_on_every_rank():
-    # 15 heads on 4 ranks: (4, 4, 4, 3); quantum 2: (2, 2) on the ranks of 4 heads, the even
-    # (2, 1) on the last, whose 3 heads hold one quantum for two chunks
+    # 15 heads on 4 ranks: (4, 4, 4, 3); 3 tiles a head on 2 slots: even widths are whole waves,
+    # so (2, 2) on the ranks of 4 heads and (1, 2) on the last
     for rank in range(4):
         plan = make_plan(world=4, rank=rank, s_local=8, folded_heads=15, head_dim=4, overlap_chunks=2,
                          waves=KernelWaves(tiles_per_head=3, slots=2))
         widths = [[b - a for a, b in c.head_ranges] for c in plan.chunks]
-        assert widths == [[2, 2, 2, 2], [2, 2, 2, 1]]
+        assert widths == [[2, 2, 2, 1], [2, 2, 2, 2]]
         assert [c.local_heads(rank) for c in plan.chunks] == [widths[0][rank], widths[1][rank]]
         # the chunks tile each rank's heads in order
         for j in range(4):

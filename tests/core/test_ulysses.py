@@ -184,10 +184,16 @@ def _waves_worker(rank, world):
     q, k, v = (_encode(role, PL_SEQ, heads)[rows].clone() for role in range(3))
     args = (torch.tensor([0, PL_SEQ]), PL_SEQ, [0, PL_SEQ])
     res = {}
-    probes = {"wp_same": lambda r: 2, "wp_slots": lambda r: 2 + r, "wp_unknown": lambda r: None if r == 0 else 2}
+    probes = {"wp_same": lambda r: 2, "wp_slots": lambda r: 2 + r, "wp_unknown": lambda r: None if r == 0 else 2,
+              "wp_mixed": None}
     try:
         for name, slots in probes.items():
-            probe = _WaveProbe(name, slots)
+            # wp_mixed: one name, two kernels: rank 0's reports waves, the others' has no kernel_waves
+            if slots is None:
+                probe = _WaveProbe(name, lambda r: 2) if rank == 0 else _ProbeBackend()
+                probe.name = name
+            else:
+                probe = _WaveProbe(name, slots)
             register_backend(probe, replace=True)
             attn = UlyssesSageAttention(heads, PL_D, backend=name, overlap_chunks=2)
             try:
@@ -205,6 +211,21 @@ def _waves_worker(rank, world):
     finally:
         for name in probes:
             unregister_backend(name)
+    # "auto" resolving to different kernels on different ranks is named as such
+    from types import SimpleNamespace
+
+    from dist_attn.mesh import parallel_groups
+    from dist_attn.plan import KernelWaves
+    from dist_attn.ulysses import _agreed_waves
+
+    try:
+        _agreed_waves(KernelWaves(tiles_per_head=3, slots=2) if rank == 0 else None,
+                      SimpleNamespace(name=f"kernel{rank}"), key=("resolved", world),
+                      groups=parallel_groups(), device=torch.device("cpu"), overlap_chunks=2,
+                      backend_arg="auto")
+        res["resolved"] = None
+    except RuntimeError as exc:
+        res["resolved"] = str(exc)
     return res
 
 
@@ -245,13 +266,15 @@ def test_wave_aligned_chunks(misc_run):
         assert sum(n for op, n in same["first"].items() if "allreduce" in op) == 1, same["first"]
         assert all("alltoall" in op for op in same["second"]), same["second"]
         assert sum(same["second"].values()) == 4, same["second"]
-        for name, needle in (("wp_slots", f"slots from 2 to {1 + world}"), ("wp_unknown", "slots from -1 to 2")):
+        for name, needle in (("wp_slots", f"slots from 2 to {1 + world}"), ("wp_unknown", "slots from -1 to 2"),
+                             ("wp_mixed", "-1: a rank whose kernel cannot tell")):
             bad = res["waves"][name]
             assert "error" in bad, f"rank {rank}: {name} should be refused on every rank: {bad}"
             assert "disagree" in bad["error"] and needle in bad["error"], bad["error"]
             assert "overlap_chunks=2" in bad["error"] and bad["calls"] == 0, bad
             assert bad["after"], f"rank {rank}: the group fell out of step after refusing {name}"
         assert same["after"]
+        assert "backend='auto' resolved to different kernels" in (res["waves"]["resolved"] or ""), res["waves"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,19 +287,28 @@ def _collective_worker(rank, world, chunks):
     q = torch.randn(s_local, 4, HEAD_DIM)
     attn = UlyssesSageAttention(4, HEAD_DIM, backend="sdpa", overlap_chunks=chunks)
     bounds = (0, 37, SEQ)
-    with CommDebugMode() as mode:
-        attn(q, q, q, torch.tensor(bounds), 37, list(bounds), valid_len=37)
-    return mode.get_total_counts(), {str(k): v for k, v in mode.get_comm_counts().items()}
+    calls = []
+    for _ in range(2):
+        with CommDebugMode() as mode:
+            attn(q, q, q, torch.tensor(bounds), 37, list(bounds), valid_len=37)
+        calls.append((mode.get_total_counts(), {str(k): v for k, v in mode.get_comm_counts().items()}))
+    return calls
 
 
 def test_collectives_per_forward(misc_run):
     world, per_rank = misc_run
     for res in per_rank:
-        for chunks, (total, by_op) in res["collectives"].items():
+        for chunks, calls in res["collectives"].items():
             # plain path: exactly one all-to-all in and one back; chunked: one pair per chunk,
-            # chunks capped by the smallest rank's head count (4 heads on 3 ranks: (2, 1, 1) -> 1)
-            assert total == 2 * min(chunks, 4 // world), f"chunks={chunks}: {total} collectives ({by_op})"
-            assert all("alltoall" in op for op in by_op), by_op
+            # chunks capped by the smallest rank's head count (4 heads on 3 ranks: (2, 1, 1) -> 1);
+            # the first chunked call also agrees on the kernel's waves (one all-reduce), the
+            # second does not
+            n = min(chunks, 4 // world)
+            for i, (total, by_op) in enumerate(calls):
+                agree = 1 if n > 1 and i == 0 else 0
+                assert total == 2 * n + agree, f"chunks={chunks} call {i}: {total} collectives ({by_op})"
+                assert sum(v for op, v in by_op.items() if "alltoall" in op) == 2 * n, by_op
+                assert sum(v for op, v in by_op.items() if "allreduce" in op) == agree, by_op
 
 
 # ---------------------------------------------------------------------------------------------
