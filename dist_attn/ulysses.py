@@ -6,7 +6,7 @@ of q, k and v for its share of the B*H (sample, head) pairs; the varlen bridge a
 all-to-all returns the output shard in the caller's layout. With ``overlap_chunks=C > 1`` the heads
 are cut into C chunks whose all-to-alls are issued asynchronously, so chunk c+1's transfer runs
 while chunk c's kernel does; when the attention backend says how its kernel fills the GPU
-(``kernel_waves``), the chunks' widths are cut so that only one of them ends on a part-full wave
+(``kernel_waves``), the chunks' widths are the split whose kernel calls take the fewest waves
 (:func:`dist_attn.plan.chunk_widths`). Under ``torch.compile`` the whole call is one opaque custom op.
 
 Beyond one host, a 2-D mesh ``("ring", "ulysses")`` (:mod:`dist_attn.mesh`) replaces the group:

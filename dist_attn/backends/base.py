@@ -90,10 +90,10 @@ class AttentionBackend:
         """How one call of this kernel on every row of ``layout`` (a
         :class:`dist_attn.varlen.SegmentLayout`) fills q's GPU, per head; None when not known.
 
-        Pipelined Ulysses chunks (``overlap_chunks > 1``) use it to cut the heads so that only
-        one chunk ends on a part-full wave (:func:`dist_attn.plan.chunk_widths`). The answer
-        must depend only on the layout and the kind of GPU, so that every rank of a group gives
-        the same one (the core checks that they do)."""
+        Pipelined Ulysses chunks (``overlap_chunks > 1``) use it to cut the heads into the split
+        whose kernel calls take the fewest waves (:func:`dist_attn.plan.chunk_widths`). The
+        answer must depend only on the layout, q's head_dim and dtype, and the kind of GPU, so
+        that every rank of a group gives the same one (the core checks that they do)."""
         return None
 
     # A backend that handles packed varlen natively sets this to a callable
