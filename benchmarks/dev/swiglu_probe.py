@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)
+    from benchmarks.harness import time_fn
     from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
     from dist_attn.kernels import swiglu_fp8
 
@@ -44,18 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return call
 
     def timed(fn, h) -> float:
-        for _ in range(3):
-            fn(h)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(args.iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(h)
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        return sorted(ts)[len(ts) // 2]
+        return time_fn(lambda: fn(h), device=dev, iters=args.iters, warmup=3).median_ms
 
     paths = {"inductor unfused": compiled, "fused 8 warps": fused(8), "fused 16 warps": fused(16),
              "fused 32 warps": fused(32)}

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
     from benchmarks.h3_block import h3_ref_layout, padded_total
+    from benchmarks.harness import time_fn
     from dist_attn import backends
     from dist_attn.comm import unpack_qkv
     from dist_attn.varlen import attend_varlen, segment_layout
@@ -65,18 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             main_stream.wait_stream(s)
 
     def timed(fn, cut) -> float:
-        for _ in range(3):
-            fn(cut)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(args.iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(cut)
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        return sorted(ts)[len(ts) // 2]
+        return time_fn(lambda: fn(cut), device=dev, iters=args.iters, warmup=3).median_ms
 
     res = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
            "waves": str(be.kernel_waves(layout, torch.empty(1, 1, 1, D, device=dev, dtype=torch.bfloat16))),
