@@ -13,8 +13,9 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   activation quantization alone, per row (one pass) or per tensor (two). TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
   outlier channels; the layer's own init).
 * ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) |
-  ``fp8fastfused`` (the same with the FFN's SwiGLU and its FP8 quantization in one kernel,
-  ``quantize_linears(fuse_swiglu=True)``; GPU-only) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
+  ``fp8fastunfused`` (the same with diffusers' SwiGLU and torchao's down projection,
+  ``quantize_linears(fuse_swiglu=False)``; the FP8 rows fuse the FFN's SwiGLU and its
+  quantization on CUDA since 2026-12-06, ``fuse_swiglu="auto"``) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
   named in ``--compiled`` and one accuracy row) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
@@ -66,7 +67,7 @@ __all__ = ["main"]
 THEME, _REPO = "h3-fp8", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = "skipped: the --budget-s wall-time budget was spent"
 _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
-_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastfused", "fp8tfast")
+_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastunfused", "fp8tfast")
 _COMPILED = ("fp8:sage8,fp8fast:sage8,bf16:sage8,fp8:none@w4,fp8fast:none@w4,bf16:none@w4,bf16:native,"
              "fp8:sdpa,bf16:sdpa,fp8:native")
 
@@ -171,8 +172,6 @@ def _models(cfg, dev, emulate: bool):
 def _recipe_unavailable(prec: str, emulate: bool) -> str | None:
     if prec == "fp8tfast" and emulate:
         return "fp8tfast (per-tensor scales) is a GPU-only benchmark recipe: no float32 emulation"
-    if prec == "fp8fastfused" and emulate:
-        return "fp8fastfused (the fused SwiGLU kernel) needs CUDA: no float32 emulation"
     return None
 
 
@@ -183,8 +182,8 @@ def _quantize(model, prec: str, emulate: bool) -> None:
     from dist_attn.integrations.diffusers import quantize_linears
 
     if prec != "fp8tfast":
-        quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec in ("fp8fast", "fp8fastfused"),
-                         fuse_swiglu=prec == "fp8fastfused")
+        quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec in ("fp8fast", "fp8fastunfused"),
+                         fuse_swiglu=False if prec == "fp8fastunfused" else "auto")
         return
     from torchao.quantization import PerTensor, quantize_
 
@@ -554,7 +553,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
     model, ref, ref_block0, quantized = None, None, None, "bf16"
     for prec, backend in (("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8"),
-                          ("fp8fast", "sage8"), ("fp8fastfused", "sage8"), ("fp8tfast", "sage8")):
+                          ("fp8fast", "sage8"), ("fp8fastunfused", "sage8"), ("fp8tfast", "sage8")):
         row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": "eager",
                "layers": args.acc_layers, "steps": args.acc_steps}
         reason = _unavailable(backend, dev, cfg) or _recipe_unavailable(prec, emulate)

@@ -140,9 +140,12 @@ def test_swiglu_kernel_is_the_recipe_at_h3_width():
 
 
 def test_fused_swiglu_ffn_matches_torchao_ffn():
-    """Fp8SwiGLUFeedForward built from a torchao-quantized diffusers FeedForward gives its output
-    to within what one-step code moves give (eager and compiled fullgraph); fast accumulation is
-    passed through."""
+    """Fp8SwiGLUFeedForward built from a torchao-quantized diffusers FeedForward: eagerly the same
+    output to rounding; eager and compiled fullgraph, as accurate against float64 as torchao's own
+    FFN. (Compiled and eager FP8 differ from each other by ~3% rel-L2 at this size, torchao's FFN
+    alone too: inductor computes the activation scales without the bf16 rounding of the eager
+    recipe, which re-rounds every code; each is as far from float64 as the other.) Fast
+    accumulation is passed through."""
     from diffusers.models.attention import FeedForward
     from torchao.quantization import quantize_
 
@@ -152,18 +155,20 @@ def test_fused_swiglu_ffn_matches_torchao_ffn():
     for fast in (False, True):
         ff = FeedForward(5376, inner_dim=14336, activation_fn="swiglu", bias=False).cuda()
         ff = ff.to(torch.bfloat16).eval().requires_grad_(False)
+        exact_ff = copy.deepcopy(ff).double()
         quantize_(ff, torchao_fp8_config(fast_accum=fast))
         down = ff.net[2].weight
         fused = Fp8SwiGLUFeedForward(ff.net[0].proj, down.qdata, down.scale, fast_accum=fast)
         x = torch.randn(2, 1500, 5376, device="cuda").to(torch.bfloat16)
         with torch.no_grad():
+            exact = exact_ff(x.double())
             want = ff(x)
             got = fused(x)
             compiled = torch.compile(fused, fullgraph=True)(x)
-        print(f"fused FFN vs torchao FFN, fast_accum={fast}: eager {_rel(got, want):.2e}, "
-              f"compiled {_rel(compiled, want):.2e}")
+        err = {name: _rel(t, exact) for name, t in (("torchao", want), ("fused", got), ("fused compiled", compiled))}
+        print(f"fast_accum={fast}: fused vs torchao eager {_rel(got, want):.2e}; vs float64 {err}")
         assert _rel(got, want) <= 2e-3, (fast, _rel(got, want))
-        assert _rel(compiled, want) <= 2e-3, (fast, _rel(compiled, want))
+        assert max(err["fused"], err["fused compiled"]) <= 1.05 * err["torchao"], (fast, err)
 
 
 def _served(precision: str):
@@ -198,8 +203,12 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled():
     emulated = copy.deepcopy(bf16)
     quantize_linears(emulated, "fp8", emulate=True)
     _, fp8 = _served("fp8")
+    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward
+
+    # fuse_swiglu="auto": 5 torchao linears a block, and the FFN's down projection in the fused FFN
     assert sum(hasattr(m.weight, "qdata") for m in fp8.modules()
-               if isinstance(m, torch.nn.Linear)) == 6 * cfg.model.num_layers
+               if isinstance(m, torch.nn.Linear)) == 5 * cfg.model.num_layers
+    assert sum(isinstance(m, Fp8SwiGLUFeedForward) for m in fp8.modules()) == cfg.model.num_layers
     inputs = _inputs(cfg)
     with torch.no_grad():
         want = emulated(**inputs)

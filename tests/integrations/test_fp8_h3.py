@@ -231,7 +231,15 @@ def test_fuse_swiglu_refuses_another_ffn_before_changing_anything(served, monkey
     model.transformer_blocks[-1].ff.net[2] = nn.Sequential(model.transformer_blocks[-1].ff.net[2])
     last = len(model.transformer_blocks) - 1
     with pytest.raises(TypeError, match=rf"transformer_blocks.{last}.ff is not diffusers' bias-free "
-                                        r"SwiGLU FeedForward .*fuse_swiglu=False"):
+                                        r"SwiGLU FeedForward .*fuse_swiglu='auto' or False"):
         quantize_linears(model, "fp8", fuse_swiglu=True)
     assert type(model.transformer_blocks[0].attn.to_q) is nn.Linear  # nothing half-done
     assert not hasattr(model.transformer_blocks[0].attn.to_q.weight, "qdata")
+    # the FFNs are fine but the weights are on the CPU: True refuses, "auto" fuses nothing
+    fine = copy.deepcopy(bf16)
+    with pytest.raises(ValueError, match=r"fuse_swiglu=True needs torchao on a CUDA device .*weights on cpu"):
+        quantize_linears(fine, "fp8", fuse_swiglu=True)
+    assert not hasattr(fine.transformer_blocks[0].attn.to_q.weight, "qdata")
+    with pytest.raises(TypeError, match=r"fuse_swiglu='yes' must be True, False or 'auto'"):
+        quantize_linears(fine, "fp8", fuse_swiglu="yes")
+    assert quantize_linears(copy.deepcopy(bf16), "fp8", emulate=True).fused_ffns == ()
