@@ -14,13 +14,17 @@ bf16, the product rounded to bf16 (diffusers' eager bf16 SwiGLU), the row maximu
 floored at ``ACTIVATION_AMAX_FLOOR``, divided by 448 and rounded to bf16 (the scale), codes
 ``e4m3(clamp(y / scale))`` rounded to nearest even. On the GPU the exponential and the division
 are the fast hardware forms (``ex2.approx``, ``div.full``), as in inductor's own fused kernel, so a
-code may differ by one e4m3 step from torch's eager path where a product lands within an ulp of a
-rounding boundary (tests/integrations/test_fp8_gpu.py bounds how often). Under Triton's
+code may differ by one e4m3 step from torch's eager path where ``silu`` lands within a few ulps
+of a bf16 rounding boundary (tests/integrations/test_fp8_gpu.py bounds how often); the division
+by the scale is made exact. A NaN or an inf gives what the recipe gives: a NaN makes the row's
+scale and every code NaN; an inf makes the scale inf, its own code NaN and the others 0. Under Triton's
 interpreter (the CPU tests) exp and division are exact and the casts, which truncate there, are
 done on the bits: the output is then the recipe bit for bit.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -49,7 +53,8 @@ def _round_e4m3(x):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
     magic = 12582912.0  # 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer, ties to even
     sub = ((tl.abs(x) * 512.0 + magic) - magic) * 0.001953125  # 2^9 and 2^-9: exact scalings
-    sub = tl.where(x < 0, -sub, sub)  # a negative value that rounds to zero stays -0, as in torch
+    # x's sign bit on the result: -0 and a negative value that rounds to zero stay -0, as in torch
+    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) >= 0.015625, normal, sub)
 
 
@@ -73,9 +78,20 @@ def _swiglu_e4m3_kernel(h_ptr, codes_ptr, scales_ptr, n_inner, stride_h, stride_
     g = tl.load(src + n_inner + cols, mask=mask, other=0.0).to(tl.float32)
     silu = _bf16(g / (1.0 + tl.exp(-g)), INTERP)
     y = _bf16(a * silu, INTERP)  # the product of two bf16 values is exact in float32
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor)  # tl.max skips NaN: put it back
+    amax = tl.where(tl.sum((y != y).to(tl.int32), axis=0) > 0, float("nan"), amax)
     scale = _bf16(tl.math.div_rn(amax, FP8_MAX), INTERP)  # once a row: the IEEE division
-    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+    if INTERP:
+        q = y / scale
+    else:
+        # y / scale correctly rounded (the GPU's "/" is a reciprocal times y, off by an ulp at
+        # times, which moves e4m3 ties: bf16 over bf16 lands on one for ~3e-3 of the codes): a
+        # correctly rounded reciprocal once a row, then one Newton step on the residual
+        inv = tl.math.div_rn(1.0, scale)
+        q0 = y * inv
+        q = tl.where(scale < float("inf"), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as in the recipe
     if INTERP:
         q = _round_e4m3(q)
     tl.store(codes_ptr + row * stride_codes + cols, q.to(tl.float8e4nv), mask=mask)
@@ -94,9 +110,10 @@ def _swiglu_op(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(m, 1, device=h.device, dtype=torch.float32)
     floor = torch.tensor(ACTIVATION_AMAX_FLOOR, dtype=h.dtype).item()  # the floor as h's dtype
     block = triton.next_power_of_2(n_inner)
-    _swiglu_e4m3_kernel[(m,)](h, codes, scales, n_inner, h.stride(0), codes.stride(0), floor,
-                              BLOCK=block, FP8_MAX=E4M3_MAX, INTERP=not h.is_cuda,
-                              num_warps=NUM_WARPS if block >= 8192 else 4)
+    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+        _swiglu_e4m3_kernel[(m,)](h, codes, scales, n_inner, h.stride(0), codes.stride(0), floor,
+                                  BLOCK=block, FP8_MAX=E4M3_MAX, INTERP=not h.is_cuda,
+                                  num_warps=NUM_WARPS if block >= 8192 else 4)
     return codes, scales
 
 

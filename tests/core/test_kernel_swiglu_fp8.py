@@ -38,18 +38,32 @@ _SCRIPT = textwrap.dedent(
         h[10:20] *= 1e-3      # products deep in e4m3's subnormal range after scaling by the row
         h[20, 3] = 300.0      # one outlier: the rest of its row lands on subnormal codes
         h[21] = 0.0           # an all-zero row: the floor's scale, zero codes, no NaN
+        h[22, inner:] = 0.0   # zero gates: y = value * 0, -0 where the value is negative
+        h[22, :inner] = -h[22, :inner].abs()
+        h[23, 5] = float("nan")  # a NaN: a NaN scale and every code NaN, as the recipe
+        h[24, 7] = float("inf")  # an inf value: scale inf, its code NaN, the others 0
         h = h.to(torch.bfloat16)
         before = h.clone()
         value, gate = h.chunk(2, dim=-1)
         y = value * F.silu(gate)  # diffusers' SwiGLU, eager bf16
         want_codes, want_scales = quantize_rows_e4m3(y, amax_floor=ACTIVATION_AMAX_FLOOR)
         codes, scales = swiglu_e4m3_rows(h.view(4, 10, 2 * inner))  # leading dims are flattened
-        assert torch.equal(h, before), "h was modified"
+        assert torch.equal(h.view(torch.int16), before.view(torch.int16)), "h was modified"
         assert codes.shape == (40, inner) and scales.shape == (40, 1), (codes.shape, scales.shape)
         assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
-        assert torch.equal(scales, want_scales), (scales - want_scales).abs().max()
-        bad = int((codes.view(torch.uint8) != want_codes.view(torch.uint8)).sum())
+        # the NaN and inf rows: their scales here (the interpreter's fp8 cast turns a NaN into a
+        # number, so their NaN codes are checked on the GPU, tests/integrations/test_fp8_gpu.py)
+        special = torch.tensor([23, 24])
+        assert torch.isnan(scales[23]).all() and torch.isnan(want_scales[23]).all()
+        assert scales[24].item() == want_scales[24].item() == float("inf")
+        finite = ~torch.isnan(want_codes[24].float())
+        assert torch.equal(codes[24][finite].float(), want_codes[24][finite].float())
+        keep = torch.ones(40, dtype=torch.bool)
+        keep[special] = False
+        assert torch.equal(scales[keep], want_scales[keep]), (scales - want_scales).abs().max()
+        bad = int((codes[keep].view(torch.uint8) != want_codes[keep].view(torch.uint8)).sum())
         assert bad == 0, f"{bad} codes differ at inner={inner}"
+        assert int((codes[22].view(torch.uint8) == 0x80).sum()) > 0, "no -0 codes: the -0 row proves nothing"
         assert int((codes[21].float() != 0).sum()) == 0
         sub = (codes.float().abs() < 2 ** -6) & (codes.float() != 0)
         print(f"inner={inner} codes equal, {int(sub.sum())} subnormal codes")

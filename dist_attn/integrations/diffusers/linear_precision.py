@@ -70,7 +70,7 @@ class LinearQuantization:
     """Other linears left in the blocks' dtype on purpose, in words."""
     fused_ffns: tuple[str, ...] = ()
     """Dotted names of the SwiGLU FFNs now :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`
-    (their two linears are in ``layers`` under the names they had before)."""
+    (in ``layers`` their projection is ``<ff>.proj`` and their down projection ``<ff>`` itself)."""
 
     @property
     def count(self) -> int:
@@ -235,6 +235,10 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             fix_zero_rows(w.qdata, w.scale)
     after = sum(_bytes(transformer.get_submodule(n)) for n in names)
     fused = _fuse_swiglu(swiglu, fast_accum) if swiglu else ()
+    # a fused FFN's linears under their new names: the projection at ff.proj, the down
+    # projection's FP8 weight held by the fused module itself
+    for ff in fused:
+        names = [f"{ff}.proj" if n == f"{ff}.net.0.proj" else ff if n == f"{ff}.net.2" else n for n in names]
     summary = LinearQuantization(
         precision=precision, kernel="emulated" if emulate else "torchao", layers=tuple(names),
         bytes_before=before, bytes_after=after, fast_accum=fast_accum, kept_fp32=fp32,
@@ -275,6 +279,8 @@ def _swiglu_blocks(transformer: nn.Module, strict: bool, emulate: bool,
             raise ValueError(f"fuse_swiglu=True needs torchao on a CUDA device (the kernel is Triton); "
                              f"emulate={emulate}, weights on {device}: pass fuse_swiglu='auto' or False")
         return []
+    if found:
+        import dist_attn.kernels.swiglu_fp8  # noqa: F401 - triton missing fails here, before any change
     return found
 
 
