@@ -149,8 +149,8 @@ def _kernel_waves(backend: str, layout, q: torch.Tensor, dev, cfg):
 
 def _models(cfg, dev, emulate: bool):
     """(summary, models): ``"bf16"``, ``"fp8"`` (the eager rows' models: 1 block, no refiner, the same
-    weights); ``"copy"``: a function of a precision (``"bf16"``, ``"fp8"``, ``"fp8fast"``: FP8 linears
-    with fast accumulation) that makes one more such model (each compiled path gets its own)."""
+    weights); ``"copy"``: a function of a precision (``_PRECISIONS``: see :func:`_quantize`) that
+    makes one more such model (each compiled path gets its own)."""
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.h3.model import build_h3
 
@@ -177,7 +177,8 @@ def _recipe_unavailable(prec: str, emulate: bool) -> str | None:
 
 def _quantize(model, prec: str, emulate: bool) -> None:
     """The block linears of ``model`` in ``prec``: ``fp8`` / ``fp8fast``, the shipped recipe
-    (``quantize_linears``); ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
+    (``quantize_linears``, fused SwiGLU FFNs on CUDA), with float32 / fast accumulation;
+    ``fp8fastunfused``, the same as ``fp8fast`` with diffusers' FFN (``fuse_swiglu=False``); ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
     activation tensor and per weight, fast accumulation (the other cuBLAS FP8 route)."""
     from dist_attn.integrations.diffusers import quantize_linears
 

@@ -157,7 +157,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
         # every rank takes this branch (shared facts only), whatever backend it resolved
         kernel_waves = getattr(be, "kernel_waves", None)
         waves = _agreed_waves(kernel_waves(layout, q4) if kernel_waves is not None else None, be,
-                              key=(groups.ulysses_group, backend, layout.segments, layout.total, d, q.dtype),
+                              key=(backend, layout.segments, layout.total, d, q.dtype),
                               groups=groups, device=q.device, overlap_chunks=overlap_chunks,
                               backend_arg=backend)
     plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
@@ -211,9 +211,11 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     return out if batched else out[0]
 
 
-#: (group, backend argument, segments, rows, head_dim, dtype): inputs every rank shares -> the waves all
-#: ranks agreed on. Bounded: the oldest answer goes first (it is asked again if needed).
-_AGREED_WAVES: collections.OrderedDict[tuple, KernelWaves | None] = collections.OrderedDict()
+#: group name -> {(backend argument, segments, rows, head_dim, dtype): the waves all ranks of the
+#: group agreed on}. Inputs every member shares, in the order every member sees them, so that a
+#: bounded cache (the oldest answer goes first, and is asked again if needed) evicts alike on
+#: every member of a group, whatever other groups the process belongs to.
+_AGREED_WAVES: dict[str, collections.OrderedDict[tuple, KernelWaves | None]] = {}
 _AGREED_WAVES_MAX = 256
 
 
@@ -222,9 +224,13 @@ def _agreed_waves(local: KernelWaves | None, be, *, key: tuple, groups, device: 
     """``local`` once every rank of the Ulysses group reported the same one; RuntimeError on every
     rank otherwise (the chunk widths, hence the all-to-all splits, depend on it). One all-reduce of
     six integers the first time ``key`` (inputs every rank shares) is seen, none after."""
-    if key in _AGREED_WAVES:
-        _AGREED_WAVES.move_to_end(key)
-        return _AGREED_WAVES[key]
+    group = groups.ulysses_group
+    cache = _AGREED_WAVES.setdefault(
+        "default" if group is None else getattr(group, "group_name", None) or str(id(group)),
+        collections.OrderedDict())
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
     mine = [-1, -1] if local is None else [local.tiles_per_head, local.slots]
     mine.append(zlib.crc32(str(be.name).encode()) & 0x7FFFFFFF)  # which kernel this rank resolved
     on_device = device.type == "cuda" and "nccl" in str(dist.get_backend(groups.ulysses_group)).lower()
@@ -243,9 +249,9 @@ def _agreed_waves(local: KernelWaves | None, be, *, key: tuple, groups, device: 
             f"{span(1)}{unknown}{kernels}), and the chunks' widths, hence the all-to-all splits, "
             "depend on it. Run the group on one kind of GPU with one named backend, or pass "
             "overlap_chunks=1")
-    _AGREED_WAVES[key] = local
-    if len(_AGREED_WAVES) > _AGREED_WAVES_MAX:
-        _AGREED_WAVES.popitem(last=False)
+    cache[key] = local
+    if len(cache) > _AGREED_WAVES_MAX:
+        cache.popitem(last=False)
     return local
 
 

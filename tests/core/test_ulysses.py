@@ -178,7 +178,7 @@ def _waves_worker(rank, world):
 
     from dist_attn import UlyssesSageAttention, register_backend, unregister_backend
 
-    heads = 6 * world  # 6 a rank; quantum 2 heads (3 tiles, 2 slots): chunks (2, 4), not (3, 3)
+    heads = 6 * world  # 6 a rank; 3 tiles a head on 2 slots: even widths are whole waves, so (2, 4), not (3, 3)
     s_local = PL_SEQ // world
     rows = slice(rank * s_local, (rank + 1) * s_local)
     q, k, v = (_encode(role, PL_SEQ, heads)[rows].clone() for role in range(3))

@@ -143,8 +143,10 @@ def test_swiglu_kernel_is_the_recipe_at_h3_width():
     print(f"swiglu kernel vs eager: {rows_off} of {len(scales)} row scales differ (max ratio - 1 "
           f"{ratio:.2e}); {frac:.2e} of the codes of the other rows differ, by at most "
           f"{int(steps.max())} step")
-    assert rows_off <= len(scales) // 100 and ratio <= 2 ** -7, (rows_off, ratio)
-    assert frac <= 1e-3 and int(steps.max()) <= 1, (frac, int(steps.max()))
+    # the division is exact, so only silu's fast exponential can move a bf16 rounding: measured
+    # none on an H100 (the fast division of the first version moved 4.1e-5 of the codes)
+    assert rows_off <= len(scales) // 1000 and ratio <= 2 ** -7, (rows_off, ratio)
+    assert frac <= 1e-5 and int(steps.max()) <= 1, (frac, int(steps.max()))
     assert int((got_codes[601].float() != 0).sum()) == 0 and got_scales[601].item() > 0
 
 
@@ -182,7 +184,8 @@ def test_fused_swiglu_ffn_matches_torchao_ffn():
         err = {name: _rel(t, exact) for name, t in (("torchao", want), ("fused", got), ("fused compiled", compiled))}
         print(f"fast_accum={fast}: fused vs torchao eager {_rel(got, want):.2e}, compiled with the eager "
               f"roundings {_rel(kept, want):.2e}; vs float64 {err}")
-        assert _rel(got, want) <= 2e-3 and _rel(kept, want) <= 2e-3, (fast, _rel(got, want), _rel(kept, want))
+        # measured equal (0.0) on an H100: the same codes, scales and GEMM
+        assert _rel(got, want) <= 1e-4 and _rel(kept, want) <= 1e-4, (fast, _rel(got, want), _rel(kept, want))
         assert max(err["fused"], err["fused compiled"]) <= 1.05 * err["torchao"], (fast, err)
 
 

@@ -57,7 +57,8 @@ class LinearQuantization:
     kernel: str
     """"torchao" (torch._scaled_mm), "emulated" (float32 emulation, tests) or "none" (bf16)."""
     layers: tuple[str, ...]
-    """Dotted names of the linears now in FP8."""
+    """Dotted names of the linears now in FP8 (a fused FFN's down projection is named by the
+    :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward` that holds its weight, see ``fused_ffns``)."""
     bytes_before: int
     """Bytes of those layers' weights and biases before."""
     bytes_after: int
@@ -90,7 +91,8 @@ class LinearQuantization:
                 f"{_size(self.bytes_before)} -> {_size(self.bytes_after)} "
                 f"({_size(self.bytes_saved)} saved); kept float32: "
                 f"{', '.join(self.kept_fp32) or 'none'}; kept in the blocks' dtype: {self.kept_other}"
-                f"; SwiGLU fused with its output's quantization in {len(self.fused_ffns)} FFNs")
+                + (f"; SwiGLU fused with its output's quantization in {len(self.fused_ffns)} FFNs"
+                   if self.fused_ffns else ""))
 
 
 def _size(n: int) -> str:
@@ -171,7 +173,7 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
             projection's activation quantization run as one kernel (one read of the FFN's
             projection instead of two: 0.87 ms against inductor's 1.44 at H3's 37,980 rows on an
-            H100). The same recipe as the unfused torchao FFN, with the GPU's fast exponential and
+            H100, the kernel's first GPU version). The same recipe as the unfused torchao FFN, with the GPU's fast exponential and
             division (:mod:`dist_attn.kernels.swiglu_fp8`; as accurate against float64). "auto":
             every block whose FFN is diffusers' bias-free SwiGLU of inner size <= 16,384, when
             the weights are on CUDA and not ``emulate`` (the summary counts them); True: every
@@ -256,6 +258,8 @@ def _swiglu_blocks(transformer: nn.Module, strict: bool, emulate: bool,
     ("auto") the others are left as they are."""
     from diffusers.models.activations import SwiGLU
 
+    if not strict and (emulate or device.type != "cuda"):
+        return []
     found = []
     for i, block in enumerate(transformer.transformer_blocks):
         net = getattr(block.ff, "net", None)
@@ -280,7 +284,13 @@ def _swiglu_blocks(transformer: nn.Module, strict: bool, emulate: bool,
                              f"emulate={emulate}, weights on {device}: pass fuse_swiglu='auto' or False")
         return []
     if found:
-        import dist_attn.kernels.swiglu_fp8  # noqa: F401 - triton missing fails here, before any change
+        try:  # triton missing: True fails here, before any change; "auto" fuses nothing, and says so
+            import dist_attn.kernels.swiglu_fp8  # noqa: F401
+        except ImportError as exc:
+            if strict:
+                raise
+            logger.info("quantize_linears: FFNs not fused (fuse_swiglu='auto'): %s", exc)
+            return []
     return found
 
 

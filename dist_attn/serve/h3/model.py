@@ -116,5 +116,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     compilation serves every layer of a shape; dist_attn's attention is one opaque custom op in
     the graph and enable_ulysses' per-block hooks trace with it. FP8 linears (torchao's
     ``Float8Tensor`` weights) trace too: inductor fuses each activation's per-row amax, scale and
-    e4m3 cast around ``torch._scaled_mm``. Call it after the quantization (build_h3 does that)."""
+    e4m3 cast around ``torch._scaled_mm``, but for the FFN's down projection, whose input the
+    fused SwiGLU kernel quantizes (an opaque custom op). Call it after the quantization (build_h3
+    does that)."""
     model.compile_repeated_blocks(fullgraph=True, **compile_kwargs)
