@@ -75,10 +75,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         num_heads, head_dim: expected H and D (checked when given).
         buffers: staging pool; None = the process-wide pool.
         timer: optional :class:`PhaseTimer` that records pack / a2a_in / kernel / a2a_out / unpack.
-        overlap_chunks: number of head chunks to pipeline, cut to the kernel's waves where the
-            backend reports them (``kernel_waves``; :func:`dist_attn.plan.chunk_widths`) (1 = two all-to-alls per call, plus
+        overlap_chunks: number of head chunks to pipeline (1 = two all-to-alls per call, plus
             R-1 K/V ring steps with a mesh; each chunk runs its own ring; with a Ulysses size
-            of 1 there is no all-to-all to overlap and one ring runs).
+            of 1 there is no all-to-all to overlap and one ring runs). Without a ring the chunks
+            are cut to the kernel's waves where the backend reports them (``kernel_waves``;
+            :func:`dist_attn.plan.chunk_widths`).
 
     Returns:
         Fresh tensor of q's shape, dtype and device.
