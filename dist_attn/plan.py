@@ -79,7 +79,8 @@ def chunk_widths(heads: int, n_chunks: int, waves: KernelWaves | None = None) ->
     Without ``waves``: as even as possible, the first chunks one head wider (:func:`heads_per_rank`).
     With ``waves``: the split whose kernel calls leave the fewest slots idle in their last waves
     (a part-full last wave costs a full one or more; benchmarks/KERNEL_NOTES.md), the most
-    even of those (least sum of squared widths), sorted narrowest first (the first chunk's input all-to-all is the one nothing hides). E.g. 14 heads,
+    even of those (least sum of squared widths), sorted narrowest first (the first chunk's input
+    all-to-all is the one nothing hides). E.g. 14 heads,
     594 tiles a head, 396 slots (sage8 at H3's W = 4 on an H100 / H200), 4 chunks: ``(2, 4, 4, 4)``,
     3 + 6 + 6 + 6 = 21 waves, where the even split ``(4, 4, 3, 3)`` takes 22. A search over
     ``n_chunks * heads**2`` steps; beyond ``MAX_SEARCH_STEPS`` the even split stands.

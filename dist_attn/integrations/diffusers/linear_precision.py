@@ -173,8 +173,9 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
             projection's activation quantization run as one kernel (one read of the FFN's
             projection instead of two: 0.87 ms against inductor's 1.44 at H3's 37,980 rows on an
-            H100, the kernel's first GPU version). The same recipe as the unfused torchao FFN, with the GPU's fast exponential and
-            division (:mod:`dist_attn.kernels.swiglu_fp8`; as accurate against float64). "auto":
+            H100, the kernel's first GPU version). The same recipe as the unfused torchao FFN,
+            with the GPU's fast exponential (:mod:`dist_attn.kernels.swiglu_fp8`; every code equal
+            at H3's width on an H100). "auto":
             every block whose FFN is diffusers' bias-free SwiGLU of inner size <= 16,384, when
             the weights are on CUDA and not ``emulate`` (the summary counts them); True: every
             block, or an error naming the first that cannot; False: none.
