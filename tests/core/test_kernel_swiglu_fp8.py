@@ -79,7 +79,10 @@ _SCRIPT = textwrap.dedent(
         value, gate = proj(x).chunk(2, dim=-1)
         want = EmulatedFp8Linear(w_codes, w_scales, None)(value * F.silu(gate))
     assert got.shape == (3, 7, 48) and got.dtype == torch.bfloat16
-    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    # the codes are checked bit for bit above; the GEMMs may sum in another order (CPU
+    # torch._scaled_mm runs threaded), so the outputs agree to a bf16 rounding
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= want.float().abs() * 2 ** -7 + 1e-6).all()), err.max()
     print("OK")
     """
 )
