@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import zlib
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -157,7 +157,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     if n_ring == 1 and overlap_chunks > 1 and min(heads_per_rank(batch * n_heads, world)) > 1:
         # every rank takes this branch (shared facts only), whatever backend it resolved
         kernel_waves = getattr(be, "kernel_waves", None)
-        waves = _agreed_waves(kernel_waves(layout, q4) if kernel_waves is not None else None, be,
+        waves = _agreed_waves(lambda: kernel_waves(layout, q4) if kernel_waves is not None else None, be,
                               key=(backend, layout.segments, layout.total, d, q.dtype),
                               groups=groups, device=q.device, overlap_chunks=overlap_chunks,
                               backend_arg=backend)
@@ -220,11 +220,12 @@ _AGREED_WAVES: dict[str, collections.OrderedDict[tuple, KernelWaves | None]] = {
 _AGREED_WAVES_MAX = 256
 
 
-def _agreed_waves(local: KernelWaves | None, be, *, key: tuple, groups, device: torch.device,
-                  overlap_chunks: int, backend_arg) -> KernelWaves | None:
-    """``local`` once every rank of the Ulysses group reported the same one; RuntimeError on every
-    rank otherwise (the chunk widths, hence the all-to-all splits, depend on it). One all-reduce of
-    six integers the first time ``key`` (inputs every rank shares) is seen, none after."""
+def _agreed_waves(ask: Callable[[], KernelWaves | None], be, *, key: tuple, groups,
+                  device: torch.device, overlap_chunks: int, backend_arg) -> KernelWaves | None:
+    """This rank's answer (``ask()``, asked only when ``key`` is new) once every rank of the
+    Ulysses group reported the same one; RuntimeError on every rank otherwise (the chunk widths,
+    hence the all-to-all splits, depend on it). One all-reduce of six integers the first time
+    ``key`` (inputs every rank shares) is seen, none after."""
     group = groups.ulysses_group
     cache = _AGREED_WAVES.setdefault(
         "default" if group is None else getattr(group, "group_name", None) or str(id(group)),
@@ -232,6 +233,7 @@ def _agreed_waves(local: KernelWaves | None, be, *, key: tuple, groups, device: 
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
+    local = ask()
     mine = [-1, -1] if local is None else [local.tiles_per_head, local.slots]
     mine.append(zlib.crc32(str(be.name).encode()) & 0x7FFFFFFF)  # which kernel this rank resolved
     on_device = device.type == "cuda" and "nccl" in str(dist.get_backend(groups.ulysses_group)).lower()

@@ -98,6 +98,8 @@ def _swiglu_e4m3_kernel(h_ptr, codes_ptr, scales_ptr, n_inner, stride_h, stride_
     tl.store(scales_ptr + row, scale)
 
 
+#: the recipe's amax floor as a bf16 value (h is bf16), computed once, not per call
+_FLOOR_BF16 = torch.tensor(ACTIVATION_AMAX_FLOOR, dtype=torch.bfloat16).item()
 #: warps of one program (one row): measured on an H100 at 37,980 x 14,336 (benchmarks/README.md)
 NUM_WARPS = 16
 
@@ -108,10 +110,9 @@ def _swiglu_op(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_inner = two_i // 2
     codes = torch.empty(m, n_inner, device=h.device, dtype=torch.float8_e4m3fn)
     scales = torch.empty(m, 1, device=h.device, dtype=torch.float32)
-    floor = torch.tensor(ACTIVATION_AMAX_FLOOR, dtype=h.dtype).item()  # the floor as h's dtype
     block = triton.next_power_of_2(n_inner)
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
-        _swiglu_e4m3_kernel[(m,)](h, codes, scales, n_inner, h.stride(0), codes.stride(0), floor,
+        _swiglu_e4m3_kernel[(m,)](h, codes, scales, n_inner, h.stride(0), codes.stride(0), _FLOOR_BF16,
                                   BLOCK=block, FP8_MAX=E4M3_MAX, INTERP=not h.is_cuda,
                                   num_warps=NUM_WARPS if block >= 8192 else 4)
     return codes, scales

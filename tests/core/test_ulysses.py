@@ -219,7 +219,7 @@ def _waves_worker(rank, world):
     from dist_attn.ulysses import _agreed_waves
 
     try:
-        _agreed_waves(KernelWaves(tiles_per_head=3, slots=2) if rank == 0 else None,
+        _agreed_waves(lambda: KernelWaves(tiles_per_head=3, slots=2) if rank == 0 else None,
                       SimpleNamespace(name=f"kernel{rank}"), key=("resolved", world),
                       groups=parallel_groups(), device=torch.device("cpu"), overlap_chunks=2,
                       backend_arg="auto")

@@ -240,8 +240,8 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
     fused = _fuse_swiglu(swiglu, fast_accum) if swiglu else ()
     # a fused FFN's linears under their new names: the projection at ff.proj, the down
     # projection's FP8 weight held by the fused module itself
-    for ff in fused:
-        names = [f"{ff}.proj" if n == f"{ff}.net.0.proj" else ff if n == f"{ff}.net.2" else n for n in names]
+    renamed = {**{f"{ff}.net.0.proj": f"{ff}.proj" for ff in fused}, **{f"{ff}.net.2": ff for ff in fused}}
+    names = [renamed.get(n, n) for n in names]
     summary = LinearQuantization(
         precision=precision, kernel="emulated" if emulate else "torchao", layers=tuple(names),
         bytes_before=before, bytes_after=after, fast_accum=fast_accum, kept_fp32=fp32,
