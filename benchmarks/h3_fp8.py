@@ -373,7 +373,7 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     attention at each chunk's heads over all rows (the receive buffer's strided q/k/v views, as in
     the core), measured; the all-to-alls computed from the bytes rank 0 sends to the 3 others."""
     from dist_attn import backends as da_backends
-    from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv
+    from dist_attn.comm import pack_qkv_chunks, unpack_output, unpack_qkv
     from dist_attn.plan import make_plan
     from dist_attn.varlen import attend_varlen, segment_layout
 
@@ -390,7 +390,7 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     cu = torch.tensor([0, lay.used, total], dtype=torch.int32, device=dev)
     layout = segment_layout([0, lay.used, total], total=total, valid_len=lay.used)
     views: dict[int, tuple] = {}  # width -> the receive buffer's q/k/v views and an output
-    timers: dict[tuple, object] = {}  # ("kernel", backend, width) | ("pack" | "unpack", widths) -> callable
+    timers: dict[tuple, object] = {}  # ("kernel", backend, width) | ("pack", widths, call) | ("unpack", widths) -> callable
     failed: dict[tuple, str] = {}
 
     def kernel(backend: str, width: int):
@@ -421,6 +421,7 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     # per backend and C, the core's plan: the even split, and the wave-aligned one where the
     # backend reports its kernel's waves (dist_attn.plan.chunk_widths) and it differs
     plans: dict[tuple, tuple[int, ...]] = {}  # (backend, C, chunking) -> rank 0's chunk widths
+    runs: dict[tuple, list[int]] = {}  # chunk widths -> how many chunks each of the core's pack calls packs
     for C in args.overlap:
         for backend in ("sdpa", "sage8", "fa3"):
             waves = _kernel_waves(backend, layout, q, dev, cfg)
@@ -433,19 +434,22 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
                 if chunking == "waves" and widths == plans[backend, C, "even"]:
                     continue
                 plans[backend, C, chunking] = widths
-                if ("pack", widths) not in timers:
-                    spans_in = [(c.head_ranges, c.in_send) for c in plan.chunks]
-                    spans_out = [(c.head_ranges, c.out_recv) for c in plan.chunks]
+                if ("unpack", widths) not in timers:
+                    runs[widths] = [b - a for a, b in plan.pack_runs]
+                    for i, (a, b) in enumerate(plan.pack_runs):  # the core's pack calls, one by one
+                        run = plan.chunks[a:b]
 
-                    def pack_all(spans_in=spans_in):
-                        for ranges, (a, b) in spans_in:
-                            pack_qkv(q, k, v, send[a:b], ranges)
+                        def pack(span=(run[0].in_send[0], run[-1].in_send[1]),
+                                 ranges=[c.head_ranges for c in run]):
+                            pack_qkv_chunks(q, k, v, send[span[0]:span[1]], ranges)
+                        timers["pack", widths, i] = pack
+                    spans_out = [(c.head_ranges, c.out_recv) for c in plan.chunks]
 
                     def unpack_all(spans_out=spans_out):
                         for ranges, (a, b) in spans_out:
                             unpack_output(recv_out[a:b], out, ranges)
 
-                    timers["pack", widths], timers["unpack", widths] = pack_all, unpack_all
+                    timers["unpack", widths] = unpack_all
                 for w in set(widths):
                     kernel(backend, w)
     # every part timed once per round, in the same order: the medians of the rounds' medians
@@ -459,13 +463,15 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
             failed[key] = rec["reason"]
         else:
             med[key] = rec["median_ms"]
-    def name(key):  # ("pack", (2, 4, 4, 4)) -> "pack 2,4,4,4"
+    def name(key):  # ("pack", (2, 4, 4, 4), 1) -> "pack 2,4,4,4 1"
         return " ".join(",".join(map(str, x)) if isinstance(x, tuple) else str(x) for x in key)
     parts["rounds"] = {name(key): rec["rounds_ms"] for key, rec in recs.items()}
     for (backend, C, chunking), widths in plans.items():
         bad = next((failed[key] for w in widths if (key := ("kernel", backend, w)) in failed), None)
+        pack_runs = [[n, med["pack", widths, i]] for i, n in enumerate(runs[widths])]
         parts["chunks"][backend, C, chunking] = {
-            "widths": list(widths), "pack_ms": med["pack", widths], "unpack_ms": med["unpack", widths],
+            "widths": list(widths), "pack_ms": sum(ms for _, ms in pack_runs), "pack_runs": pack_runs,
+            "unpack_ms": med["unpack", widths],
             "kernel_ms": bad if bad else [med["kernel", backend, w] for w in widths]}
     parts["timers"] = timers  # kept for run_w4_sequence (their closures hold the buffers); not saved
     return parts
@@ -483,10 +489,10 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
             continue
         for backend in ("sage8", "sdpa"):
             kern, whole = timers.get(("kernel", backend, parts["heads"])), (parts["heads"],)
-            if kern is None or ("pack", whole) not in timers:
+            if kern is None or ("pack", whole, 0) not in timers:
                 continue
 
-            def block(fn=fn, inp=inp, kern=kern, pack=timers["pack", whole], unpack=timers["unpack", whole]):
+            def block(fn=fn, inp=inp, kern=kern, pack=timers["pack", whole, 0], unpack=timers["unpack", whole]):
                 fn(*inp)
                 pack()
                 kern()
@@ -530,11 +536,12 @@ def w4_rows(args, parts: dict, rest: dict, rows) -> None:
                 if C == 1:
                     layer = ch["pack_ms"] + a_in + ks[0] + a_out + ch["unpack_ms"]
                 else:
-                    layer = overlapped_ms(ch["pack_ms"], ch["unpack_ms"], a_in, a_out, ks, ch["widths"])
+                    layer = overlapped_ms(ch["pack_runs"], ch["unpack_ms"], a_in, a_out, ks, ch["widths"])
                 comm = ch["pack_ms"] + a_in + a_out + ch["unpack_ms"]
                 block = rest_ms + layer
                 row.update(status="ok", median_ms=block, rest_ms=rest_ms, kernel_ms=sum(ks),
-                           kernel_chunk_ms=ks, pack_ms=ch["pack_ms"], unpack_ms=ch["unpack_ms"],
+                           kernel_chunk_ms=ks, pack_ms=ch["pack_ms"], pack_runs=ch["pack_runs"],
+                           unpack_ms=ch["unpack_ms"],
                            a2a_in_ms=a_in, a2a_out_ms=a_out, comm_ms=comm,
                            hidden_ms=sum(ks) + comm - layer, step_s=block * args.step_blocks / 1e3)
             rows.append(row)

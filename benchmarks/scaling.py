@@ -62,7 +62,7 @@ import dist_attn
 from dist_attn import backends as da_backends
 from dist_attn.varlen import attend_varlen, segment_layout
 from dist_attn.buffers import StagingBuffers
-from dist_attn.comm import pack_qkv, unpack_output, unpack_qkv
+from dist_attn.comm import pack_qkv_chunks, unpack_output, unpack_qkv
 from benchmarks.h3_block import attach, block_inputs, build_block, h3_ref_layout, padded_total
 from dist_attn.serve.config import load_config
 from dist_attn.plan import heads_per_rank, make_plan
@@ -75,14 +75,18 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_FORMULA = (
     "plain (C = 1): T = pack + A_in + K + A_out + unpack, with A_in = 3 * S_local * (H - H_r) * D * 2 B "
     "/ bandwidth and A_out = S_local * (H - H_r) * D * 2 B / bandwidth (bytes rank 0 sends to the other "
-    "ranks; 0 at N = 1). overlapped (C chunks; the core queues all C input all-to-alls first on one "
-    "communication channel, and each output all-to-all after its chunk's kernel): "
-    "in_end[c] = pack_C + (c + 1) * A_in / C; k_end[c] = max(k_end[c-1], in_end[c]) + K_c; "
-    "out_end[c] = max(out_end[c-1], in_end[C-1], k_end[c]) + A_out / C; T = out_end[C-1] + unpack_C. "
-    "In steady state each stage costs max(K_c, A_in / C): the all-to-all is hidden behind the kernel "
-    "as max(kernel_chunk, a2a_chunk) pipelining. K_c = the kernel measured at the chunk's heads; "
-    "pack_C / unpack_C = the C per-chunk pack / unpack calls measured. Block = attention layer + the "
-    "non-attention part of the block measured at S_local rows (attention replaced by a no-op).")
+    "ranks; 0 at N = 1). overlapped (C chunks of w_c heads out of H_r; the core packs the first chunk "
+    "alone, then each run of equally wide chunks in one call, and issues each chunk's input "
+    "all-to-all right after its run is packed, all on one communication channel; each output "
+    "all-to-all after its chunk's kernel): P_c = the end of the pack call holding chunk c (the calls "
+    "back to back), P = the end of the last; in_end[c] = max(in_end[c-1], P_c) + A_in * w_c / H_r; "
+    "k_end[c] = max(k_end[c-1], in_end[c]) + K_c with k_end[-1] = P (the kernels queue behind the "
+    "packs); out_end[c] = max(out_end[c-1], in_end[C-1], k_end[c]) + A_out * w_c / H_r; "
+    "T = out_end[C-1] + unpack_C. In steady state each stage costs max(K_c, A_in * w_c / H_r): the "
+    "all-to-all is hidden behind the kernel. K_c = the kernel measured at the chunk's heads; the "
+    "pack calls / unpack_C = the core's calls measured one by one / the C per-chunk unpacks. Block = "
+    "attention layer + the non-attention part of the block measured at S_local rows (attention "
+    "replaced by a no-op).")
 
 
 class _NoAttention(nn.Module):
@@ -303,15 +307,21 @@ def _measure_one(what, be_name, C, n, sub, q, k, v, cu, bounds, lay, cfg, dev, p
 # ---------------------------------------------------------------------------------------------
 # modeled mode
 # ---------------------------------------------------------------------------------------------
-def overlapped_ms(pack: float, unpack: float, a_in: float, a_out: float, k_chunks: list[float],
-              widths: list[int]) -> float:
-    """End time of the overlapped layer (see MODEL_FORMULA)."""
+def overlapped_ms(pack_runs: list[tuple[int, float]], unpack: float, a_in: float, a_out: float,
+                  k_chunks: list[float], widths: list[int]) -> float:
+    """End time of the overlapped layer (see MODEL_FORMULA). ``pack_runs``: for each pack call of
+    the core, in order (``UlyssesPlan.pack_runs``), how many chunks it packs and its time."""
     h = sum(widths)
-    in_end, t = [], pack
-    for w in widths:
-        t += a_in * w / h
-        in_end.append(t)
-    k_end, out_end = 0.0, in_end[-1]
+    in_end, packed, t, c = [], 0.0, 0.0, 0
+    for n, ms in pack_runs:
+        packed += ms
+        for w in widths[c:c + n]:
+            t = max(t, packed) + a_in * w / h
+            in_end.append(t)
+        c += n
+    if c != len(widths):
+        raise ValueError(f"pack_runs={pack_runs} cover {c} chunks, widths={widths} has {len(widths)}")
+    k_end, out_end = packed, in_end[-1]
     for c, w in enumerate(widths):
         k_end = max(k_end, in_end[c]) + k_chunks[c]
         out_end = max(out_end, k_end) + a_out * w / h
@@ -429,14 +439,12 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
     send = torch.empty(s_local * 3 * H * D, device=dev, dtype=torch.bfloat16)
     recv_out = torch.randn(s_local * H * D, device=dev).to(torch.bfloat16)
     out = torch.empty(s_local, H, D, device=dev, dtype=torch.bfloat16)
-    sizes_in = [c.in_send[1] - c.in_send[0] for c in plan.chunks]
     sizes_out = [c.out_recv[1] - c.out_recv[0] for c in plan.chunks]
 
-    def pack_all():
-        o = 0
-        for rng, sz in zip(ranges, sizes_in):
-            pack_qkv(q[None], k[None], v[None], send[o:o + sz], rng)
-            o += sz
+    def pack_run(first, stop):  # one pack call of the core
+        run = plan.chunks[first:stop]
+        return lambda: pack_qkv_chunks(q[None], k[None], v[None], send[run[0].in_send[0]:run[-1].in_send[1]],
+                                       [c.head_ranges for c in run])
 
     def unpack_all():
         o = 0
@@ -445,9 +453,11 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
             o += sz
 
     if n > 1:
-        pack, unpack = timed(pack_all), timed(unpack_all)
-    else:
-        pack = unpack = 0.0  # the world-1 path of the core neither packs nor unpacks
+        pack_runs = [(b - a, timed(pack_run(a, b))) for a, b in plan.pack_runs]
+        unpack = timed(unpack_all)
+    else:  # the world-1 path of the core neither packs nor unpacks
+        pack_runs, unpack = [(chunks, 0.0)], 0.0
+    pack = sum(ms for _, ms in pack_runs)
     del q, k, v, send, recv_out, out
     a_in = 3 * s_local * (H - h0) * D * es / bw * 1e3
     a_out = s_local * (H - h0) * D * es / bw * 1e3
@@ -455,10 +465,11 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
     if chunks == 1:
         total = pack + a_in + k_chunks[0] + a_out + unpack
     else:
-        total = overlapped_ms(pack, unpack, a_in, a_out, k_chunks, widths)
+        total = overlapped_ms(pack_runs, unpack, a_in, a_out, k_chunks, widths)
     phases = {"pack": pack, "a2a_in": a_in, "kernel": sum(k_chunks), "a2a_out": a_out, "unpack": unpack}
     row = {"status": "ok", "effective_chunks": chunks, "phases_ms": phases,
            "hidden_ms": sum(phases.values()) - total, "kernel_chunk_ms": k_chunks,
+           "pack_runs": [[n_run, ms] for n_run, ms in pack_runs],
            "formula": "plain" if chunks == 1 else "pipelined"}
     if what == "attention":
         row["total_ms"] = total

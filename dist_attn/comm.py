@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 __all__ = [
     "pack_qkv",
+    "pack_qkv_chunks",
     "unpack_qkv",
     "unpack_output",
     "all_to_all_flat",
@@ -36,22 +37,33 @@ def _widen(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
 
-def _strided_source(t: torch.Tensor, head_ranges) -> torch.Tensor | None:
-    """``[W, S_local, w, D]`` view of a ``[1, S_local, H, D]`` tensor covering ``head_ranges``
-    when the ranges are equally wide and spaced H/W apart (even heads, chunked or not, batch 1);
-    None when a loop is needed."""
-    batch, s_local, num_heads, head_dim = t.shape
-    world = len(head_ranges)
-    widths = {b - a for a, b in head_ranges}
-    if batch != 1 or len(widths) != 1 or num_heads % world:
+def _strided_run(shape, chunk_ranges) -> tuple[int, int, int, int] | None:
+    """``(W, H/W, first head, w)`` when ``n`` consecutive chunks of ``w`` heads for each of W ranks
+    (``chunk_ranges[i][j]``: chunk i's heads for rank j) can be read from a ``[1, S_local, H, D]``
+    tensor as one strided view: each rank's heads lie H/W apart and each chunk starts where the one
+    before it ends (batch 1, even heads: one chunk, or a run of equally wide ones); None when a
+    loop is needed."""
+    batch, _, num_heads, _ = shape
+    world = len(chunk_ranges[0])
+    if batch != 1 or num_heads % world:
         return None
     hw = num_heads // world
-    base = head_ranges[0][0]
-    if any(a != base + j * hw for j, (a, _) in enumerate(head_ranges)) or base + widths.pop() > hw:
+    base = chunk_ranges[0][0][0]
+    w = chunk_ranges[0][0][1] - base
+    if base + len(chunk_ranges) * w > hw or any(
+            a != base + i * w + j * hw or b - a != w
+            for i, ranges in enumerate(chunk_ranges) for j, (a, b) in enumerate(ranges)):
         return None
-    w = head_ranges[0][1] - base
-    # [1, S_local, H, D] -> [S_local, W, H/W, D] -> [S_local, W, w, D] -> [W, S_local, w, D]
-    return t[0].view(s_local, world, hw, head_dim)[:, :, base:base + w].transpose(0, 1)
+    return world, hw, base, w
+
+
+def _run_view(t: torch.Tensor, run: tuple[int, int, int, int], n: int) -> torch.Tensor:
+    """The ``[n, W, S_local, w, D]`` view of ``t`` ``[1, S_local, H, D]`` that :func:`_strided_run` found."""
+    world, hw, base, w = run
+    _, s_local, _, head_dim = t.shape
+    # [1, S_local, H, D] -> [S_local, W, H/W, D] -> [S_local, W, n, w, D] -> [n, W, S_local, w, D]
+    view = t[0].view(s_local, world, hw, head_dim)[:, :, base:base + n * w]
+    return view.unflatten(2, (n, w)).permute(2, 1, 0, 3, 4)
 
 
 def _pieces(a: int, b: int, num_heads: int):
@@ -81,12 +93,7 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tens
     result = send
     q, k, v, send = _widen(q, k, v, send)
     _, s_local, num_heads, head_dim = q.shape  # head_dim counted in (possibly widened) elements
-    world = len(head_ranges)
-    w = head_ranges[0][1] - head_ranges[0][0]
-    if _strided_source(q, head_ranges) is not None:
-        dst = send.view(world, s_local, 3, w, head_dim)  # [W, S_local, 3, w, D]
-        for i, t in enumerate((q, k, v)):
-            dst[:, :, i].copy_(_strided_source(t, head_ranges))  # one strided copy per role
+    if _copy_strided_run(q, k, v, send, (head_ranges,)):
         return result
     start = 0
     for a, b in head_ranges:
@@ -97,6 +104,48 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tens
                 dst[:, i, off:off + h1 - h0].copy_(t[sample, :, h0:h1])
         start += n
     return result
+
+
+def _copy_strided_run(q, k, v, send, chunk_ranges) -> bool:
+    """One strided copy per role of a run of chunks into its send blocks ``[n, W, S_local, 3, w,
+    D]`` (tensors already widened); False, copying nothing, when the heads need a loop."""
+    run = _strided_run(q.shape, chunk_ranges)
+    if run is None:
+        return False
+    n = len(chunk_ranges)
+    world, _, _, w = run
+    dst = send.view(n, world, q.shape[1], 3, w, q.shape[3])  # [n, W, S_local, 3, w, D]
+    for i, t in enumerate((q, k, v)):
+        dst[:, :, :, i].copy_(_run_view(t, run, n))
+    return True
+
+
+def pack_qkv_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tensor,
+                    chunk_ranges) -> torch.Tensor:
+    """:func:`pack_qkv` for consecutive chunks whose send blocks follow one another in ``send``.
+
+    One strided copy per role packs them all when they are equally wide, each rank's heads lie
+    H/W apart and each chunk starts where the one before it ends (batch 1 with even heads: the
+    chunks of :attr:`dist_attn.plan.UlyssesPlan.pack_runs`); otherwise one :func:`pack_qkv` per
+    chunk. The bytes written are the same either way.
+
+    Args:
+        q, k, v: ``[B, S_local, H, D]``, this rank's rows (last dim contiguous).
+        send: flat buffer holding the chunks' send blocks back to back.
+        chunk_ranges: for each chunk, its ``head_ranges`` (see :func:`pack_qkv`).
+
+    Returns:
+        ``send`` (filled).
+    """
+    if len(chunk_ranges) > 1 and _copy_strided_run(*_widen(q, k, v, send), chunk_ranges):
+        return send
+    s_local, head_dim = q.shape[-3], q.shape[-1]
+    start = 0
+    for ranges in chunk_ranges:
+        n = s_local * 3 * sum(b - a for a, b in ranges) * head_dim
+        pack_qkv(q, k, v, send[start:start + n], ranges)
+        start += n
+    return send
 
 
 def unpack_qkv(recv: torch.Tensor, seq: int, local_heads: int, head_dim: int):
@@ -126,11 +175,10 @@ def unpack_output(recv: torch.Tensor, out: torch.Tensor, head_ranges) -> torch.T
     result = out
     recv, out = _widen(recv, out)
     _, s_local, num_heads, head_dim = out.shape  # head_dim counted in (possibly widened) elements
-    world = len(head_ranges)
-    dst = _strided_source(out, head_ranges)
-    if dst is not None:
-        w = head_ranges[0][1] - head_ranges[0][0]
-        dst.copy_(recv.view(world, s_local, w, head_dim))  # [W, S_local, w, D], one copy
+    run = _strided_run(out.shape, (head_ranges,))
+    if run is not None:
+        dst = _run_view(out, run, 1)  # [1, W, S_local, w, D]
+        dst.copy_(recv.view(dst.shape))  # one copy
         return result
     start = 0
     for a, b in head_ranges:

@@ -160,11 +160,31 @@ class UlyssesPlan:
         """S = S_local * W, the global packed length."""
         return self.s_local * self.world
 
+    @property
+    def pack_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` runs of :attr:`chunks` packed by one call each, in order: the first
+        chunk alone (its input all-to-all can start while the rest are packed), then the longest
+        runs of chunks as wide as one another on every rank (one strided copy per role packs such
+        a run when the heads allow it: :func:`dist_attn.comm.pack_qkv_chunks`). E.g. widths
+        ``(2, 4, 4, 4)`` -> ``((0, 1), (1, 4))``; ``(4, 4, 3, 3)`` -> ``((0, 1), (1, 2), (2, 4))``."""
+        runs = [(0, 1)]
+        for c in range(1, len(self.chunks)):
+            start = runs[-1][0]
+            if start > 0 and _widths(self.chunks[c]) == _widths(self.chunks[start]):
+                runs[-1] = (start, c + 1)
+            else:
+                runs.append((c, c + 1))
+        return tuple(runs)
+
     def buffer_sizes(self) -> dict[str, int]:
         """Elements per staging role, identical on every rank."""
         h_max, s, d = max(self.counts), self.seq, self.head_dim
         return {"in_send": self.s_local * 3 * self.folded_heads * d, "in_recv": s * 3 * h_max * d,
                 "out_send": s * h_max * d, "out_recv": self.s_local * self.folded_heads * d}
+
+
+def _widths(chunk: ChunkSlices) -> tuple[int, ...]:
+    return tuple(b - a for a, b in chunk.head_ranges)
 
 
 def make_plan(*, world: int, rank: int, s_local: int, folded_heads: int, head_dim: int,

@@ -5,7 +5,9 @@ sequence. One all-to-all of a single destination-major staging buffer gives ever
 of q, k and v for its share of the B*H (sample, head) pairs; the varlen bridge attends; one
 all-to-all returns the output shard in the caller's layout. With ``overlap_chunks=C > 1`` the heads
 are cut into C chunks whose all-to-alls are issued asynchronously, so chunk c+1's transfer runs
-while chunk c's kernel does; when the attention backend says how its kernel fills the GPU
+while chunk c's kernel does; the first chunk is packed alone and sent while the others are packed
+(one copy per role for each run of equally wide chunks: ``UlyssesPlan.pack_runs``); when the
+attention backend says how its kernel fills the GPU
 (``kernel_waves``), the chunks' widths are the split whose kernel calls take the fewest waves
 (:func:`dist_attn.plan.chunk_widths`). Under ``torch.compile`` the whole call is one opaque custom op.
 
@@ -27,7 +29,7 @@ from torch import nn
 
 from dist_attn.backends import available_backends, default_softmax_scale
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
-from dist_attn.comm import all_to_all_flat, pack_qkv, unpack_output, unpack_qkv
+from dist_attn.comm import all_to_all_flat, pack_qkv_chunks, unpack_output, unpack_qkv
 from dist_attn.distributed import (check_group, compile_key, register_for_compile,
                                    resolve_compile_key)
 from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
@@ -170,17 +172,21 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     def view(role, span):
         return bufs[role][span[0]:span[1]]
 
-    with phase("pack"):
-        for c in plan.chunks:
-            pack_qkv(q4, k4, v4, view("in_send", c.in_send), c.head_ranges)
-    # All input all-to-alls are issued up front: they run in order on the communicator while
-    # the kernels below wait only for their own chunk.
+    # All input all-to-alls are issued up front, each right after its chunks are packed: they run
+    # in order on the communicator (the first while the other chunks are packed) and the kernels
+    # below wait only for their own chunk.
     asynchronous = len(plan.chunks) > 1
-    with phase("a2a_in"):
-        works_in = [all_to_all_flat(view("in_recv", c.in_recv), view("in_send", c.in_send),
-                                    recv_splits=list(c.in_recv_splits),
-                                    send_splits=list(c.in_send_splits), group=group,
-                                    async_op=asynchronous) for c in plan.chunks]
+    works_in = []
+    for first, stop in plan.pack_runs:
+        run = plan.chunks[first:stop]
+        with phase("pack"):
+            pack_qkv_chunks(q4, k4, v4, bufs["in_send"][run[0].in_send[0]:run[-1].in_send[1]],
+                            [c.head_ranges for c in run])
+        with phase("a2a_in"):
+            works_in += [all_to_all_flat(view("in_recv", c.in_recv), view("in_send", c.in_send),
+                                         recv_splits=list(c.in_recv_splits),
+                                         send_splits=list(c.in_send_splits), group=group,
+                                         async_op=asynchronous) for c in run]
     works_out = []
     for c, work in zip(plan.chunks, works_in):
         w_r = c.local_heads(rank)

@@ -136,12 +136,15 @@ def test_scaling_smoke_modeled(tmp_path, ranks):
     modeled = [r for r in data["rows"] if r["mode"] == "modeled" and r.get("status") == "ok"]
     assert modeled and data["config"]["formula"]
     # at 1 MB/s the all-to-all dominates: the plain path hides nothing, two chunks hide the kernels
+    # and the second pack call (it runs while the first chunk's input is in flight)
     by = {(r["what"], r["N"], r["overlap_chunks"]): r for r in modeled}
     plain, piped = by[("attention", 2, 1)], by[("attention", 2, 2)]
     assert plain["phases_ms"]["a2a_in"] > 100  # 3 * 160 rows * 2 heads * 64 * 2 B / 1 MB/s = 123 ms
     assert abs(plain["hidden_ms"]) < 1e-6 and plain["formula"] == "plain"
     assert piped["formula"] == "pipelined"
-    assert piped["hidden_ms"] == pytest.approx(sum(piped["kernel_chunk_ms"]), rel=1e-6)
+    assert [n for n, _ in piped["pack_runs"]] == [1, 1]
+    assert piped["hidden_ms"] == pytest.approx(sum(piped["kernel_chunk_ms"]) + piped["pack_runs"][1][1],
+                                               rel=1e-6)
     # the real N = 1 layer is reported separately, never as a modeled row
     assert any(r["mode"] == "measured" and r["N"] == 1 for r in data["rows"])
 
@@ -226,7 +229,7 @@ def test_h3_fp8_smoke(tmp_path):
     assert w4["step_s"] == pytest.approx(50 * w4["median_ms"] / 1e3) and w4["rows"] == 80
     # the w4 parts are timed in interleaved rounds (--rounds, 2 under --smoke), the medians used
     rounds = data["w4_rounds_ms"]
-    assert {"pack 1", "unpack 1", "kernel sdpa 1"} <= set(rounds) and all(len(t) == 2 for t in rounds.values())
+    assert {"pack 1 0", "unpack 1", "kernel sdpa 1"} <= set(rounds) and all(len(t) == 2 for t in rounds.values())
     assert w4["kernel_ms"] == pytest.approx(statistics.median(rounds["kernel sdpa 1"]))
     acc = {r["path"]: r for r in rows if r["section"] == "accuracy"}
     assert acc["bf16:sdpa"]["video_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["video_rel_l2"] < 5e-2
@@ -247,16 +250,18 @@ def test_h3_fp8_smoke(tmp_path):
 def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
     """The W = 4 block model: plain = rest + pack + A_in + kernel + A_out + unpack (a run before
     2026-12-05 added the all-to-alls twice); C chunks pipelined hide part of the all-to-alls and
-    never beat the kernel plus the rest."""
+    never beat the kernel plus the rest; the kernels queue behind every pack call."""
     from benchmarks import h3_fp8
 
     parts = {"s_local": 9504, "heads": 14, "a_in_ms": 0.85, "a_out_ms": 0.28, "chunks": {
-        ("sage8", 1, "even"): {"widths": [14], "pack_ms": 0.2, "unpack_ms": 0.1, "kernel_ms": [12.6]},
-        ("sage8", 4, "even"): {"widths": [4, 4, 3, 3], "pack_ms": 0.4, "unpack_ms": 0.13,
+        ("sage8", 1, "even"): {"widths": [14], "pack_ms": 0.2, "pack_runs": [[1, 0.2]], "unpack_ms": 0.1,
+                               "kernel_ms": [12.6]},
+        ("sage8", 4, "even"): {"widths": [4, 4, 3, 3], "pack_ms": 0.4,
+                               "pack_runs": [[1, 0.1], [1, 0.1], [2, 0.2]], "unpack_ms": 0.13,
                                "kernel_ms": [3.7, 3.7, 2.8, 2.8]},
-        ("sage8", 4, "waves"): {"widths": [2, 4, 4, 4], "pack_ms": 0.4, "unpack_ms": 0.13,
-                                "kernel_ms": [1.8, 3.6, 3.6, 3.6]},
-        ("fa3", 1, "even"): {"widths": [14], "pack_ms": 0.2, "unpack_ms": 0.1,
+        ("sage8", 4, "waves"): {"widths": [2, 4, 4, 4], "pack_ms": 0.4, "pack_runs": [[1, 0.05], [3, 0.35]],
+                                "unpack_ms": 0.13, "kernel_ms": [1.8, 3.6, 3.6, 3.6]},
+        ("fa3", 1, "even"): {"widths": [14], "pack_ms": 0.2, "pack_runs": [[1, 0.2]], "unpack_ms": 0.1,
                              "kernel_ms": "fa3: needs a CUDA GPU"}}}
     rows: list[dict] = []
     h3_fp8.w4_rows(argparse.Namespace(step_blocks=50), parts, {("fp8", "compiled"): 6.7}, rows)
@@ -265,13 +270,27 @@ def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
     assert plain["median_ms"] == pytest.approx(6.7 + 0.2 + 0.85 + 12.6 + 0.28 + 0.1)
     assert plain["hidden_ms"] == pytest.approx(0.0, abs=1e-9)
     assert plain["step_s"] == pytest.approx(50 * plain["median_ms"] / 1e3)
-    # pipelined: pack + the first chunk's input + the 4 kernels + the last chunk's output + unpack
-    assert chunked["median_ms"] == pytest.approx(6.7 + 0.4 + 0.85 * 4 / 14 + 13.0 + 0.28 * 3 / 14 + 0.13)
+    # pipelined: the first chunk's input arrives (0.1 + 0.85 * 4 / 14) before the last pack ends
+    # (0.4), so the 4 kernels start at 0.4; then the last chunk's output and the unpack
+    assert chunked["median_ms"] == pytest.approx(6.7 + 0.4 + 13.0 + 0.28 * 3 / 14 + 0.13)
     assert 0 < chunked["hidden_ms"] < 0.85 + 0.28 and chunked["median_ms"] < plain["median_ms"]
-    # wave-aligned: the narrow chunk first, so less input waits before the first kernel
+    assert chunked["pack_runs"] == [[1, 0.1], [1, 0.1], [2, 0.2]]
     assert waves["widths"] == [2, 4, 4, 4] and waves["kernel_chunk_ms"] == [1.8, 3.6, 3.6, 3.6]
-    assert waves["median_ms"] == pytest.approx(6.7 + 0.4 + 0.85 * 2 / 14 + 12.6 + 0.28 * 4 / 14 + 0.13)
+    assert waves["median_ms"] == pytest.approx(6.7 + 0.4 + 12.6 + 0.28 * 4 / 14 + 0.13)
     assert by["fp8:fa3", 1, "even"]["status"] == "unavailable"
+
+
+def test_overlapped_model_starts_the_first_all_to_all_after_the_first_pack_call():
+    """Where the all-to-alls are the bottleneck: chunk 0's input goes as soon as its own pack call
+    ends (0.1), not after every pack (0.2), and each later chunk waits for its own call."""
+    from benchmarks.scaling import overlapped_ms
+
+    # in_end = [0.1 + 1, max(1.1, 0.2) + 1]; kernels [max(0.2, 1.1) + 0.5, max(1.6, 2.1) + 0.5]
+    assert overlapped_ms([(1, 0.1), (1, 0.1)], 0.0, 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(2.6)
+    # a slow second pack call holds back chunk 1's input and every kernel
+    assert overlapped_ms([(1, 0.1), (1, 3.0)], 0.0, 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(4.6)
+    with pytest.raises(ValueError, match="cover 1 chunks"):
+        overlapped_ms([(1, 0.1)], 0.0, 2.0, 0.0, [0.5, 0.5], [1, 1])
 
 
 def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_alls_from_bytes():
@@ -284,7 +303,7 @@ def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_all
     from benchmarks.harness import Budget
 
     calls: list[str] = []
-    timers = {("pack", (14,)): lambda: calls.append("pack"), ("unpack", (14,)): lambda: calls.append("unpack"),
+    timers = {("pack", (14,), 0): lambda: calls.append("pack"), ("unpack", (14,)): lambda: calls.append("unpack"),
               ("kernel", "sage8", 14): lambda: calls.append("sage8")}
     live = [({"section": "w4-rest", "path": "fp8fast:none@w4", "mode": "compiled", "status": "ok"},
              lambda *a: calls.append("rest"), ()),

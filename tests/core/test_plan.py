@@ -90,3 +90,20 @@ def test_sage8_resident_programs_at_the_shipped_config():
     # 3 stages no longer fit three programs' shared memory
     assert attn_triton.resident_ctas(attn_triton.TritonConfig(num_stages=3), 128, **sm90) == 2
     assert attn_triton.resident_ctas(attn_triton.TritonConfig(maxnreg=None), 128, **sm90) is None
+
+
+@pytest.mark.parametrize("folded, world, chunks, waves, runs", [
+    (56, 4, 4, H3, ((0, 1), (1, 4))),  # widths 2, 4, 4, 4: the narrow chunk alone, then one call
+    (56, 4, 4, None, ((0, 1), (1, 2), (2, 4))),  # 4, 4, 3, 3
+    (56, 4, 1, None, ((0, 1),)),
+    (7, 3, 2, None, ((0, 1), (1, 2))),  # counts (3, 2, 2): widths (2, 1, 1) then (1, 1, 1)
+    (8, 4, 2, None, ((0, 1), (1, 2))),  # two one-head chunks: the first still goes alone
+    (18, 3, 3, None, ((0, 1), (1, 3))),
+])
+def test_pack_runs_send_the_first_chunk_alone_then_join_equal_widths(folded, world, chunks, waves, runs):
+    for rank in range(world):
+        plan = make_plan(world=world, rank=rank, s_local=5, folded_heads=folded, head_dim=8,
+                         overlap_chunks=chunks, waves=waves)
+        assert plan.pack_runs == runs
+        for a, b in runs:  # a run: chunks as wide as one another on every rank
+            assert len({tuple(y - x for x, y in c.head_ranges) for c in plan.chunks[a:b]}) == 1

@@ -1,0 +1,71 @@
+"""The pack of a Ulysses forward: one call for a run of chunks writes what one call per chunk
+writes, checked against a reference built head by head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_attn.comm import pack_qkv, pack_qkv_chunks
+from dist_attn.plan import KernelWaves, make_plan
+
+
+def _reference_send(q, k, v, chunks) -> torch.Tensor:
+    """The send blocks of ``chunks`` back to back: per chunk, per rank j, ``[S_local, 3, w_j, D]``
+    of the folded heads j receives, one head at a time."""
+    num_heads = q.shape[2]
+    blocks = []
+    for c in chunks:
+        for a, b in c.head_ranges:
+            heads = [torch.stack([t[f // num_heads, :, f % num_heads] for t in (q, k, v)], dim=1)
+                     for f in range(a, b)]  # each [S_local, 3, D]
+            blocks.append(torch.stack(heads, dim=2).reshape(-1))  # [S_local, 3, w_j, D]
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("batch, heads, world, chunks, waves", [
+    (1, 56, 4, 4, KernelWaves(594, 396)),  # H3 at W = 4: runs (2) and (4, 4, 4)
+    (1, 56, 4, 4, None),  # (4), (4), (3, 3)
+    (1, 12, 4, 1, None),
+    (1, 18, 3, 3, None),  # (2), (2, 2)
+    (1, 7, 3, 2, None),  # uneven heads: every chunk by the loop
+    (2, 6, 4, 2, None),  # two samples folded: heads of a chunk cross samples
+    (2, 8, 2, 3, None),
+])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-qkv-views"])
+def test_pack_runs_write_what_the_reference_does(batch, heads, world, chunks, waves, fused):
+    s_local, d = 5, 8
+    gen = torch.Generator().manual_seed(heads * 10 + world)
+    if fused:  # q, k, v as strided views of one projection output [B, S_local, 3 * H, D]
+        qkv = torch.randn(batch, s_local, 3 * heads, d, generator=gen).to(torch.bfloat16)
+        q, k, v = qkv.split(heads, dim=2)
+    else:
+        q, k, v = (torch.randn(batch, s_local, heads, d, generator=gen).to(torch.bfloat16) for _ in range(3))
+    before = [t.clone() for t in (q, k, v)]
+    for rank in range(world):
+        plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * heads,
+                         head_dim=d, overlap_chunks=chunks, waves=waves)
+        want = _reference_send(q, k, v, plan.chunks)
+        per_chunk = torch.full_like(want, float("nan"))
+        for c in plan.chunks:
+            pack_qkv(q, k, v, per_chunk[c.in_send[0]:c.in_send[1]], c.head_ranges)
+        runs = torch.full_like(want, float("nan"))
+        for a, b in plan.pack_runs:
+            run = plan.chunks[a:b]
+            out = pack_qkv_chunks(q, k, v, runs[run[0].in_send[0]:run[-1].in_send[1]],
+                                  [c.head_ranges for c in run])
+            assert out.data_ptr() == runs.data_ptr() + run[0].in_send[0] * runs.element_size()
+        assert torch.equal(per_chunk, want) and torch.equal(runs, want)
+    assert all(torch.equal(t, b) for t, b in zip((q, k, v), before))  # nothing the caller passed changes
+
+
+def test_a_run_whose_chunks_do_not_follow_one_another_is_packed_chunk_by_chunk():
+    """Chunks 0 and 2 of an even split: equally wide, but chunk 2 does not start where chunk 0
+    ends, so no single strided view covers them; the loop packs each in turn."""
+    s_local, d = 3, 4
+    q, k, v = (torch.randn(1, s_local, 8, d) for _ in range(3))
+    plan = make_plan(world=2, rank=0, s_local=s_local, folded_heads=8, head_dim=d, overlap_chunks=4)
+    picked = [plan.chunks[0], plan.chunks[2]]
+    send = torch.empty(sum(c.in_send[1] - c.in_send[0] for c in picked))
+    pack_qkv_chunks(q, k, v, send, [c.head_ranges for c in picked])
+    assert torch.equal(send, _reference_send(q, k, v, picked))
