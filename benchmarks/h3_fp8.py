@@ -369,7 +369,8 @@ def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profi
 
 
 def measure_w4_parts(args, cfg, dev, budget) -> dict:
-    """Rank 0 of Ulysses 4 at h3-ref, for each ``--overlap`` C: its C chunks' pack and unpack and the
+    """Rank 0 of Ulysses 4 at h3-ref, for each ``--overlap`` C: the core's pack calls (one by one),
+    its C chunks' unpack and the
     attention at each chunk's heads over all rows (the receive buffer's strided q/k/v views, as in
     the core), measured; the all-to-alls computed from the bytes rank 0 sends to the 3 others."""
     from dist_attn import backends as da_backends

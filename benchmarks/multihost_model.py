@@ -16,8 +16,11 @@ Per rank (the slowest rank is reported), with C head chunks (``overlap_chunks``)
 * ring (R > 1) of chunk c: step t computes ``k_t`` (+ its fp32 merge ``m_t``); with overlap the
   K/V transfer of ``2 * L * w * D * 2 B`` runs under it, ``sum_{t<R-1} max(k_t + m_t, X) + k_{R-1}
   + m_{R-1}``; without, ``sum (k_t + m_t) + (R-1) X``; plus the K/V staging copy;
-* the layer pipelines chunks as the core issues them: all input all-to-alls queued first,
-  ``in_end[c] = pack + sum_{c' <= c} A_in[c']``, ``k_end[c] = max(k_end[c-1], in_end[c]) + K_c``,
+* the layer pipelines chunks as the core issues them: its pack calls back to back (the first chunk
+  alone, then each run of equally wide chunks: ``UlyssesPlan.pack_runs``; the pack time split by
+  the heads each call packs), each chunk's input all-to-all issued right after its call,
+  ``in_end[c] = max(in_end[c-1], P_c) + A_in[c]`` with ``P_c`` the end of chunk c's pack call,
+  ``k_end[c] = max(k_end[c-1], in_end[c]) + K_c`` (``k_end`` starts at the end of the last pack),
   ``out_end[c] = max(out_end[c-1], k_end[c]) + A_out[c]`` (``out_end`` starts at ``in_end[C-1]``),
   ``T = out_end[C-1] + unpack``. C = 1 is the plain serial sum.
 """
@@ -133,11 +136,16 @@ def _rank_ms(spec: LayoutSpec, *, seq: int, used: int, heads: int, d: int, chunk
         merge += staging + r_size * step_merge + final
     pack = s_local * 3 * heads * d * _BYTES / (p.copy_gbs * 1e6) if u_size > 1 else 0.0
     unpack = s_local * heads * d * _BYTES / (p.copy_gbs * 1e6) if u_size > 1 else 0.0
-    in_end, t = [], pack
-    for a in a_in:
-        t += a
-        in_end.append(t)
-    k_end, out_end = 0.0, in_end[-1]
+    # the core's pack calls back to back (plan.pack_runs), each run's input all-to-alls issued
+    # right after it; the pack time split by the heads each call packs
+    packs = [sum(b - a for a, b in c.head_ranges) for c in plan.chunks]
+    in_end, packed, t = [], 0.0, 0.0
+    for first, stop in plan.pack_runs:
+        packed += pack * sum(packs[first:stop]) / heads
+        for a in a_in[first:stop]:
+            t = max(t, packed) + a
+            in_end.append(t)
+    k_end, out_end = packed, in_end[-1]
     for c, (k, a) in enumerate(zip(k_stage, a_out)):
         k_end = max(k_end, in_end[c]) + k
         out_end = max(out_end, k_end) + a

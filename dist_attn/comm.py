@@ -131,7 +131,7 @@ def pack_qkv_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: tor
 
     Args:
         q, k, v: ``[B, S_local, H, D]``, this rank's rows (last dim contiguous).
-        send: flat buffer holding the chunks' send blocks back to back.
+        send: flat buffer of exactly the chunks' send blocks, back to back.
         chunk_ranges: for each chunk, its ``head_ranges`` (see :func:`pack_qkv`).
 
     Returns:

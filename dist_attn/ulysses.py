@@ -6,7 +6,8 @@ of q, k and v for its share of the B*H (sample, head) pairs; the varlen bridge a
 all-to-all returns the output shard in the caller's layout. With ``overlap_chunks=C > 1`` the heads
 are cut into C chunks whose all-to-alls are issued asynchronously, so chunk c+1's transfer runs
 while chunk c's kernel does; the first chunk is packed alone and sent while the others are packed
-(one copy per role for each run of equally wide chunks: ``UlyssesPlan.pack_runs``); when the
+(``UlyssesPlan.pack_runs``: with batch 1 and H divisible by W, one copy per role for each run of
+equally wide chunks); when the
 attention backend says how its kernel fills the GPU
 (``kernel_waves``), the chunks' widths are the split whose kernel calls take the fewest waves
 (:func:`dist_attn.plan.chunk_widths`). Under ``torch.compile`` the whole call is one opaque custom op.
@@ -172,9 +173,9 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     def view(role, span):
         return bufs[role][span[0]:span[1]]
 
-    # All input all-to-alls are issued up front, each right after its chunks are packed: they run
-    # in order on the communicator (the first while the other chunks are packed) and the kernels
-    # below wait only for their own chunk.
+    # Every input all-to-all is issued before any kernel, each right after the pack call that
+    # fills its chunk: they run in order on the communicator (the first while the other chunks
+    # are packed) and the kernels below wait only for their own chunk.
     asynchronous = len(plan.chunks) > 1
     works_in = []
     for first, stop in plan.pack_runs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_attn.comm import pack_qkv, pack_qkv_chunks
+from dist_attn.comm import _strided_run, pack_qkv, pack_qkv_chunks
 from dist_attn.plan import KernelWaves, make_plan
 
 
@@ -33,14 +33,16 @@ def _reference_send(q, k, v, chunks) -> torch.Tensor:
     (2, 8, 2, 3, None),
 ])
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-qkv-views"])
-def test_pack_runs_write_what_the_reference_does(batch, heads, world, chunks, waves, fused):
-    s_local, d = 5, 8
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 8), (torch.bfloat16, 5), (torch.float32, 3)],
+                         ids=["bf16-widened", "bf16-odd", "fp32-odd"])  # odd: no 8-byte words
+def test_pack_runs_write_what_the_reference_does(batch, heads, world, chunks, waves, fused, dtype, d):
+    s_local = 5
     gen = torch.Generator().manual_seed(heads * 10 + world)
     if fused:  # q, k, v as strided views of one projection output [B, S_local, 3 * H, D]
-        qkv = torch.randn(batch, s_local, 3 * heads, d, generator=gen).to(torch.bfloat16)
+        qkv = torch.randn(batch, s_local, 3 * heads, d, generator=gen).to(dtype)
         q, k, v = qkv.split(heads, dim=2)
     else:
-        q, k, v = (torch.randn(batch, s_local, heads, d, generator=gen).to(torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(batch, s_local, heads, d, generator=gen).to(dtype) for _ in range(3))
     before = [t.clone() for t in (q, k, v)]
     for rank in range(world):
         plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * heads,
@@ -69,3 +71,16 @@ def test_a_run_whose_chunks_do_not_follow_one_another_is_packed_chunk_by_chunk()
     send = torch.empty(sum(c.in_send[1] - c.in_send[0] for c in picked))
     pack_qkv_chunks(q, k, v, send, [c.head_ranges for c in picked])
     assert torch.equal(send, _reference_send(q, k, v, picked))
+
+
+def test_h3s_chunks_after_the_first_are_one_strided_view():
+    """H3 at W = 4 with sage8's waves: the runs (2) and (4, 4, 4) each read as one strided view per
+    role (three copies a call), the reason the runs exist; a batch of 2 needs the loop."""
+    plan = make_plan(world=4, rank=0, s_local=5, folded_heads=56, head_dim=128, overlap_chunks=4,
+                     waves=KernelWaves(594, 396))
+    assert plan.pack_runs == ((0, 1), (1, 4))
+    for a, b in plan.pack_runs:
+        ranges = [c.head_ranges for c in plan.chunks[a:b]]
+        first = plan.chunks[a]
+        assert _strided_run((1, 5, 56, 128), ranges) == (4, 14, first.head_ranges[0][0], first.local_heads(0))
+        assert _strided_run((2, 5, 28, 128), ranges) is None
