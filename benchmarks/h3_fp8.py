@@ -391,7 +391,7 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     cu = torch.tensor([0, lay.used, total], dtype=torch.int32, device=dev)
     layout = segment_layout([0, lay.used, total], total=total, valid_len=lay.used)
     views: dict[int, tuple] = {}  # width -> the receive buffer's q/k/v views and an output
-    timers: dict[tuple, object] = {}  # ("kernel", backend, width) | ("pack", widths, call) | ("unpack", widths) -> callable
+    timers: dict[tuple, object] = {}  # ("kernel", backend, width) | ("pack" | "unpack", widths, call) -> callable
     failed: dict[tuple, str] = {}
 
     def kernel(backend: str, width: int):
@@ -435,7 +435,7 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
                 if chunking == "waves" and widths == plans[backend, C, "even"]:
                     continue
                 plans[backend, C, chunking] = widths
-                if ("unpack", widths) not in timers:
+                if ("unpack", widths, 0) not in timers:
                     runs[widths] = [b - a for a, b in plan.pack_runs]
                     for i, (a, b) in enumerate(plan.pack_runs):  # the core's pack calls, one by one
                         run = plan.chunks[a:b]
@@ -444,13 +444,11 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
                                  ranges=[c.head_ranges for c in run]):
                             pack_qkv_chunks(q, k, v, send[span[0]:span[1]], ranges)
                         timers["pack", widths, i] = pack
-                    spans_out = [(c.head_ranges, c.out_recv) for c in plan.chunks]
+                    for i, c in enumerate(plan.chunks):  # the core's unpack calls, one by one
 
-                    def unpack_all(spans_out=spans_out):
-                        for ranges, (a, b) in spans_out:
-                            unpack_output(recv_out[a:b], out, ranges)
-
-                    timers["unpack", widths] = unpack_all
+                        def unpack(span=c.out_recv, ranges=c.head_ranges):
+                            unpack_output(recv_out[span[0]:span[1]], out, ranges)
+                        timers["unpack", widths, i] = unpack
                 for w in set(widths):
                     kernel(backend, w)
     # every part timed once per round, in the same order: the medians of the rounds' medians
@@ -470,9 +468,10 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     for (backend, C, chunking), widths in plans.items():
         bad = next((failed[key] for w in widths if (key := ("kernel", backend, w)) in failed), None)
         pack_runs = [[n, med["pack", widths, i]] for i, n in enumerate(runs[widths])]
+        unpacks = [med["unpack", widths, i] for i in range(len(widths))]
         parts["chunks"][backend, C, chunking] = {
             "widths": list(widths), "pack_ms": sum(ms for _, ms in pack_runs), "pack_runs": pack_runs,
-            "unpack_ms": med["unpack", widths],
+            "unpack_ms": sum(unpacks), "unpack_chunk_ms": unpacks,
             "kernel_ms": bad if bad else [med["kernel", backend, w] for w in widths]}
     parts["timers"] = timers  # kept for run_w4_sequence (their closures hold the buffers); not saved
     return parts
@@ -490,10 +489,10 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
             continue
         for backend in ("sage8", "sdpa"):
             kern, whole = timers.get(("kernel", backend, parts["heads"])), (parts["heads"],)
-            if kern is None or ("pack", whole, 0) not in timers:
+            if kern is None or ("pack", whole, 0) not in timers or ("unpack", whole, 0) not in timers:
                 continue
 
-            def block(fn=fn, inp=inp, kern=kern, pack=timers["pack", whole, 0], unpack=timers["unpack", whole]):
+            def block(fn=fn, inp=inp, kern=kern, pack=timers["pack", whole, 0], unpack=timers["unpack", whole, 0]):
                 fn(*inp)
                 pack()
                 kern()
@@ -537,12 +536,12 @@ def w4_rows(args, parts: dict, rest: dict, rows) -> None:
                 if C == 1:
                     layer = ch["pack_ms"] + a_in + ks[0] + a_out + ch["unpack_ms"]
                 else:
-                    layer = overlapped_ms(ch["pack_runs"], ch["unpack_ms"], a_in, a_out, ks, ch["widths"])
+                    layer = overlapped_ms(ch["pack_runs"], ch["unpack_chunk_ms"], a_in, a_out, ks, ch["widths"])
                 comm = ch["pack_ms"] + a_in + a_out + ch["unpack_ms"]
                 block = rest_ms + layer
                 row.update(status="ok", median_ms=block, rest_ms=rest_ms, kernel_ms=sum(ks),
                            kernel_chunk_ms=ks, pack_ms=ch["pack_ms"], pack_runs=ch["pack_runs"],
-                           unpack_ms=ch["unpack_ms"],
+                           unpack_ms=ch["unpack_ms"], unpack_chunk_ms=ch["unpack_chunk_ms"],
                            a2a_in_ms=a_in, a2a_out_ms=a_out, comm_ms=comm,
                            hidden_ms=sum(ks) + comm - layer, step_s=block * args.step_blocks / 1e3)
             rows.append(row)

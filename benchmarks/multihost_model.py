@@ -22,7 +22,9 @@ Per rank (the slowest rank is reported), with C head chunks (``overlap_chunks``)
   ``in_end[c] = max(in_end[c-1], P_c) + A_in[c]`` with ``P_c`` the end of chunk c's pack call,
   ``k_end[c] = max(k_end[c-1], in_end[c]) + K_c`` (``k_end`` starts at the end of the last pack),
   ``out_end[c] = max(out_end[c-1], k_end[c]) + A_out[c]`` (``out_end`` starts at ``in_end[C-1]``),
-  ``T = out_end[C-1] + unpack``. C = 1 is the plain serial sum.
+  the unpacks behind the last kernel, each waiting for its chunk's output,
+  ``u[c] = max(u[c-1], out_end[c]) + unpack_c`` (``u`` starts at ``k_end[C-1]``; the unpack time
+  split by heads), ``T = u[C-1]``. C = 1 is the plain serial sum.
 """
 
 from __future__ import annotations
@@ -145,11 +147,15 @@ def _rank_ms(spec: LayoutSpec, *, seq: int, used: int, heads: int, d: int, chunk
         for a in a_in[first:stop]:
             t = max(t, packed) + a
             in_end.append(t)
-    k_end, out_end = packed, in_end[-1]
+    k_end, out_end, out_ends = packed, in_end[-1], []
     for c, (k, a) in enumerate(zip(k_stage, a_out)):
         k_end = max(k_end, in_end[c]) + k
         out_end = max(out_end, k_end) + a
-    total = out_end + unpack
+        out_ends.append(out_end)
+    # the unpacks queue behind the last kernel, each waiting for its chunk's output (split by heads)
+    total = k_end
+    for c, end in enumerate(out_ends):
+        total = max(total, end) + unpack * packs[c] / heads
     serial = pack + sum(a_in) + kern + xfer + merge + sum(a_out) + unpack
     return {"total_ms": total, "pack": pack, "a2a_in": sum(a_in), "kernel": kern, "ring_xfer": xfer,
             "merge": merge, "a2a_out": sum(a_out), "unpack": unpack, "hidden_ms": serial - total,

@@ -81,10 +81,11 @@ MODEL_FORMULA = (
     "all-to-all after its chunk's kernel): P_c = the end of the pack call holding chunk c (the calls "
     "back to back), P = the end of the last; in_end[c] = max(in_end[c-1], P_c) + A_in * w_c / H_r; "
     "k_end[c] = max(k_end[c-1], in_end[c]) + K_c with k_end[-1] = P (the kernels queue behind the "
-    "packs); out_end[c] = max(out_end[c-1], in_end[C-1], k_end[c]) + A_out * w_c / H_r; "
-    "T = out_end[C-1] + unpack_C. In steady state each stage costs max(K_c, A_in * w_c / H_r): the "
-    "all-to-all is hidden behind the kernel. K_c = the kernel measured at the chunk's heads; the "
-    "pack calls / unpack_C = the core's calls measured one by one / the C per-chunk unpacks. Block = "
+    "packs); out_end[c] = max(out_end[c-1], in_end[C-1], k_end[c]) + A_out * w_c / H_r; the "
+    "unpacks queue behind the last kernel, each waiting for its chunk's output: u[c] = "
+    "max(u[c-1], out_end[c]) + U_c with u[-1] = k_end[C-1]; T = u[C-1]. In steady state each stage "
+    "costs max(K_c, A_in * w_c / H_r): the all-to-all is hidden behind the kernel. K_c = the kernel "
+    "measured at the chunk's heads; the pack calls and U_c = the core's calls measured one by one. Block = "
     "attention layer + the non-attention part of the block measured at S_local rows (attention "
     "replaced by a no-op).")
 
@@ -307,10 +308,11 @@ def _measure_one(what, be_name, C, n, sub, q, k, v, cu, bounds, lay, cfg, dev, p
 # ---------------------------------------------------------------------------------------------
 # modeled mode
 # ---------------------------------------------------------------------------------------------
-def overlapped_ms(pack_runs: list[tuple[int, float]], unpack: float, a_in: float, a_out: float,
+def overlapped_ms(pack_runs: list[tuple[int, float]], unpacks: list[float], a_in: float, a_out: float,
                   k_chunks: list[float], widths: list[int]) -> float:
     """End time of the overlapped layer (see MODEL_FORMULA). ``pack_runs``: for each pack call of
-    the core, in order (``UlyssesPlan.pack_runs``), how many chunks it packs and its time."""
+    the core, in order (``UlyssesPlan.pack_runs``), how many chunks it packs and its time;
+    ``unpacks``: each chunk's unpack time."""
     h = sum(widths)
     in_end, packed, t, c = [], 0.0, 0.0, 0
     for n, ms in pack_runs:
@@ -319,13 +321,18 @@ def overlapped_ms(pack_runs: list[tuple[int, float]], unpack: float, a_in: float
             t = max(t, packed) + a_in * w / h
             in_end.append(t)
         c += n
-    if c != len(widths):
-        raise ValueError(f"pack_runs={pack_runs} cover {c} chunks, widths={widths} has {len(widths)}")
-    k_end, out_end = packed, in_end[-1]
+    if c != len(widths) or len(unpacks) != len(widths):
+        raise ValueError(f"pack_runs={pack_runs} cover {c} chunks and unpacks={unpacks} "
+                         f"{len(unpacks)}; widths={widths} has {len(widths)}")
+    k_end, out_end, out_ends = packed, in_end[-1], []
     for c, w in enumerate(widths):
         k_end = max(k_end, in_end[c]) + k_chunks[c]
         out_end = max(out_end, k_end) + a_out * w / h
-    return out_end + unpack
+        out_ends.append(out_end)
+    t = k_end  # the unpacks queue behind the last kernel, each also waiting for its chunk's output
+    for out_end, ms in zip(out_ends, unpacks):
+        t = max(t, out_end) + ms
+    return t
 
 
 def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
@@ -434,30 +441,25 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
                      overlap_chunks=C if n > 1 else 1)
     chunks, h0 = len(plan.chunks), plan.counts[0]
     widths = [c.local_heads(0) for c in plan.chunks]
-    ranges = [c.head_ranges for c in plan.chunks]
     q, k, v = _qkv(s_local, H, D, dev, seed=5)
     send = torch.empty(s_local * 3 * H * D, device=dev, dtype=torch.bfloat16)
     recv_out = torch.randn(s_local * H * D, device=dev).to(torch.bfloat16)
     out = torch.empty(s_local, H, D, device=dev, dtype=torch.bfloat16)
-    sizes_out = [c.out_recv[1] - c.out_recv[0] for c in plan.chunks]
 
     def pack_run(first, stop):  # one pack call of the core
         run = plan.chunks[first:stop]
         return lambda: pack_qkv_chunks(q[None], k[None], v[None], send[run[0].in_send[0]:run[-1].in_send[1]],
                                        [c.head_ranges for c in run])
 
-    def unpack_all():
-        o = 0
-        for rng, sz in zip(ranges, sizes_out):
-            unpack_output(recv_out[o:o + sz], out[None], rng)
-            o += sz
+    def unpack_chunk(c):  # one unpack call of the core
+        return lambda: unpack_output(recv_out[c.out_recv[0]:c.out_recv[1]], out[None], c.head_ranges)
 
     if n > 1:
         pack_runs = [(b - a, timed(pack_run(a, b))) for a, b in plan.pack_runs]
-        unpack = timed(unpack_all)
+        unpacks = [timed(unpack_chunk(c)) for c in plan.chunks]
     else:  # the world-1 path of the core neither packs nor unpacks
-        pack_runs, unpack = [(chunks, 0.0)], 0.0
-    pack = sum(ms for _, ms in pack_runs)
+        pack_runs, unpacks = [(chunks, 0.0)], [0.0]
+    pack, unpack = sum(ms for _, ms in pack_runs), sum(unpacks)
     del q, k, v, send, recv_out, out
     a_in = 3 * s_local * (H - h0) * D * es / bw * 1e3
     a_out = s_local * (H - h0) * D * es / bw * 1e3
@@ -465,11 +467,11 @@ def _model_row(what, be, n, C, s_local, counts, lay, cfg, dev, es, bw, kernel_ms
     if chunks == 1:
         total = pack + a_in + k_chunks[0] + a_out + unpack
     else:
-        total = overlapped_ms(pack_runs, unpack, a_in, a_out, k_chunks, widths)
+        total = overlapped_ms(pack_runs, unpacks, a_in, a_out, k_chunks, widths)
     phases = {"pack": pack, "a2a_in": a_in, "kernel": sum(k_chunks), "a2a_out": a_out, "unpack": unpack}
     row = {"status": "ok", "effective_chunks": chunks, "phases_ms": phases,
            "hidden_ms": sum(phases.values()) - total, "kernel_chunk_ms": k_chunks,
-           "pack_runs": [[n_run, ms] for n_run, ms in pack_runs],
+           "pack_runs": [[n_run, ms] for n_run, ms in pack_runs], "unpack_chunk_ms": unpacks,
            "formula": "plain" if chunks == 1 else "pipelined"}
     if what == "attention":
         row["total_ms"] = total

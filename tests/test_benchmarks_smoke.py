@@ -143,8 +143,8 @@ def test_scaling_smoke_modeled(tmp_path, ranks):
     assert abs(plain["hidden_ms"]) < 1e-6 and plain["formula"] == "plain"
     assert piped["formula"] == "pipelined"
     assert [n for n, _ in piped["pack_runs"]] == [1, 1]
-    assert piped["hidden_ms"] == pytest.approx(sum(piped["kernel_chunk_ms"]) + piped["pack_runs"][1][1],
-                                               rel=1e-6)
+    assert piped["hidden_ms"] == pytest.approx(sum(piped["kernel_chunk_ms"]) + piped["pack_runs"][1][1]
+                                               + piped["unpack_chunk_ms"][0], rel=1e-6)
     # the real N = 1 layer is reported separately, never as a modeled row
     assert any(r["mode"] == "measured" and r["N"] == 1 for r in data["rows"])
 
@@ -229,7 +229,7 @@ def test_h3_fp8_smoke(tmp_path):
     assert w4["step_s"] == pytest.approx(50 * w4["median_ms"] / 1e3) and w4["rows"] == 80
     # the w4 parts are timed in interleaved rounds (--rounds, 2 under --smoke), the medians used
     rounds = data["w4_rounds_ms"]
-    assert {"pack 1 0", "unpack 1", "kernel sdpa 1"} <= set(rounds) and all(len(t) == 2 for t in rounds.values())
+    assert {"pack 1 0", "unpack 1 0", "kernel sdpa 1"} <= set(rounds) and all(len(t) == 2 for t in rounds.values())
     assert w4["kernel_ms"] == pytest.approx(statistics.median(rounds["kernel sdpa 1"]))
     acc = {r["path"]: r for r in rows if r["section"] == "accuracy"}
     assert acc["bf16:sdpa"]["video_rel_l2"] == 0.0 and 1e-4 < acc["fp8:sdpa"]["video_rel_l2"] < 5e-2
@@ -255,14 +255,15 @@ def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
 
     parts = {"s_local": 9504, "heads": 14, "a_in_ms": 0.85, "a_out_ms": 0.28, "chunks": {
         ("sage8", 1, "even"): {"widths": [14], "pack_ms": 0.2, "pack_runs": [[1, 0.2]], "unpack_ms": 0.1,
-                               "kernel_ms": [12.6]},
+                               "unpack_chunk_ms": [0.1], "kernel_ms": [12.6]},
         ("sage8", 4, "even"): {"widths": [4, 4, 3, 3], "pack_ms": 0.4,
                                "pack_runs": [[1, 0.1], [1, 0.1], [2, 0.2]], "unpack_ms": 0.13,
-                               "kernel_ms": [3.7, 3.7, 2.8, 2.8]},
+                               "unpack_chunk_ms": [0.04, 0.04, 0.03, 0.02], "kernel_ms": [3.7, 3.7, 2.8, 2.8]},
         ("sage8", 4, "waves"): {"widths": [2, 4, 4, 4], "pack_ms": 0.4, "pack_runs": [[1, 0.05], [3, 0.35]],
-                                "unpack_ms": 0.13, "kernel_ms": [1.8, 3.6, 3.6, 3.6]},
+                                "unpack_ms": 0.13, "unpack_chunk_ms": [0.01, 0.04, 0.04, 0.04],
+                                "kernel_ms": [1.8, 3.6, 3.6, 3.6]},
         ("fa3", 1, "even"): {"widths": [14], "pack_ms": 0.2, "pack_runs": [[1, 0.2]], "unpack_ms": 0.1,
-                             "kernel_ms": "fa3: needs a CUDA GPU"}}}
+                             "unpack_chunk_ms": [0.1], "kernel_ms": "fa3: needs a CUDA GPU"}}}
     rows: list[dict] = []
     h3_fp8.w4_rows(argparse.Namespace(step_blocks=50), parts, {("fp8", "compiled"): 6.7}, rows)
     by = {(r["path"], r["overlap_chunks"], r["chunking"]): r for r in rows}
@@ -271,12 +272,14 @@ def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
     assert plain["hidden_ms"] == pytest.approx(0.0, abs=1e-9)
     assert plain["step_s"] == pytest.approx(50 * plain["median_ms"] / 1e3)
     # pipelined: the first chunk's input arrives (0.1 + 0.85 * 4 / 14) before the last pack ends
-    # (0.4), so the 4 kernels start at 0.4; then the last chunk's output and the unpack
-    assert chunked["median_ms"] == pytest.approx(6.7 + 0.4 + 13.0 + 0.28 * 3 / 14 + 0.13)
-    assert 0 < chunked["hidden_ms"] < 0.85 + 0.28 and chunked["median_ms"] < plain["median_ms"]
+    # (0.4), so the 4 kernels start at 0.4; then the first three unpacks (0.11) run while the last
+    # chunk's output travels (0.28 * 3 / 14 = 0.06), and its unpack after them
+    assert chunked["median_ms"] == pytest.approx(6.7 + 0.4 + 13.0 + 0.11 + 0.02)
+    assert 0 < chunked["hidden_ms"] < chunked["comm_ms"] and chunked["median_ms"] < plain["median_ms"]
     assert chunked["pack_runs"] == [[1, 0.1], [1, 0.1], [2, 0.2]]
     assert waves["widths"] == [2, 4, 4, 4] and waves["kernel_chunk_ms"] == [1.8, 3.6, 3.6, 3.6]
-    assert waves["median_ms"] == pytest.approx(6.7 + 0.4 + 12.6 + 0.28 * 4 / 14 + 0.13)
+    # the first three unpacks (0.09) take longer than the last output's 0.28 * 4 / 14 = 0.08
+    assert waves["median_ms"] == pytest.approx(6.7 + 0.4 + 12.6 + 0.09 + 0.04)
     assert by["fp8:fa3", 1, "even"]["status"] == "unavailable"
 
 
@@ -286,11 +289,23 @@ def test_overlapped_model_starts_the_first_all_to_all_after_the_first_pack_call(
     from benchmarks.scaling import overlapped_ms
 
     # in_end = [0.1 + 1, max(1.1, 0.2) + 1]; kernels [max(0.2, 1.1) + 0.5, max(1.6, 2.1) + 0.5]
-    assert overlapped_ms([(1, 0.1), (1, 0.1)], 0.0, 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(2.6)
+    assert overlapped_ms([(1, 0.1), (1, 0.1)], [0.0, 0.0], 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(2.6)
     # a slow second pack call holds back chunk 1's input and every kernel
-    assert overlapped_ms([(1, 0.1), (1, 3.0)], 0.0, 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(4.6)
+    assert overlapped_ms([(1, 0.1), (1, 3.0)], [0.0, 0.0], 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(4.6)
     with pytest.raises(ValueError, match="cover 1 chunks"):
-        overlapped_ms([(1, 0.1)], 0.0, 2.0, 0.0, [0.5, 0.5], [1, 1])
+        overlapped_ms([(1, 0.1)], [0.0, 0.0], 2.0, 0.0, [0.5, 0.5], [1, 1])
+
+
+def test_overlapped_model_unpacks_each_chunk_once_its_output_is_back():
+    """The unpacks queue behind the last kernel; chunk 0's runs while chunk 1's output travels."""
+    from benchmarks.scaling import overlapped_ms
+
+    # in_end [1.0, 2.0]; kernels end 2.0, 3.0; the outputs (from in_end[1] = 2.0) end
+    # [max(2.0, 2.0) + 1.0, max(3.0, 3.0) + 1.0] = [3.0, 4.0]
+    # unpacks: max(3.0, 3.0) + 0.5 = 3.5, then max(3.5, 4.0) + 0.5 = 4.5
+    assert overlapped_ms([(1, 0.0), (1, 0.0)], [0.5, 0.5], 2.0, 2.0, [1.0, 1.0], [1, 1]) == pytest.approx(4.5)
+    # a slow first unpack delays the second past its output's arrival
+    assert overlapped_ms([(1, 0.0), (1, 0.0)], [2.0, 0.5], 2.0, 2.0, [1.0, 1.0], [1, 1]) == pytest.approx(5.5)
 
 
 def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_alls_from_bytes():
@@ -303,7 +318,7 @@ def test_h3_fp8_w4_sequence_times_the_block_in_one_piece_and_adds_the_all_to_all
     from benchmarks.harness import Budget
 
     calls: list[str] = []
-    timers = {("pack", (14,), 0): lambda: calls.append("pack"), ("unpack", (14,)): lambda: calls.append("unpack"),
+    timers = {("pack", (14,), 0): lambda: calls.append("pack"), ("unpack", (14,), 0): lambda: calls.append("unpack"),
               ("kernel", "sage8", 14): lambda: calls.append("sage8")}
     live = [({"section": "w4-rest", "path": "fp8fast:none@w4", "mode": "compiled", "status": "ok"},
              lambda *a: calls.append("rest"), ()),
