@@ -38,7 +38,8 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   the all-to-alls from bytes: the GPU in the state the block's own mix puts it in.
 * ``accuracy``: the served engine (configs/h3.toml, ``--acc-layers`` 8 x ``--acc-steps`` 3, its
   default request of 38,222 rows, W = 1): final latents of bf16:sage8, fp8:sdpa, fp8:sage8,
-  fp8fast:sage8 vs bf16:sdpa.
+  fp8fast:sage8 (and the other recipes) vs bf16:sdpa, eager; then the ``--acc-compiled`` paths with
+  the blocks compiled as the server compiles them, also against their own eager run.
 
     python -m benchmarks.h3_fp8                       # one H200, ~4.5 min (--budget-s 270)
     python -m benchmarks.h3_fp8 --smoke --modes eager   # CPU, the tiny config, seconds
@@ -554,24 +555,30 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.config import apply_overrides
     from dist_attn.serve.h3.engine import Engine
-    from dist_attn.serve.h3.model import build_h3, parallelize
+    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
     from dist_attn.serve.jobs.requests import parse_request
 
     acc = apply_overrides(cfg, {"model.num_layers": args.acc_layers})
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
     model, ref, ref_block0, quantized = None, None, None, "bf16"
-    for prec, backend in (("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8"),
-                          ("fp8fast", "sage8"), ("fp8fastunfused", "sage8"), ("fp8tfast", "sage8")):
-        row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": "eager",
+    eager_latents: dict[str, dict] = {}
+    paths = [(prec, backend, "eager") for prec, backend in (
+        ("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8"), ("fp8fast", "sage8"),
+        ("fp8fastunfused", "sage8"), ("fp8tfast", "sage8"))]
+    # compiled last: compile_blocks cannot be undone, so each compiled path builds its own model
+    paths += [(*path.split(":"), "compiled") for path in _names(args.acc_compiled)]
+    for prec, backend, mode in paths:
+        row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": mode,
                "layers": args.acc_layers, "steps": args.acc_steps}
         reason = _unavailable(backend, dev, cfg) or _recipe_unavailable(prec, emulate)
-        if reason or budget.expired(reserve_s=args.reserve_s / 2):
+        reserve = args.reserve_s / 2 + (args.compile_reserve_s if mode == "compiled" else 0.0)
+        if reason or budget.expired(reserve_s=reserve):
             row.update(status="unavailable" if reason else "skipped", reason=reason or _SKIPPED)
             rows.append(row)
             continue
         try:
-            if model is not None and quantized not in ("bf16", prec):  # another FP8 recipe
-                model = None
+            if model is not None and (mode == "compiled" or quantized not in ("bf16", prec)):
+                model = None  # another FP8 recipe, or a model to compile
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             if model is None:  # the same weights each time (configs' weight_seed)
@@ -582,21 +589,32 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
             timer = PhaseTimer(dev)
             handle = parallelize(model, backend=backend, timer=timer)
             block0: list[torch.Tensor] = []  # the first block's output at the first step
-
-            def keep(_module, _args, out):
-                if not block0:
-                    block0.append((out[0] if isinstance(out, tuple) else out).float().cpu())
-            hook = model.transformer_blocks[0].register_forward_hook(keep)
+            hook = None
+            if mode == "compiled":  # as the server: fullgraph blocks (a hook's .cpu() would break them)
+                compile_blocks(model)
+            else:
+                def keep(_module, _args, out):
+                    if not block0:
+                        block0.append((out[0] if isinstance(out, tuple) else out).float().cpu())
+                hook = model.transformer_blocks[0].register_forward_hook(keep)
             try:
                 engine = Engine(acc, env, model, timer, backend=backend, output_dir=args.writer.out_dir)
                 res = engine.run(parse_request({"steps": args.acc_steps, "seed": 0}, acc))
             finally:
-                hook.remove()
+                if hook is not None:
+                    hook.remove()
                 handle.remove()
             lat = res.latent
             ref = lat if ref is None else ref
-            ref_block0 = block0[0] if ref_block0 is None else ref_block0
-            row["block0_rel_l2"] = _rel(block0[0], ref_block0)
+            if mode == "eager":
+                eager_latents[row["path"]] = lat
+                ref_block0 = block0[0] if ref_block0 is None else ref_block0
+                row["block0_rel_l2"] = _rel(block0[0], ref_block0)
+            elif row["path"] in eager_latents:  # what compiling changes, beside the eager run
+                twin = eager_latents[row["path"]]
+                row.update(video_vs_eager_rel_l2=_rel(lat["video"], twin["video"]),
+                           audio_vs_eager_rel_l2=_rel(lat["audio"], twin["audio"]))
+            # the compiled step list's first entry holds the compilation: the median is a later step
             row.update(status="ok", median_ms=statistics.median(res.step_latency_ms), used=res.tokens.used,
                        video_rel_l2=_rel(lat["video"], ref["video"]), audio_rel_l2=_rel(lat["audio"], ref["audio"]))
         except Exception as exc:  # noqa: BLE001
@@ -630,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the time goes, by torch.profiler over 3 calls after the timing")
     p.add_argument("--acc-layers", type=int, default=8, help="blocks of the accuracy model (steps: --acc-steps)")
     p.add_argument("--acc-steps", type=int, default=3)
+    p.add_argument("--acc-compiled", default="fp8fast:sage8",
+                   help="accuracy paths (linears:attention) also run with compiled blocks, as served on CUDA "
+                        "('' for none); each builds and compiles its own model, after the eager paths")
     p.add_argument("--rounds", type=int, default=3,
                    help="passes over the compiled blocks and the w4 parts, each timing every path in turn "
                         "(median of the rounds' medians: a drift over the run falls on all paths alike)")
@@ -643,6 +664,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--compiled entry {key!r} must be <linears>:<attention> with linears one of "
                     f"{', '.join(_PRECISIONS)} and attention one of {', '.join(_ATTN)}, or "
                     "<linears>:none@w4 (the block's rest at W = 4's rows)")
+    for key in _names(args.acc_compiled):
+        prec, _, attn = key.partition(":")
+        if prec not in _PRECISIONS or attn not in ("sdpa", "sage8", "fa3"):
+            p.error(f"--acc-compiled entry {key!r} must be <linears>:<attention> with linears one of "
+                    f"{', '.join(_PRECISIONS)} and attention one of sdpa, sage8, fa3 (the served engine's)")
     args.overlap = [int(c) for c in _names(args.overlap)]
     from diffusers.utils import logging as diffusers_logging
 
@@ -677,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "Float8WeightConfig(PerRow), fp32 accumulation",
                                   "bandwidth_gbs": args.bandwidth_gbs, "step_blocks": args.step_blocks,
                                   "overlap_chunks": args.overlap, "rounds": args.rounds,
-                                  "accuracy": {"layers": args.acc_layers, "steps": args.acc_steps},
+                                  "accuracy": {"layers": args.acc_layers, "steps": args.acc_steps,
+                                               "compiled": _names(args.acc_compiled)},
                                   "compile": "torch.compile(block, fullgraph=True, dynamic=False)"})
     args.writer = writer
     rows, rest, parts = writer.rows, {}, None

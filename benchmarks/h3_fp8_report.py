@@ -59,10 +59,13 @@ def report(rows) -> list[tuple[str, str]]:
                        ("idle_ms", "GPU idle between them ms (profiled)", ".2f"),
                        ("a2a_ms", "all-to-alls ms (bytes)", ".2f"), ("median_ms", "block ms", ".2f"),
                        ("step_s", "50-block step s", ".3f")],
-            "accuracy": [("path", "linears:attention", ""), ("status", "status", ""), ("median_ms", "step ms", ".1f"),
+            "accuracy": [("path", "linears:attention", ""), ("mode", "blocks", ""), ("status", "status", ""),
+                         ("median_ms", "step ms", ".1f"),
                          ("video_rel_l2", "video rel-L2 vs bf16:sdpa", ".3e"),
                          ("audio_rel_l2", "audio rel-L2", ".3e"),
                          ("block0_rel_l2", "first block's output rel-L2 (step 1)", ".3e"),
+                         ("video_vs_eager_rel_l2", "video rel-L2 vs its eager run", ".3e"),
+                         ("audio_vs_eager_rel_l2", "audio rel-L2 vs its eager run", ".3e"),
                          ("reason", "reason", "")]}
     pick = {"block": ("block", "w4-rest")}
     out = [("Targets", f"- real block W=1, fp8:sage8 compiled: {t['block_w1_fp8_sage8_compiled_ms']} ms "

@@ -247,6 +247,34 @@ def test_h3_fp8_smoke(tmp_path):
     assert data["targets"]["block_w1_target_ms"] == 80.0 and data["targets"]["w4_best_step_s"] > 0
 
 
+def test_h3_fp8_accuracy_runs_the_compiled_paths_on_their_own_compiled_model(tmp_path, monkeypatch):
+    """--acc-compiled: after the eager paths, each listed path builds its own model, compiles its
+    blocks as the server does (aot_eager here: inductor on CPU costs ~30 s) and is compared with
+    bf16:sdpa and with its own eager run."""
+    from benchmarks import h3_fp8
+    from dist_attn.serve.h3 import model as h3_model
+
+    compiled = []
+    real = h3_model.compile_blocks
+
+    def compile_blocks(model, **kwargs):
+        compiled.append(model)
+        real(model, backend="aot_eager")
+    monkeypatch.setattr(h3_model, "compile_blocks", compile_blocks)
+    h3_fp8.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--modes", "eager",
+                 "--sections", "accuracy", "--acc-compiled", "fp8:sdpa,bf16:sage8"])
+    rows = _check_result(tmp_path, "h3-fp8")["rows"]
+    acc = {(r["path"], r["mode"]): r for r in rows if r["section"] == "accuracy"}
+    eager, comp = acc["fp8:sdpa", "eager"], acc["fp8:sdpa", "compiled"]
+    assert comp["status"] == "ok" and len(compiled) == 1  # sage8 has no CPU kernel: its row says why
+    assert acc["bf16:sage8", "compiled"]["status"] == "unavailable"
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled[0].transformer_blocks)
+    # the compiled model computes what the eager one does (aot_eager: the same kernels, regrouped)
+    assert comp["video_vs_eager_rel_l2"] < 1e-5 and comp["audio_vs_eager_rel_l2"] < 1e-5
+    assert comp["video_rel_l2"] == pytest.approx(eager["video_rel_l2"], rel=1e-2, abs=1e-6)
+    assert "block0_rel_l2" not in comp  # no hook inside a fullgraph block
+
+
 def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
     """The W = 4 block model: plain = rest + pack + A_in + kernel + A_out + unpack (a run before
     2026-12-05 added the all-to-alls twice); C chunks pipelined hide part of the all-to-alls and
@@ -476,12 +504,14 @@ def test_smoke_keeps_the_options_the_caller_gave():
     (["kernels", "--smoke", "--kernels", "dense:sdpa*,sage8_glun"], "'sage8_glun' matches no kernel"),
     (["h3_fp8", "--smoke", "--compiled", "fp8tfst:sage8"], "--compiled entry 'fp8tfst:sage8' must be"),
     (["h3_fp8", "--smoke", "--compiled", "fp8:sage8@w4"], "--compiled entry 'fp8:sage8@w4' must be"),
+    (["h3_fp8", "--smoke", "--acc-compiled", "fp8fast:native"], "--acc-compiled entry 'fp8fast:native' must be"),
     (["job_model", "--budget-s", "5"], "--budget-s 5 would not be honoured"),
     (["job_model", "--steps", "-3"], "--steps=-3 must be >= 2"),
     (["job_model", "--paths", "foo"], "--paths entry 'foo' must be <linears>:<attention>:<mode>"),
     (["scaling", "--smoke", "--modeled", "--ranks", "0"],
      "argument --ranks: '0' must be comma-separated ints >= 1"),
-], ids=["kernels_none", "kernels_typo", "h3_fp8_compiled_typo", "h3_fp8_compiled_w4_attention", "job_model_budget", "job_model_steps", "job_model_paths",
+], ids=["kernels_none", "kernels_typo", "h3_fp8_compiled_typo", "h3_fp8_compiled_w4_attention",
+        "h3_fp8_acc_compiled_attention", "job_model_budget", "job_model_steps", "job_model_paths",
         "scaling_ranks"])
 def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
     """Each wrote rows of nonsense (negative forwards, zero rows with exit 0) or crashed with a
