@@ -273,6 +273,7 @@ def test_h3_fp8_accuracy_runs_the_compiled_paths_on_their_own_compiled_model(tmp
     assert comp["video_vs_eager_rel_l2"] < 1e-5 and comp["audio_vs_eager_rel_l2"] < 1e-5
     assert comp["video_rel_l2"] == pytest.approx(eager["video_rel_l2"], rel=1e-2, abs=1e-6)
     assert "block0_rel_l2" not in comp  # no hook inside a fullgraph block
+    assert comp["median_ms"] == comp["steps_ms"][-1] and len(comp["steps_ms"]) == 2  # the steady step
 
 
 def test_h3_fp8_w4_model_counts_each_all_to_all_once_and_pipelines_chunks():
