@@ -151,3 +151,72 @@ def test_engine_is_diffusers_model_stepped_by_minimax_h3_scheduler():
     err = max(float((compiled.latent[k] - result.latent[k]).abs().max()) for k in ("video", "audio"))
     assert err <= 1e-5, err
     handle.remove()
+
+
+def _engines(cfg, *compile_kwargs):
+    """One served engine per entry: None = eager, a dict = compile_blocks(**it)."""
+    from dist_attn import PhaseTimer
+    from dist_attn.distributed import DistEnv
+    from dist_attn.serve.h3.engine import Engine
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=CPU, backend=None, shared_gpu=False)
+    engines = []
+    for kwargs in compile_kwargs:
+        model = build_h3(cfg.model, device=CPU, dtype=torch.float32)
+        timer = PhaseTimer()
+        parallelize(model, backend="sdpa", timer=timer)
+        if kwargs is not None:
+            compile_blocks(model, **kwargs)
+        engines.append(Engine(cfg, env, model, timer, backend="sdpa", output_dir="unused"))
+    return engines
+
+
+def test_compiled_blocks_serve_several_geometries_within_dynamos_recompile_limit():
+    """Found 2026-12-06: compiled, enable_ulysses' input hooks on the blocks were Dynamo frames of
+    their own, one shared code object specialised on each hook's closure (hidden_states at
+    argument 0, adaln_indices at 2) and on the step's timestep count (1 at the first step, 2
+    after): four entries a geometry, so the second geometry hit recompile_limit (8) and, under
+    fullgraph, raised. The hooks now run eagerly between the compiled blocks: three geometries
+    fit torch's default limit, and the compiled engine computes what the eager one does."""
+    import torch._dynamo
+
+    from dist_attn.serve.jobs.requests import parse_request
+
+    torch._dynamo.reset()
+    cfg = load_config(None)
+    eager, compiled = _engines(cfg, None, {"backend": "eager"})  # Dynamo's guards, no code generation
+    with torch._dynamo.config.patch(recompile_limit=8):  # torch's default, not the server's
+        for frames, height, width in [(17, 64, 64), (17, 128, 64), (33, 64, 128)]:
+            req = parse_request({"frames": frames, "height": height, "width": width, "steps": 2, "seed": 1},
+                                cfg)
+            want, got = eager.run(req).latent, compiled.run(req).latent
+            for key in ("video", "audio"):
+                assert torch.equal(got[key], want[key]), (frames, height, width, key)
+    torch._dynamo.reset()
+
+
+def test_warm_up_leaves_nothing_to_compile_for_a_job_of_a_warmed_geometry():
+    """The launch's warm-up runs two steps: the first step's shapes (one distinct timestep) and
+    every later step's (two). A 3-step job of that geometry afterwards compiles nothing; one step
+    (the warm-up until 2026-12-06) left the job's second step to compile. compile_blocks raises
+    Dynamo's recompile limit to the server's (two entries a geometry)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from dist_attn.serve.config import apply_overrides
+    from dist_attn.serve.h3.model import SERVED_RECOMPILE_LIMIT
+    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.serve.launch.warmup import warm_up
+
+    torch._dynamo.reset()
+    cfg = apply_overrides(load_config(None), {"runtime.warmup_shapes": [[17, 64, 128]]})
+    counter = CompileCounter()
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored at the end
+        (engine,) = _engines(cfg, {"backend": counter})
+        assert torch._dynamo.config.recompile_limit == SERVED_RECOMPILE_LIMIT
+        (run,) = warm_up(engine, cfg)
+        warmed = counter.frame_count
+        assert warmed > 0 and run.seconds > 0
+        engine.run(parse_request({"frames": 17, "height": 64, "width": 128, "steps": 3, "seed": 2}, cfg))
+        assert counter.frame_count == warmed
+    torch._dynamo.reset()

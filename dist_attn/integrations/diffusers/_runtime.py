@@ -375,18 +375,29 @@ def _forward_hook(rt: Runtime):
     return hook
 
 
+def _eager(hook):
+    """``hook`` kept out of torch.compile. Under ``compile_repeated_blocks`` a block's hooks are
+    Dynamo frames of their own, and every hook made by one factory shares one code object: Dynamo
+    specialised it on each closure (the argument index, the shard point) and on the step's
+    shapes, four cache entries a geometry, so a second geometry hit ``recompile_limit`` (8) and,
+    under ``fullgraph``, raised. The hooks slice, check and gather on the host's terms; run
+    eagerly between the compiled blocks they cost what they cost before, minus the guards."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def install_hooks(rt: Runtime, model: nn.Module) -> None:
-    """Registers every hook of ``rt.spec`` on ``model``; their handles go to ``rt.handles``."""
+    """Registers every hook of ``rt.spec`` on ``model`` (each outside torch.compile: :func:`_eager`);
+    their handles go to ``rt.handles``."""
     subs = [(p, sub) for p in rt.spec.shards if p.module for _, sub in _submodules(model, p.module)]
     gathers = [(path, dim, sub) for path, dim in rt.spec.gathers for _, sub in _submodules(model, path)]
     hs = rt.handles
-    hs.append(model.register_forward_pre_hook(_forward_pre_hook(rt), with_kwargs=True))
+    hs.append(model.register_forward_pre_hook(_eager(_forward_pre_hook(rt)), with_kwargs=True))
     for point, sub in subs:
         if point.where == "output":
-            hs.append(sub.register_forward_hook(_output_hook(rt, point)))
+            hs.append(sub.register_forward_hook(_eager(_output_hook(rt, point))))
         else:
-            hs.append(sub.register_forward_pre_hook(_input_hook(rt, point), with_kwargs=True))
+            hs.append(sub.register_forward_pre_hook(_eager(_input_hook(rt, point)), with_kwargs=True))
     for path, dim, sub in gathers:
-        hs.append(sub.register_forward_hook(_gather_hook(rt, path, dim)))
+        hs.append(sub.register_forward_hook(_eager(_gather_hook(rt, path, dim))))
     # always_call: a forward that raised must not leave its plan for the next call.
-    hs.append(model.register_forward_hook(_forward_hook(rt), always_call=True))
+    hs.append(model.register_forward_hook(_eager(_forward_hook(rt)), always_call=True))

@@ -203,8 +203,9 @@ class RuntimeConfig:
     machine for a path that serves tests; ``true`` compiles there too. ``quality="lossless"``
     stays eager (its bf16 path bit for bit) and refuses ``true``."""
     warmup_shapes: tuple[tuple[int, int, int], ...] = ()
-    """Request geometries ``(frames, height, width)`` that every rank runs for one denoise step
-    at launch, before the HTTP server answers /health: compiles the blocks for those shapes and
+    """Request geometries ``(frames, height, width)`` that every rank runs for two denoise steps
+    (the first step's shapes and every later step's) at launch, before the HTTP server answers
+    /health: compiles the blocks for those shapes and
     JITs the attention and GEMM kernels, so no user request pays for it. Empty: none."""
     health_timeout_s: float = 10.0
     """/health reports not-ready when rank 0 has not heard from every rank for this long. Rank 0

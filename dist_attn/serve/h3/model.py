@@ -12,6 +12,7 @@ class is built (its own seeded initialisation, or a diffusers-format checkpoint)
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -21,7 +22,15 @@ from dist_attn.serve.config.sections import ModelConfig
 from dist_attn.serve.h3.transformer import h3_class
 from dist_attn.serve.h3.weights import load_checkpoint
 
-__all__ = ["build_h3", "compile_blocks", "fp32_module_names", "parallelize"]
+__all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_names", "parallelize"]
+
+log = logging.getLogger(__name__)
+
+#: Dynamo's ``recompile_limit`` while the served blocks are compiled (torch's default: 8). Each
+#: geometry takes two entries of the block's code (the first step has one distinct timestep,
+#: the later ones two), so the default let a server compile four geometries and then fail the
+#: fifth (fullgraph raises); 64 covers 32.
+SERVED_RECOMPILE_LIMIT = 64
 
 
 @contextlib.contextmanager
@@ -111,12 +120,25 @@ def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any 
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
-    """``torch.compile(fullgraph=True)`` of every transformer and refiner block, through diffusers'
-    own regional compilation (``compile_repeated_blocks``): the blocks share their code, so one
-    compilation serves every layer of a shape; dist_attn's attention is one opaque custom op in
-    the graph and enable_ulysses' per-block hooks trace with it. FP8 linears (torchao's
-    ``Float8Tensor`` weights) trace too: inductor fuses each activation's per-row amax, scale and
-    e4m3 cast around ``torch._scaled_mm``, but for the FFN's down projection, whose input the
-    fused SwiGLU kernel quantizes (an opaque custom op). Call it after the quantization (build_h3
-    does that)."""
+    """``torch.compile(fullgraph=True, dynamic=False)`` of every transformer and refiner block,
+    through diffusers' own regional compilation (``compile_repeated_blocks``): the blocks share
+    their code, so one compilation serves every layer of a shape; dist_attn's attention is one
+    opaque custom op in the graph, and enable_ulysses' hooks run eagerly between the blocks.
+    FP8 linears (torchao's ``Float8Tensor`` weights) trace too: inductor fuses each activation's
+    per-row amax, scale and e4m3 cast around ``torch._scaled_mm``, but for the FFN's down
+    projection, whose input the fused SwiGLU kernel quantizes (an opaque custom op). Call it
+    after the quantization (build_h3 does that).
+
+    ``dynamic=False`` (the benchmarks' setting; ``compile_kwargs`` may override it): each geometry
+    gets kernels specialised to its shapes, where Dynamo's default would recompile the second
+    geometry with symbolic ones. Raises Dynamo's ``recompile_limit`` to
+    :data:`SERVED_RECOMPILE_LIMIT` for the process (logged) so that the geometries a server meets
+    do not run out of cache entries."""
+    import torch._dynamo
+
+    if torch._dynamo.config.recompile_limit < SERVED_RECOMPILE_LIMIT:
+        log.info("torch._dynamo.config.recompile_limit %d -> %d: two entries a served geometry",
+                 torch._dynamo.config.recompile_limit, SERVED_RECOMPILE_LIMIT)
+        torch._dynamo.config.recompile_limit = SERVED_RECOMPILE_LIMIT
+    compile_kwargs.setdefault("dynamic", False)
     model.compile_repeated_blocks(fullgraph=True, **compile_kwargs)
