@@ -614,8 +614,8 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows) -> None:
                 twin = eager_latents[row["path"]]
                 row.update(video_vs_eager_rel_l2=_rel(lat["video"], twin["video"]),
                            audio_vs_eager_rel_l2=_rel(lat["audio"], twin["audio"]))
-            # compiled, the first steps compile (step 1 at batch 1, step 2 again at the guided batch
-            # of 2: one H100, 2026-12-06): the last step is the steady one
+            # compiled, the first two steps compile (step 1 has one distinct timestep, the later
+            # steps two: another shape; one H100, 2026-12-06): from --acc-steps 3 the last is steady
             steps = res.step_latency_ms
             row.update(status="ok", steps_ms=steps, used=res.tokens.used,
                        median_ms=statistics.median(steps) if mode == "eager" else steps[-1],
@@ -653,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--acc-steps", type=int, default=3)
     p.add_argument("--acc-compiled", default="fp8fast:sage8",
                    help="accuracy paths (linears:attention) also run with compiled blocks, as served on CUDA "
-                        "('' for none); each builds and compiles its own model, after the eager paths")
+                        "('' for none; whatever --modes says); each builds and compiles its own model, after "
+                        "the eager paths; its step ms is the last step's (steady from --acc-steps 3)")
     p.add_argument("--rounds", type=int, default=3,
                    help="passes over the compiled blocks and the w4 parts, each timing every path in turn "
                         "(median of the rounds' medians: a drift over the run falls on all paths alike)")

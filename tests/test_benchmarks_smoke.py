@@ -254,19 +254,27 @@ def test_h3_fp8_accuracy_runs_the_compiled_paths_on_their_own_compiled_model(tmp
     from benchmarks import h3_fp8
     from dist_attn.serve.h3 import model as h3_model
 
-    compiled = []
-    real = h3_model.compile_blocks
+    compiled, built = [], []
+    real, real_build = h3_model.compile_blocks, h3_model.build_h3
 
     def compile_blocks(model, **kwargs):
         compiled.append(model)
         real(model, backend="aot_eager")
+
+    def build_h3(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
     monkeypatch.setattr(h3_model, "compile_blocks", compile_blocks)
+    monkeypatch.setattr(h3_model, "build_h3", build_h3)
     h3_fp8.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--modes", "eager",
                  "--sections", "accuracy", "--acc-compiled", "fp8:sdpa,bf16:sage8"])
     rows = _check_result(tmp_path, "h3-fp8")["rows"]
     acc = {(r["path"], r["mode"]): r for r in rows if r["section"] == "accuracy"}
     eager, comp = acc["fp8:sdpa", "eager"], acc["fp8:sdpa", "compiled"]
     assert comp["status"] == "ok" and len(compiled) == 1  # sage8 has no CPU kernel: its row says why
+    # built: the block sections' model, the eager paths' one (quantized in place for fp8), and the
+    # compiled path's own
+    assert len(built) == 3 and compiled[0] is built[2]
     assert acc["bf16:sage8", "compiled"]["status"] == "unavailable"
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled[0].transformer_blocks)
     # the compiled model computes what the eager one does (aot_eager: the same kernels, regrouped)
@@ -319,8 +327,11 @@ def test_overlapped_model_starts_the_first_all_to_all_after_the_first_pack_call(
 
     # in_end = [0.1 + 1, max(1.1, 0.2) + 1]; kernels [max(0.2, 1.1) + 0.5, max(1.6, 2.1) + 0.5]
     assert overlapped_ms([(1, 0.1), (1, 0.1)], [0.0, 0.0], 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(2.6)
-    # a slow second pack call holds back chunk 1's input and every kernel
+    # a slow second pack call holds back chunk 1's input
     assert overlapped_ms([(1, 0.1), (1, 3.0)], [0.0, 0.0], 2.0, 0.0, [0.5, 0.5], [1, 1]) == pytest.approx(4.6)
+    # ... and chunk 0's kernel too, though its input is there at 0.1: the kernels queue behind
+    # every pack call on the compute stream (3.1 + 1.0 + 0.1, not max(0.1 + 1.0, 3.1) + 0.1)
+    assert overlapped_ms([(1, 0.1), (1, 3.0)], [0.0, 0.0], 0.0, 0.0, [1.0, 0.1], [1, 1]) == pytest.approx(4.2)
     with pytest.raises(ValueError, match="cover 1 chunks"):
         overlapped_ms([(1, 0.1)], [0.0, 0.0], 2.0, 0.0, [0.5, 0.5], [1, 1])
 

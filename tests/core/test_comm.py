@@ -73,6 +73,25 @@ def test_a_run_whose_chunks_do_not_follow_one_another_is_packed_chunk_by_chunk()
     assert torch.equal(send, _reference_send(q, k, v, picked))
 
 
+def test_h3s_run_of_three_chunks_is_packed_without_the_per_chunk_loop(monkeypatch):
+    """The (4, 4, 4) run of H3's waves split goes through the one-view path: with the per-chunk
+    loop (pack_qkv) made to fail, the run still packs, and packs what the reference does."""
+    from dist_attn import comm
+
+    plan = make_plan(world=4, rank=0, s_local=3, folded_heads=56, head_dim=8, overlap_chunks=4,
+                     waves=KernelWaves(594, 396))
+    q, k, v = (torch.randn(1, 3, 56, 8).to(torch.bfloat16) for _ in range(3))
+    run = plan.chunks[1:4]
+    want = _reference_send(q, k, v, run)
+
+    def loop(*args):
+        raise AssertionError("the per-chunk loop packed a run the strided view covers")
+    monkeypatch.setattr(comm, "pack_qkv", loop)
+    send = torch.full_like(want, float("nan"))
+    comm.pack_qkv_chunks(q, k, v, send, [c.head_ranges for c in run])
+    assert torch.equal(send, want)
+
+
 def test_h3s_chunks_after_the_first_are_one_strided_view():
     """H3 at W = 4 with sage8's waves: the runs (2) and (4, 4, 4) each read as one strided view per
     role (three copies a call), the reason the runs exist; a batch of 2 needs the loop."""

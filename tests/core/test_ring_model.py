@@ -54,3 +54,23 @@ def test_script_writes_the_report(tmp_path):
     md = open(paths["md"]).read()
     assert "MODELED" in md and "| 2 hosts: U8 x R2 |" in md
     assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chunked_ulysses_sends_the_first_chunk_while_the_rest_is_packed():
+    """Two 7-head chunks at Ulysses 4 (one host): the first chunk is packed alone and its input
+    all-to-all leaves at half the pack; the kernels queue behind the whole pack; the unpacks queue
+    behind the last kernel, chunk 0's while chunk 1's output travels. Hand timeline, pack made slow."""
+    slow = Params(copy_gbs=20.0)
+    row = model_layer(LayoutSpec("x", 4, 1, 8), seq=SEQ, used=USED, heads=H, head_dim=D, chunks=2,
+                      ring_overlap=True, params=slow)
+    assert row["effective_chunks"] == 2 and row["heads"] == 14
+    pack, a_in, k, a_out, unpack = (row[x] for x in ("pack", "a2a_in", "kernel", "a2a_out", "unpack"))
+    in0 = pack / 2 + a_in / 2
+    in1 = max(in0, pack) + a_in / 2
+    k0 = max(pack, in0) + k / 2
+    k1 = max(k0, in1) + k / 2
+    out0 = max(in1, k0) + a_out / 2
+    out1 = max(out0, k1) + a_out / 2
+    u0 = max(k1, out0) + unpack / 2
+    assert row["total_ms"] == pytest.approx(max(u0, out1) + unpack / 2)
+    assert in0 < pack  # the case the pack calls change: chunk 0's input left before the pack ended

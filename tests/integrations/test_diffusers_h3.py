@@ -288,7 +288,7 @@ def _compile_worker(rank, world):
     # exercised on the GPU (benchmarks/h3_model.py's compiled rows)
     counter = CompileCounterWithBackend("aot_eager")
     # diffusers' own regional compilation: every MiniMaxH3TransformerBlock (and refiner block)
-    # under torch.compile(fullgraph=True); enable_ulysses' hooks on the blocks trace with them.
+    # under torch.compile(fullgraph=True); enable_ulysses' hooks run eagerly between them.
     model.compile_repeated_blocks(fullgraph=True, backend=counter)
     first = _outputs(model, inputs)
     frames = counter.frame_count

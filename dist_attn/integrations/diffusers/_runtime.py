@@ -127,9 +127,8 @@ def _submodules(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 
 
 def _cut(rt: Runtime, x: torch.Tensor, point: ShardPoint, item: int | None = None) -> torch.Tensor:
-    """This rank's rows of ``x`` under the forward's plan. Messages are built only on the error
-    paths: the hooks of a block run inside ``torch.compile(block)`` too, and trace as a narrow
-    and a pad."""
+    """This rank's rows of ``x`` under the forward's plan (a narrow and a pad). Messages are built
+    only on the error paths. The hooks run eagerly, outside ``torch.compile(block)`` (:func:`_eager`)."""
     shard = rt.shard if rt.shard is not None else rt.current(_where(point, item))
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{_where(point, item)} should be a tensor carrying the sequence, got "
