@@ -611,13 +611,15 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
                     hook.remove()
                 handle.remove()
             lat = res.latent
-            if state["ref"] is None and mode == "eager":  # bf16:sdpa, the first eager path
+            if row["path"] == "bf16:sdpa" and mode == "eager":  # the reference, the first eager path
                 state["ref"] = lat
             ref = state["ref"]
             if mode == "eager":
                 eager_latents[row["path"]] = lat
-                ref_block0 = block0[0] if ref_block0 is None else ref_block0
-                row["block0_rel_l2"] = _rel(block0[0], ref_block0)
+                if row["path"] == "bf16:sdpa":
+                    ref_block0 = block0[0]
+                if ref_block0 is not None:
+                    row["block0_rel_l2"] = _rel(block0[0], ref_block0)
             elif row["path"] in eager_latents:  # what compiling changes, beside the eager run
                 twin = eager_latents[row["path"]]
                 row.update(video_vs_eager_rel_l2=_rel(lat["video"], twin["video"]),
@@ -664,8 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--acc-steps", type=int, default=3)
     p.add_argument("--acc-compiled", default="fp8fast:sage8",
                    help="accuracy paths (linears:attention) also run with compiled blocks, as served on CUDA "
-                        "('' for none; whatever --modes says); each builds and compiles its own model, after "
-                        "the eager paths; its step ms is the last step's (steady from --acc-steps 3)")
+                        "('' for none; whatever --modes says); each builds and compiles its own model, at the "
+                        "end of the run (needs ~3 x --compile-reserve-s of budget left); its step ms is the "
+                        "last step's (steady from --acc-steps 3)")
     p.add_argument("--rounds", type=int, default=3,
                    help="passes over the compiled blocks and the w4 parts, each timing every path in turn "
                         "(median of the rounds' medians: a drift over the run falls on all paths alike)")

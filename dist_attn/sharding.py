@@ -128,7 +128,10 @@ def shard_rows(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1) -> torch.
     if shard.local_valid < shard.local_len:
         pad = [0, 0] * (x.ndim - 1 - dim) + [0, shard.local_len - shard.local_valid]
         return F.pad(rows, pad)
-    return rows.contiguous()
+    # a copy with standard strides: ``.contiguous()`` keeps a narrow of [1, S, C] as the view
+    # (its size-1 dim's stride S*C is not checked), and torch.compile specialises on that stride,
+    # one more cache entry for a compiled block fed the cut rows than for the next block
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 def gather_sequence(x_local: torch.Tensor, shard: SequenceShard, group=None, *,

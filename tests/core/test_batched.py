@@ -232,7 +232,8 @@ def _compile_group_worker(rank, world):
         ("module_mesh", UlyssesSageAttention(3, D, mesh=mesh, backend="sdpa")),
         ("function_group", lambda q, k, v, valid_len: ulysses_attention(
             q, k, v, valid_len=valid_len, group=unregistered, backend="sdpa")),
-        # the gather a diffusers hook runs after the blocks: group_size_and_rank traced with an
+        # the gather a diffusers hook runs after the blocks (the hook itself runs eagerly since
+        # 2026-12-06; a user may still compile the gather): group_size_and_rank traced with an
         # explicit group (check_group's first sentinel compare was untraceable)
         ("gather_group", lambda q, k, v, valid_len: gather_sequence(
             ulysses_attention(q, k, v, valid_len=valid_len, group=group, backend="sdpa"),

@@ -27,9 +27,10 @@ __all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_
 log = logging.getLogger(__name__)
 
 #: Dynamo's ``recompile_limit`` while the served blocks are compiled (torch's default: 8). Each
-#: geometry takes two entries of the block's code (the first step has one distinct timestep,
-#: the later ones two), so the default let a server compile four geometries and then fail the
-#: fifth (fullgraph raises); 64 covers 32.
+#: sequence length takes two entries of the block's code (the first step has one distinct
+#: timestep, the later ones two): a geometry, and for video jobs also each prompt's token
+#: count, since the text rows are part of the sequence. The default let a server compile four
+#: lengths and fail the fifth (fullgraph raises); 64 covers 32, on every rank alike.
 SERVED_RECOMPILE_LIMIT = 64
 
 
@@ -132,13 +133,16 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     ``dynamic=False`` (the benchmarks' setting; ``compile_kwargs`` may override it): each geometry
     gets kernels specialised to its shapes, where Dynamo's default would recompile the second
     geometry with symbolic ones. Raises Dynamo's ``recompile_limit`` to
-    :data:`SERVED_RECOMPILE_LIMIT` for the process (logged) so that the geometries a server meets
-    do not run out of cache entries."""
+    :data:`SERVED_RECOMPILE_LIMIT` for the whole process, never lowers it, never restores it
+    (logged as a warning), so that the sequence lengths a server meets do not run out of cache
+    entries before the 33rd."""
     import torch._dynamo
 
-    if torch._dynamo.config.recompile_limit < SERVED_RECOMPILE_LIMIT:
-        log.info("torch._dynamo.config.recompile_limit %d -> %d: two entries a served geometry",
-                 torch._dynamo.config.recompile_limit, SERVED_RECOMPILE_LIMIT)
-        torch._dynamo.config.recompile_limit = SERVED_RECOMPILE_LIMIT
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    if getattr(config, name) < SERVED_RECOMPILE_LIMIT:
+        log.warning("compile_blocks: torch._dynamo.config.%s %d -> %d for this process (two entries "
+                    "a served sequence length)", name, getattr(config, name), SERVED_RECOMPILE_LIMIT)
+        setattr(config, name, SERVED_RECOMPILE_LIMIT)
     compile_kwargs.setdefault("dynamic", False)
     model.compile_repeated_blocks(fullgraph=True, **compile_kwargs)
