@@ -73,6 +73,17 @@ def test_lossless_refuses_fp8_and_high_admits_it():
     assert len(failures) == 1 and failures[0].startswith("linear layers: model.linear_precision='fp8'")
 
 
+def test_warmup_steps_must_fit_serve_max_steps():
+    """The warm-up runs two steps a geometry (the first step's shapes, then every later step's):
+    a max_steps of 1 is refused when the config loads, not at the launch's warm-up."""
+    with pytest.raises(ValueError, match=r"runtime.warmup_shapes=\[\[22, 128, 192\]\] are warmed for 2 "
+                                         r"steps each, which exceeds serve.max_steps=1"):
+        apply_overrides(load_config(None), {"runtime.warmup_shapes": [[22, 128, 192]], "serve.max_steps": 1,
+                                            "request.steps": 1})
+    # without warm-up shapes a max_steps of 1 stands
+    assert apply_overrides(load_config(None), {"serve.max_steps": 1, "request.steps": 1}).serve.max_steps == 1
+
+
 def test_warmup_shapes_rules():
     assert RuntimeConfig(warmup_shapes=[[22, 128, 192]]).warmup_shapes == ((22, 128, 192),)
     with pytest.raises(ValueError, match=r"runtime.warmup_shapes=\[\[22, 128\]\] must be a list "

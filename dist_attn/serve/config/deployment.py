@@ -12,7 +12,7 @@ from dist_attn.plan import heads_per_rank
 from dist_attn.serve.config.fields import field_error, steps_rule
 from dist_attn.serve.config.jobs import JobsConfig
 from dist_attn.serve.config.quality import tier_linear_rule
-from dist_attn.serve.config.sections import (ModelConfig, ParallelConfig, RequestConfig,
+from dist_attn.serve.config.sections import (WARMUP_STEPS, ModelConfig, ParallelConfig, RequestConfig,
                                              RuntimeConfig, ServeConfig, registered_backend)
 from dist_attn.serve.config.tokens import PackedLayout, TokenConfig, request_layout
 
@@ -68,7 +68,12 @@ class Config:
 
     def _check_warmup_shapes(self) -> None:
         """Each ``runtime.warmup_shapes`` geometry must be a valid request (H3's frame and size
-        rules, ``serve.max_tokens``): a ValueError names the entry."""
+        rules, ``serve.max_tokens``, and the warm-up's ``WARMUP_STEPS`` within
+        ``serve.max_steps``): a ValueError names the entry."""
+        rule = steps_rule(WARMUP_STEPS, self.serve.max_steps)
+        if self.runtime.warmup_shapes and rule:
+            raise field_error("RuntimeConfig", "warmup_shapes", [list(s) for s in self.runtime.warmup_shapes],
+                              f"are warmed for {WARMUP_STEPS} steps each, which {rule}")
         for i, (frames, height, width) in enumerate(self.runtime.warmup_shapes):
             try:
                 rule = self.rows_rule(self.layout(frames=frames, height=height, width=width))

@@ -23,8 +23,13 @@ __all__ = [
     "RequestConfig",
     "ServeConfig",
     "registered_backend",
+    "WARMUP_STEPS",
     "warmup_shapes_rule",
 ]
+
+#: Denoise steps the launch's warm-up runs of each ``runtime.warmup_shapes`` geometry: the first
+#: step's shapes (video and audio share one timestep) and every later step's (two).
+WARMUP_STEPS = 2
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 

@@ -22,14 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from dist_attn.serve.config.deployment import Config
+from dist_attn.serve.config.sections import WARMUP_STEPS
 from dist_attn.serve.jobs.requests import Request, parse_request
 
 __all__ = ["WARMUP_STEPS", "WarmupRun", "warm_up", "warmup_request"]
 
 log = logging.getLogger(__name__)
-
-#: Denoise steps a warm-up runs: the first step's shapes and every later step's.
-WARMUP_STEPS = 2
 
 
 @dataclass(kw_only=True, frozen=True)
