@@ -118,7 +118,9 @@ def shard_rows(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1) -> torch.
         dim: the sequence axis.
 
     Returns:
-        ``shard.local_len`` rows along ``dim`` (a fresh contiguous tensor; ``x`` is not modified).
+        ``shard.local_len`` rows along ``dim``, contiguous with standard strides: a view of ``x``
+        when no padding is needed and the rows are contiguous already, else a fresh tensor (``x``
+        is not modified).
     """
     dim = _seq_axis(dim, x, "x")
     if x.shape[dim] != shard.valid_len:
@@ -128,10 +130,11 @@ def shard_rows(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1) -> torch.
     if shard.local_valid < shard.local_len:
         pad = [0, 0] * (x.ndim - 1 - dim) + [0, shard.local_len - shard.local_valid]
         return F.pad(rows, pad)
-    # a copy with standard strides: ``.contiguous()`` keeps a narrow of [1, S, C] as the view
-    # (its size-1 dim's stride S*C is not checked), and torch.compile specialises on that stride,
-    # one more cache entry for a compiled block fed the cut rows than for the next block
-    return rows.clone(memory_format=torch.contiguous_format)
+    # standard strides without a copy: ``.contiguous()`` keeps a narrow of [1, S, C] as it is (its
+    # size-1 dim's stride S*C is not checked) and torch.compile specialises on that stride, one more
+    # cache entry for a compiled block fed the cut rows; ``view`` recomputes the strides
+    rows = rows.contiguous()
+    return rows.view(rows.shape)
 
 
 def gather_sequence(x_local: torch.Tensor, shard: SequenceShard, group=None, *,

@@ -7,8 +7,7 @@ all-to-all returns the output shard in the caller's layout. With ``overlap_chunk
 are cut into C chunks whose all-to-alls are issued asynchronously, so chunk c+1's transfer runs
 while chunk c's kernel does; the first chunk is packed alone and sent while the others are packed
 (``UlyssesPlan.pack_runs``: with batch 1 and H divisible by W, one copy per role for each run of
-equally wide chunks); when the
-attention backend says how its kernel fills the GPU
+equally wide chunks); when the attention backend says how its kernel fills the GPU
 (``kernel_waves``), the chunks' widths are the split whose kernel calls take the fewest waves
 (:func:`dist_attn.plan.chunk_widths`). Under ``torch.compile`` the whole call is one opaque custom op.
 
