@@ -46,7 +46,7 @@ __all__ = ["UlyssesSageAttention", "ulysses_attention"]
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
                       max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
-                      valid_len: int | None = None, group=None, mesh=None, backend: str = "auto",
+                      valid_len: int | torch.Tensor | None = None, group=None, mesh=None, backend: str = "auto",
                       softmax_scale: float | None = None, num_heads: int | None = None,
                       head_dim: int | None = None, buffers: StagingBuffers | None = None,
                       timer: PhaseTimer | None = None, overlap_chunks: int = 1) -> torch.Tensor:
@@ -68,7 +68,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             how the kernel fills their GPUs with one all-reduce of six integers, which the host
             reads (through the device under NCCL).
         valid_len: rows ``>= valid_len`` of the global sequence are padding: never attended, and
-            exactly zero in the output. None = no padding.
+            exactly zero in the output. None = no padding. A Python int, or a one-element
+            int32/int64 tensor on the CPU (read on the host, no device sync): under
+            ``torch.compile`` an int is a constant of the graph, so each new value recompiles,
+            while a tensor is a graph input whose value may change from call to call.
         group: process group (None = the default group; no group initialised = local attention).
         mesh: a 2-D ``DeviceMesh`` with dims ``("ring", "ulysses")`` for Ulysses x Ring; not
             together with ``group``. Ring size > 1 needs a backend that returns a log-sum-exp.
@@ -97,10 +100,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         check_group(group)  # before compile_key reads it
         if isinstance(cu_seqlens, (list, tuple)):
             cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
+        # A CPU tensor valid_len is a graph input (its value may change without a recompile);
+        # an int is a constant of the graph.
+        valid_host = valid_len if isinstance(valid_len, torch.Tensor) else None
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
-            max_seqlen, valid_len, compile_key(group, mesh), backend, softmax_scale, num_heads, head_dim,
-            overlap_chunks)
+            max_seqlen, None if valid_host is not None else valid_len, valid_host,
+            compile_key(group, mesh), backend, softmax_scale, num_heads, head_dim, overlap_chunks)
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
                     num_heads=num_heads, head_dim=head_dim, buffers=buffers, timer=timer,
@@ -271,10 +277,12 @@ def _agreed_waves(ask: Callable[[], KernelWaves | None], be, *, key: tuple, grou
 @torch.library.custom_op("dist_attn::ulysses_attention", mutates_args=())
 def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
                 cu_seqlens_host: Optional[list[int]], max_seqlen: Optional[int],
-                valid_len: Optional[int], group_key: str, backend: str,
-                softmax_scale: Optional[float], num_heads: Optional[int], head_dim: Optional[int],
-                overlap_chunks: int) -> torch.Tensor:
+                valid_len: Optional[int], valid_len_host: Optional[torch.Tensor], group_key: str,
+                backend: str, softmax_scale: Optional[float], num_heads: Optional[int],
+                head_dim: Optional[int], overlap_chunks: int) -> torch.Tensor:
     group, mesh = resolve_compile_key(group_key)
+    if valid_len_host is not None:
+        valid_len = valid_len_host
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend,
                     softmax_scale=softmax_scale, num_heads=num_heads, head_dim=head_dim,
@@ -282,8 +290,8 @@ def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: O
 
 
 @_ulysses_op.register_fake
-def _(q, k, v, cu_seqlens, cu_seqlens_host, max_seqlen, valid_len, group_key, backend,
-      softmax_scale, num_heads, head_dim, overlap_chunks):
+def _(q, k, v, cu_seqlens, cu_seqlens_host, max_seqlen, valid_len, valid_len_host, group_key,
+      backend, softmax_scale, num_heads, head_dim, overlap_chunks):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -338,7 +346,7 @@ class UlyssesSageAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
                 max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
-                valid_len: int | None = None) -> torch.Tensor:
+                valid_len: int | torch.Tensor | None = None) -> torch.Tensor:
         compiling = torch.compiler.is_compiling()
         return ulysses_attention(
             q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len, group=self.group,

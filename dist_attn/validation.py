@@ -129,10 +129,29 @@ def _is_int(x) -> bool:
 
 
 def check_valid_len_type(valid_len) -> None:
-    """``valid_len`` is None or a Python int (its range is checked against the packed length)."""
+    """``valid_len`` is None, a Python int, or a one-element integer tensor on the CPU (its range
+    is checked against the packed length). Reads no tensor value: under torch.compile the tensor
+    is a graph input whose value is not known while tracing."""
+    if isinstance(valid_len, torch.Tensor):
+        if valid_len.device.type != "cpu" or valid_len.dtype not in (torch.int32, torch.int64) \
+                or valid_len.numel() != 1:
+            raise TypeError(
+                f"valid_len=tensor(shape {tuple(valid_len.shape)}, {valid_len.dtype}, on "
+                f"{valid_len.device}) must hold one int32/int64 value on the CPU (read on the host "
+                "without a device sync); pass a Python int otherwise")
+        return
     if valid_len is not None and not _is_int(valid_len):
         raise TypeError(f"valid_len={valid_len!r} must be a Python int (rows of the global packed "
-                        "sequence that are not padding) or None")
+                        "sequence that are not padding), a one-element integer CPU tensor, or None")
+
+
+def host_valid_len(valid_len) -> int | None:
+    """``valid_len`` (checked by :func:`check_valid_len_type`) as a Python int or None; a CPU
+    tensor is read on the host."""
+    check_valid_len_type(valid_len)
+    if isinstance(valid_len, torch.Tensor):
+        return int(valid_len.reshape(()).item())
+    return valid_len
 
 
 def check_op_scalars(*, valid_len, max_seqlen, num_heads, head_dim, softmax_scale,

@@ -24,7 +24,7 @@ import torch
 
 from dist_attn.backends import AttentionBackend, default_softmax_scale, resolve_backend
 from dist_attn.validation import (as_host_int, check_bounds, check_no_grad, check_qkv,
-                                  check_softmax_scale, check_valid_len_type, host_bounds)
+                                  check_softmax_scale, host_bounds, host_valid_len)
 
 __all__ = ["SegmentLayout", "segment_layout", "sage_varlen", "trailing_padding_used_len",
            "attend_varlen"]
@@ -65,7 +65,7 @@ def segment_layout(bounds: Sequence[int], *, total: int, valid_len=None, max_seq
         max_seqlen: None, or an int that is at least the longest clipped segment.
         src: the argument name the bounds came from (for messages).
     """
-    check_valid_len_type(valid_len)
+    valid_len = host_valid_len(valid_len)
     if valid_len is None:
         valid_len = total
     elif not 1 <= valid_len <= total:

@@ -48,7 +48,7 @@ from typing import Iterator
 
 from torch import nn
 
-from dist_attn import SequenceShard, plan_shard
+from dist_attn import SequenceShard
 from dist_attn.backends import available_backends
 from dist_attn.distributed import group_size_and_rank, register_for_compile
 from dist_attn.integrations.diffusers._runtime import Runtime, install_hooks
@@ -61,7 +61,7 @@ from dist_attn.integrations.diffusers._vae_decode import (DecodeStats, ParallelD
 from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.profiling import PhaseTimer
-from dist_attn.validation import check_overlap_chunks
+from dist_attn.validation import check_overlap_chunks, positive_int
 
 __all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "UlyssesHandle",
            "disable_ulysses", "enable_parallel_decode", "enable_ulysses", "quantize_linears",
@@ -113,7 +113,7 @@ class UlyssesHandle:
         rt = self.runtime
         if rt.shard is not None:
             raise RuntimeError("handle.sequence() inside a forward of the transformer")
-        rt.shard = plan_shard(seq_len, rt.group)
+        rt.plan(seq_len)
         try:
             yield rt.shard
         finally:
@@ -141,7 +141,7 @@ class UlyssesHandle:
 
 
 def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: str = "auto",
-                   timer=None, overlap_chunks: int = 1) -> UlyssesHandle:
+                   timer=None, overlap_chunks: int = 1, sequence_bucket: int = 1) -> UlyssesHandle:
     """Makes ``transformer`` sequence-parallel over the ranks of ``group`` (or ``mesh``), in place.
 
     Afterwards every rank calls ``transformer(...)`` (or the pipeline that owns it) with the same
@@ -166,6 +166,13 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
         overlap_chunks: C > 1 cuts each attention call's heads into C chunks whose all-to-alls
             run under the other chunks' kernels (see :func:`dist_attn.ulysses_attention`); 1 =
             the plain path. The output is the same up to the kernel's per-head arithmetic.
+        sequence_bucket: the packed sequence of S rows is padded at its end (rows never
+            attended, dropped from the output) to a multiple of ``W * ceil(sequence_bucket / W)``
+            rows (``sequence_bucket`` itself when W divides it; 1 = to a multiple of W only). For
+            blocks under ``torch.compile(dynamic=False)``: every S of one bucket gives the blocks
+            the same shapes, and the true length reaches the compiled attention as a tensor, so
+            a bucket compiles once, where each S would compile again (H3's S holds the prompt's
+            token count). Costs up to ``sequence_bucket - 1`` rows of work outside the attention.
 
     Returns:
         A :class:`UlyssesHandle`; ``handle.remove()`` (or leaving ``with handle:``) restores the
@@ -191,6 +198,7 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
     if timer is not None and not isinstance(timer, PhaseTimer):
         raise TypeError(f"timer={timer!r} must be a dist_attn.PhaseTimer or None")
     check_overlap_chunks(overlap_chunks)
+    positive_int("sequence_bucket", sequence_bucket)
     group_size_and_rank(group)  # a group without torch.distributed raises here, naming it
     check_mesh_or_group(mesh, group)
     if mesh is not None:
@@ -226,7 +234,7 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
     # Compiled attention names its group by a key that must be entered outside the traced code.
     register_for_compile(group, mesh)
     runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer,
-                      overlap_chunks=overlap_chunks)
+                      overlap_chunks=overlap_chunks, sequence_bucket=int(sequence_bucket))
     handle = UlyssesHandle(transformer=transformer, runtime=runtime)
     install_hooks(runtime, transformer)
     for _, attn in attns:
@@ -234,8 +242,8 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
         attn.set_processor(spec.make_processor(runtime))
     setattr(transformer, _HANDLE_ATTR, handle)
     logger.info("enable_ulysses: %s, %d self-attention modules through dist_attn (backend=%r, "
-                "overlap_chunks=%d, %s)", type(transformer).__name__, len(attns), backend,
-                overlap_chunks, parallel_groups(mesh=mesh, group=group).desc)
+                "overlap_chunks=%d, sequence_bucket=%d, %s)", type(transformer).__name__, len(attns),
+                backend, overlap_chunks, sequence_bucket, parallel_groups(mesh=mesh, group=group).desc)
     return handle
 
 

@@ -1,7 +1,8 @@
 """The hooks of an enabled transformer: one sequence plan per forward, shard once, gather once.
 
 Every rank calls the transformer with the FULL inputs. The forward pre-hook checks them (once
-across the ranks, then locally), plans the shard of the S-token sequence (padded to a multiple of W)
+across the ranks, then locally), plans the shard of the S-token sequence (padded at its end to a multiple of W, or of the
+sequence bucket)
 and cuts the per-token forward arguments; the submodule hooks cut every other tensor that carries
 the sequence (hidden states entering the first block, RoPE tables, per-row index tensors) to this
 rank's rows and gather the output projections back to all S rows; the forward hook closes the plan.
@@ -54,6 +55,13 @@ _FINGERPRINT_RTOL = 1e-5
 _PER_RANK_CACHES = ("FirstBlockCacheConfig", "SeaCacheConfig")
 
 
+def _host_scalar() -> torch.Tensor:
+    """A 0-d int64 CPU tensor that may be filled in place inside and outside inference mode
+    (created under inference mode it would be an inference tensor, read-only outside it)."""
+    with torch.inference_mode(False):
+        return torch.zeros((), dtype=torch.int64)
+
+
 @dataclass(kw_only=True)
 class Runtime:
     """The state one enabled transformer shares between its hooks and processors."""
@@ -71,6 +79,13 @@ class Runtime:
     """Optional :class:`~dist_attn.profiling.PhaseTimer` handed to every eager attention call."""
     overlap_chunks: int = 1
     """Head chunks each attention call pipelines against its all-to-alls (1 = the plain path)."""
+    sequence_bucket: int = 1
+    """Rows the packed sequence is padded to a multiple of, with W: each rank's rows are a multiple
+    of ``ceil(sequence_bucket / W)`` (:func:`plan_shard`'s ``multiple_of``)."""
+    valid_len_host: torch.Tensor = field(default_factory=lambda: _host_scalar())
+    """The forward in flight's ``valid_len`` as a CPU tensor, refilled in place by every forward:
+    compiled attention reads it as a graph input, so sequences of one padded length share one
+    compiled graph whatever their true length."""
     world_size: int = 1
     """W of the forward in flight (read from the group at each forward: the group may be
     initialised after enable_ulysses)."""
@@ -78,6 +93,14 @@ class Runtime:
     """The plan of the forward in flight; None outside a forward."""
     handles: list = field(default_factory=list)
     """The ``RemovableHandle`` of every hook registered on the transformer."""
+
+    def plan(self, seq_len: int) -> SequenceShard:
+        """Plans the forward's sequence of ``seq_len`` rows (padded to W and the bucket) and
+        refills :attr:`valid_len_host`; returns the plan, also kept in :attr:`shard`."""
+        _, world, _ = group_size_and_rank(self.group)
+        self.shard = plan_shard(seq_len, self.group, multiple_of=-(-self.sequence_bucket // world))
+        self.valid_len_host.fill_(seq_len)
+        return self.shard
 
     def current(self, where: str) -> SequenceShard:
         """The plan of the forward in flight, or a clear error when called outside one."""
@@ -101,9 +124,13 @@ class Runtime:
             ``[B, S_local, H, D]`` in q's dtype; padding rows are exactly zero.
         """
         shard = self.current(where)
-        # A PhaseTimer cannot cross torch.compile's custom-op boundary (it is host state).
-        timer = None if torch.compiler.is_compiling() else self.timer
-        return ulysses_attention(q, k, v, valid_len=shard.valid_len,
+        compiling = torch.compiler.is_compiling()
+        # A PhaseTimer cannot cross torch.compile's custom-op boundary (it is host state); an int
+        # valid_len would be a constant of the compiled graph, guarded on: each prompt length of
+        # a padded length would compile again.
+        timer = None if compiling else self.timer
+        valid_len = self.valid_len_host if compiling else shard.valid_len
+        return ulysses_attention(q, k, v, valid_len=valid_len,
                                  group=self.group if self.mesh is None else None, mesh=self.mesh,
                                  backend=self.backend, timer=timer,
                                  overlap_chunks=self.overlap_chunks)
@@ -355,7 +382,7 @@ def _forward_pre_hook(rt: Runtime):
                 f"heads, fewer than the W={groups.ulysses_size} ranks of {groups.desc}; each rank "
                 f"needs one"
             )
-        rt.shard = plan_shard(inputs.seq_len, rt.group)
+        rt.plan(inputs.seq_len)
         logger.debug("S=%d tokens over W=%d ranks: %d rows each, %d padding rows", rt.shard.valid_len,
                      rt.world_size, rt.shard.local_len, rt.shard.total_len - rt.shard.valid_len)
         for point in spec.shards:

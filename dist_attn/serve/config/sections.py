@@ -23,6 +23,7 @@ __all__ = [
     "RequestConfig",
     "ServeConfig",
     "registered_backend",
+    "COMPILED_SEQUENCE_BUCKET",
     "WARMUP_STEPS",
     "warmup_shapes_rule",
 ]
@@ -30,6 +31,13 @@ __all__ = [
 #: Denoise steps the launch's warm-up runs of each ``runtime.warmup_shapes`` geometry: the first
 #: step's shapes (video and audio share one timestep) and every later step's (two).
 WARMUP_STEPS = 2
+
+#: ``runtime.sequence_bucket = "auto"`` with compiled blocks: rows the packed sequence is padded
+#: to a multiple of. A video job's sequence holds its prompt's tokens, so without buckets every
+#: prompt length compiled the blocks anew (and the 33rd failed its job). Prompts of 1 to 512
+#: tokens fall in at most two buckets of a geometry, for at most 511 padding rows (1.3% of H3's
+#: 37,980 at h3-ref) of work outside the attention, which never computes them.
+COMPILED_SEQUENCE_BUCKET = 512
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -212,6 +220,18 @@ class RuntimeConfig:
     (the first step's shapes and every later step's) at launch, before the HTTP server answers
     /health: compiles the blocks for those shapes and
     JITs the attention and GEMM kernels, so no user request pays for it. Empty: none."""
+    sequence_bucket: int | Literal["auto"] = "auto"
+    """Rows the packed sequence is padded to a multiple of (at its end; padding rows are never
+    attended and are dropped from the output), so that compiled blocks see one shape per bucket
+    and compile once for every prompt length in it; the true length reaches the compiled
+    attention as a tensor. ``"auto"``: 512 when the blocks are compiled, else 1 (a multiple of
+    the world size only). Under ``quality="lossless"`` only 1 or ``"auto"``: padding changes
+    each rank's row count, which may change how the GEMMs round."""
+    warmup_prompt_tokens: int = 512
+    """With compiled blocks, the warm-up covers prompts of 1 to this many tokens: it runs every
+    sequence bucket a ``warmup_shapes`` geometry reaches with them (one or two at the default
+    bucket), and the stand-in's ``tokens.text_tokens``. A longer prompt's first job may compile.
+    At most 8 buckets' worth (``8 * sequence_bucket``) when the bucket is given."""
     health_timeout_s: float = 10.0
     """/health reports not-ready when rank 0 has not heard from every rank for this long. Rank 0
     hears from all ranks at every heartbeat and after every denoise step, so this must exceed one
@@ -240,6 +260,21 @@ class RuntimeConfig:
         rule = tier_compile_rule(self.quality, self.compile)
         if rule:
             raise field_error("RuntimeConfig", "compile", self.compile, rule)
+        bucket = self.sequence_bucket
+        if bucket != "auto" and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+            raise field_error("RuntimeConfig", "sequence_bucket", bucket,
+                              "must be a positive integer (rows) or \"auto\"")
+        if self.quality == "lossless" and bucket not in ("auto", 1):
+            raise field_error("RuntimeConfig", "sequence_bucket", bucket,
+                              "pads each rank's rows, which may change how the GEMMs round, and "
+                              "quality='lossless' serves the eager bf16 path bit for bit (use 1 "
+                              "or \"auto\")")
+        require_positive(self, "warmup_prompt_tokens")
+        if self.warmup_shapes and bucket != "auto" and self.warmup_prompt_tokens > 8 * bucket:
+            raise field_error("RuntimeConfig", "warmup_prompt_tokens", self.warmup_prompt_tokens,
+                              f"spans more than 8 buckets of sequence_bucket={bucket} rows: the "
+                              "warm-up would compile each of them for every geometry (raise "
+                              "sequence_bucket or lower warmup_prompt_tokens)")
         if not self.pg_timeout_s > 0:
             raise field_error("RuntimeConfig", "pg_timeout_s", self.pg_timeout_s, "must be > 0")
         if not 0 < self.heartbeat_s < self.pg_timeout_s / 2:
@@ -256,6 +291,12 @@ class RuntimeConfig:
         if self.compile == "auto":  # eager under "lossless": its bf16 path, bit for bit
             return device_type == "cuda" and self.quality != "lossless"
         return bool(self.compile)
+
+    def bucket(self, device_type: str) -> int:
+        """``sequence_bucket`` resolved on a device of ``device_type``."""
+        if self.sequence_bucket == "auto":
+            return COMPILED_SEQUENCE_BUCKET if self.compiled(device_type) else 1
+        return self.sequence_bucket
 
 
 def warmup_shapes_rule(shapes: Any) -> str | None:

@@ -31,7 +31,7 @@ import torch
 
 from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
 
-__all__ = ["TokenConfig", "PackedLayout", "request_layout", "VIDEO_TAG", "TEXT_TAG", "AUDIO_TAG"]
+__all__ = ["TokenConfig", "PackedLayout", "padded_rows", "request_layout", "VIDEO_TAG", "TEXT_TAG", "AUDIO_TAG"]
 
 #: Per-row modality tags: they index H3's AdaLN table (``timestep_index * 3 + tag``), a checkpoint
 #: contract.
@@ -190,6 +190,14 @@ class PackedLayout:
         per_row = torch.full((self.used,), video_t, dtype=torch.float32)
         per_row[self.text:self.text + self.audio] = audio_t
         return torch.unique(per_row, sorted=True, return_inverse=True)
+
+
+def padded_rows(used: int, world: int, bucket: int) -> int:
+    """Rows of a ``used``-row sequence once padded as the served attention pads it: to a multiple
+    of ``world * ceil(bucket / world)`` (``runtime.sequence_bucket``, resolved; see
+    :func:`dist_attn.integrations.diffusers.enable_ulysses`)."""
+    step = world * -(-bucket // world)
+    return -(-used // step) * step
 
 
 def request_layout(tok: TokenConfig, patch: tuple[int, int, int], *, frames: int, height: int,

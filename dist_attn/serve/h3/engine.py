@@ -24,7 +24,7 @@ import torch
 from dist_attn.distributed import DistEnv
 from dist_attn.profiling import PhaseTimer
 from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.config.tokens import PackedLayout
+from dist_attn.serve.config.tokens import PackedLayout, padded_rows
 from dist_attn.serve.h3.weights import prune_outputs, save_output
 from dist_attn.serve.jobs.requests import Request
 from dist_attn.serve.wire.abort import Abort, agree_abort
@@ -200,17 +200,21 @@ class Engine:
         return [video, audio, out]
 
     @torch.no_grad()
-    def run(self, req: Request, *, abort: Callable[[], Abort] = _keep_going) -> RunResult | None:
+    def run(self, req: Request, *, abort: Callable[[], Abort] = _keep_going,
+            text_rows: int | None = None) -> RunResult | None:
         """Denoises one request on every rank; returns the result on rank 0 (None elsewhere).
 
         ``abort`` is rank 0's vote before each step after the first (other ranks vote NONE; the
         caller checked just before sending the request); the loop stops on every rank at the
-        first vote that is not NONE, and the result says why.
+        first vote that is not NONE, and the result says why. ``text_rows`` replaces the
+        stand-in's ``tokens.text_tokens`` (the warm-up's prompt lengths; the same on every rank).
         """
         cfg, env = self.cfg, self.env
         dev = env.device
         t_start = time.perf_counter()
         layout = req.layout(cfg)
+        if text_rows is not None:
+            layout = dataclasses.replace(layout, text=text_rows)
         rows = {k: v.to(dev) for k, v in layout.rows().items()}
         video, audio, text = initial_state(cfg, layout, req.seed, dev, self.text_dtype)
         video_sched, audio_sched, plan = self._schedules(layout, req.steps)
@@ -251,7 +255,8 @@ class Engine:
         t_end = time.perf_counter()
         return RunResult(
             request_id=req.request_id, request=req.to_json(),
-            tokens=TokenCounts(used=layout.used, total=-(-layout.used // world) * world,
+            tokens=TokenCounts(used=layout.used,
+                               total=padded_rows(layout.used, world, cfg.runtime.bucket(dev.type)),
                                text=layout.text, audio=layout.audio, video=layout.video,
                                frames=layout.frames, latent_shape=list(layout.latent_shape)),
             world_size=world, backend=self.backend,

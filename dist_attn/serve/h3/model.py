@@ -27,10 +27,10 @@ __all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_
 log = logging.getLogger(__name__)
 
 #: Dynamo's ``recompile_limit`` while the served blocks are compiled (torch's default: 8). Each
-#: sequence length takes two entries of the block's code (the first step has one distinct
-#: timestep, the later ones two): a geometry, and for video jobs also each prompt's token
-#: count, since the text rows are part of the sequence. The default let a server compile four
-#: lengths and fail the fifth (fullgraph raises); 64 covers 32, on every rank alike.
+#: padded sequence length (a geometry's bucket: ``runtime.sequence_bucket``) takes two entries
+#: of the block's code (the first step has one distinct timestep, the later ones two). The
+#: default let a server compile four lengths and fail the fifth (fullgraph raises); 64 covers
+#: 32, on every rank alike.
 SERVED_RECOMPILE_LIMIT = 64
 
 
@@ -110,21 +110,25 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
 
 
 def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any = None,
-                overlap_chunks: int = 1) -> Any:
+                overlap_chunks: int = 1, sequence_bucket: int = 1) -> Any:
     """``enable_ulysses`` over the default group (or ``mesh`` for Ulysses x Ring), its attention
-    calls pipelined in ``overlap_chunks`` head chunks (``[parallel] overlap_chunks``); returns the
-    handle. Single-process: the model runs as one rank with dist_attn's kernel."""
+    calls pipelined in ``overlap_chunks`` head chunks (``[parallel] overlap_chunks``), the
+    sequence padded to ``sequence_bucket`` rows (``runtime.sequence_bucket``, resolved); returns
+    the handle. Single-process: the model runs as one rank with dist_attn's kernel."""
     from dist_attn.integrations.diffusers import enable_ulysses
 
     return enable_ulysses(model, mesh=mesh, backend=backend, timer=timer,
-                          overlap_chunks=overlap_chunks)
+                          overlap_chunks=overlap_chunks, sequence_bucket=sequence_bucket)
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
-    """``torch.compile(fullgraph=True, dynamic=False)`` of every transformer and refiner block,
-    through diffusers' own regional compilation (``compile_repeated_blocks``): the blocks share
-    their code, so one compilation serves every layer of a shape; dist_attn's attention is one
-    opaque custom op in the graph, and enable_ulysses' hooks run eagerly between the blocks.
+    """``torch.compile(fullgraph=True, dynamic=False)`` of every transformer block (what diffusers'
+    ``compile_repeated_blocks`` does for each block class it lists): the blocks share their code,
+    so one compilation serves every layer of a shape; dist_attn's attention is one opaque custom
+    op in the graph, and enable_ulysses' hooks run eagerly between the blocks. The two token
+    refiner blocks stay eager: their rows are the prompt's tokens, so compiled they would compile
+    for every prompt length, for ~0.1% of a step's work (2 blocks over a few hundred rows against
+    50 over the sequence).
     FP8 linears (torchao's ``Float8Tensor`` weights) trace too: inductor fuses each activation's
     per-row amax, scale and e4m3 cast around ``torch._scaled_mm``, but for the FFN's down
     projection, whose input the fused SwiGLU kernel quantizes (an opaque custom op). Call it
@@ -145,4 +149,6 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
                     "a served sequence length)", name, getattr(config, name), SERVED_RECOMPILE_LIMIT)
         setattr(config, name, SERVED_RECOMPILE_LIMIT)
     compile_kwargs.setdefault("dynamic", False)
-    model.compile_repeated_blocks(fullgraph=True, **compile_kwargs)
+    compile_kwargs.setdefault("fullgraph", True)
+    for block in model.transformer_blocks:
+        block.compile(**compile_kwargs)

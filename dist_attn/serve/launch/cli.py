@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 "block_linears": _block_linears(cfg, dtype),
                 "fp8_fast_accum": cfg.model.fp8_fast_accum,
                 "overlap_chunks": cfg.parallel.overlap_chunks,
+                "sequence_bucket": cfg.runtime.bucket(env.device.type),
                 "compiled": cfg.runtime.compiled(env.device.type),
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
@@ -316,7 +317,8 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
         mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
                              device_type=env.device.type)
     parallelize(model, mesh=mesh, backend=backend, timer=timer,
-                overlap_chunks=cfg.parallel.overlap_chunks)
+                overlap_chunks=cfg.parallel.overlap_chunks,
+                sequence_bucket=cfg.runtime.bucket(env.device.type))
     if cfg.runtime.compiled(env.device.type):
         compile_blocks(model)
     log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
