@@ -223,3 +223,57 @@ def test_a_compiled_call_takes_a_new_scale_and_numpy_ints():
                                                            softmax_scale=scale))
     got = ulysses_attention(q, q, q, backend="sdpa", num_heads=np.int64(H), head_dim=np.int32(D))
     assert torch.equal(got, ulysses_attention(q, q, q, backend="sdpa"))
+
+
+@pytest.mark.parametrize("valid_len,needle", [
+    (torch.tensor(5.0), "torch.float32"),
+    (torch.tensor([5, 6]), "shape (2,)"),
+    (torch.empty((), dtype=torch.int64, device="meta"), "on meta"),
+], ids=["float", "two_values", "not_cpu"])
+def test_a_valid_len_tensor_must_be_one_integer_on_the_cpu(valid_len, needle):
+    """valid_len may be a CPU integer tensor (read on the host); anything else that is a tensor is
+    refused by name, eagerly and before the compiled op's boundary alike."""
+    from dist_attn import ulysses_attention
+
+    q = torch.randn(8, H, D)
+    with pytest.raises(TypeError, match="must hold one int32/int64 value on the CPU") as eager:
+        ulysses_attention(q, q, q, backend="sdpa", valid_len=valid_len)
+    assert needle in str(eager.value)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t: ulysses_attention(t, t, t, backend="sdpa", valid_len=valid_len),
+                       backend="eager")
+    with pytest.raises(TypeError, match="must hold one int32/int64 value on the CPU"):
+        fn(q)
+
+
+def test_a_compiled_call_reads_a_valid_len_tensor_without_recompiling():
+    """A compiled caller whose true length changes within one padded length (H3's prompt tokens
+    under runtime.sequence_bucket), compiled with dynamic=False as the served blocks are: an int
+    valid_len is a constant of the graph, so each value compiles again; a CPU tensor filled in place is a graph input, so one graph serves every
+    value, each with the eager result for that int."""
+    from torch._dynamo.testing import CompileCounter
+
+    from dist_attn import ulysses_attention
+
+    q = torch.randn(16, H, D)
+    length = torch.zeros((), dtype=torch.int64)
+    torch._dynamo.reset()
+    by_tensor = CompileCounter()
+    fn = torch.compile(lambda t: ulysses_attention(t, t, t, backend="sdpa", valid_len=length),
+                       fullgraph=True, dynamic=False, backend=by_tensor)
+    for n in (16, 9, 3):
+        length.fill_(n)
+        got = fn(q)
+        want = ulysses_attention(q, q, q, backend="sdpa", valid_len=n)
+        assert torch.equal(got, want) and not got[n:].any(), n
+    assert by_tensor.frame_count == 1
+    torch._dynamo.reset()
+    by_int = CompileCounter()
+    box = {"n": 16}
+    fn = torch.compile(lambda t: ulysses_attention(t, t, t, backend="sdpa", valid_len=box["n"]),
+                       fullgraph=True, dynamic=False, backend=by_int)  # as compile_blocks
+    for n in (16, 9, 3):
+        box["n"] = n
+        fn(q)
+    assert by_int.frame_count == 3
+    torch._dynamo.reset()

@@ -306,3 +306,49 @@ def test_h3_blocks_compiled_fullgraph_match_eager_on_two_ranks(tmp_path):
         assert res["eager_vs_diffusers"] <= ATOL, res
         assert res["attention_ops"] == ["dist_attn.ulysses_attention"], res["attention_ops"]
         assert res["recompiled"] == 0 and res["again_bitwise"], res  # the second call reuses the graphs
+
+
+def _bucket_worker(rank, world):
+    """Prompts of 3, 5 and 9 text rows (S = 27, 29, 33) with sequence_bucket=16: padded to 32, 32
+    and 48 rows; the transformer blocks compiled as the server compiles them."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    torch._dynamo.reset()
+    model = tiny_h3(4, layers=LAYERS)
+    cases = {text: h3_inputs(1, text=text) for text in (3, 5, 9)}
+    refs = {text: _outputs(model, inputs) for text, inputs in cases.items()}
+    handle = enable_ulysses(model, backend="sdpa", sequence_bucket=16)
+    seen = []
+    probe = model.transformer_blocks[0].register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].shape[1]))
+    eager = {text: _outputs(model, inputs) for text, inputs in cases.items()}
+    with handle.sequence(27) as shard:
+        planned = (shard.total_len, shard.local_len)
+    counter = CompileCounterWithBackend("aot_eager")
+    for block in model.transformer_blocks:  # as dist_attn.serve.compile_blocks does
+        block.compile(fullgraph=True, dynamic=False, backend=counter)
+    frames = []
+    compiled = {}
+    for text, inputs in cases.items():
+        compiled[text] = _outputs(model, inputs)
+        frames.append(counter.frame_count)
+    probe.remove()
+    torch._dynamo.reset()
+    return {"eager_vs_diffusers": max(_max_diff(eager[t], refs[t]) for t in cases),
+            "compiled_vs_eager": max(_max_diff(compiled[t], eager[t]) for t in cases),
+            "rows_seen": seen, "planned": planned, "frames": frames}
+
+
+def test_a_sequence_bucket_pads_and_prompt_lengths_in_it_compile_once(tmp_path):
+    """enable_ulysses(sequence_bucket=16) on 2 ranks: each rank's rows are a multiple of 8, the
+    output is diffusers' own, and compiled blocks (dynamic=False, as served) compile for the
+    first length of a bucket only: 27 and 29 rows share the 32-row graphs (the true length reaches
+    the attention as a tensor, not a guarded int), 33 rows compile 48-row ones."""
+    for res in run_ranks(_bucket_worker, 2, tmp_path, timeout=300):
+        assert res["eager_vs_diffusers"] <= ATOL and res["compiled_vs_eager"] <= ATOL_COMPILE, res
+        assert res["planned"] == (32, 16), res
+        assert res["rows_seen"][:3] == [16, 16, 24], res  # block 0's rows on this rank, eager
+        first, same_bucket, next_bucket = res["frames"]
+        assert first > 0 and same_bucket == first and next_bucket > first, res

@@ -216,6 +216,29 @@ def test_compile_auto_compiles_on_cuda_only():
     assert not RuntimeConfig(compile=False).compiled("cuda")
 
 
+def test_sequence_bucket_is_512_when_compiled_and_its_rules():
+    """runtime.sequence_bucket: "auto" pads to 512 rows exactly where the blocks compile; an
+    explicit bucket is a positive int, refused under lossless (padding changes each rank's rows),
+    and a warm-up may not span more than 8 of them."""
+    assert (RuntimeConfig().bucket("cuda"), RuntimeConfig().bucket("cpu")) == (512, 1)
+    assert RuntimeConfig(compile=True).bucket("cpu") == 512
+    assert RuntimeConfig(quality="lossless", backend="sdpa").bucket("cuda") == 1
+    assert RuntimeConfig(sequence_bucket=128).bucket("cpu") == 128
+    for bad in (0, -4, True, 1.5, "big"):
+        with pytest.raises(ValueError, match=rf"runtime.sequence_bucket={bad!r} must be a positive "
+                                             r'integer \(rows\) or "auto"'):
+            RuntimeConfig(sequence_bucket=bad)
+    with pytest.raises(ValueError, match=r"runtime.sequence_bucket=64 pads each rank's rows, .* "
+                                         r"quality='lossless' serves the eager bf16 path bit for bit"):
+        RuntimeConfig(quality="lossless", backend="sdpa", sequence_bucket=64)
+    with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=520 spans more than 8 "
+                                         r"buckets of sequence_bucket=64 rows"):
+        RuntimeConfig(sequence_bucket=64, warmup_prompt_tokens=520, warmup_shapes=[[17, 64, 64]])
+    with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=0 must be a positive integer"):
+        RuntimeConfig(warmup_prompt_tokens=0)
+    assert apply_overrides(load_config(None), {"runtime.sequence_bucket": 256}).runtime.bucket("cpu") == 256
+
+
 def test_lossless_serves_the_eager_bf16_path():
     """quality="lossless" stays bit-identical to the bf16 path: eager under compile="auto", an
     explicit compile refused, FP8 linears refused (each naming the field and the rule)."""

@@ -156,7 +156,7 @@ def test_engine_is_diffusers_model_stepped_by_minimax_h3_scheduler():
     handle.remove()
 
 
-def _engines(cfg, *compile_kwargs, rank=0, world=1):
+def _engines(cfg, *compile_kwargs, rank=0, world=1, sequence_bucket=1):
     """One served engine per entry: None = eager, a dict = compile_blocks(**it)."""
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
@@ -168,7 +168,7 @@ def _engines(cfg, *compile_kwargs, rank=0, world=1):
     for kwargs in compile_kwargs:
         model = build_h3(cfg.model, device=CPU, dtype=torch.float32)
         timer = PhaseTimer()
-        parallelize(model, backend="sdpa", timer=timer)
+        parallelize(model, backend="sdpa", timer=timer, sequence_bucket=sequence_bucket)
         if kwargs is not None:
             compile_blocks(model, **kwargs)
         engines.append(Engine(cfg, env, model, timer, backend="sdpa", output_dir="unused"))
@@ -256,3 +256,45 @@ def test_every_rank_takes_two_cache_entries_a_geometry(tmp_path):
 
     for counts in run_ranks(_entries_worker, 2, tmp_path, timeout=300):
         assert counts == [2, 4], counts
+
+
+def test_the_warm_up_covers_every_prompt_length_up_to_its_bound():
+    """Found 2026-12-06: a video job's sequence holds its prompt's tokens, so each new prompt
+    length compiled the blocks on its first request (the attention's valid_len was a constant of
+    the graph) and the warm-up could not cover it. Compiled, the sequence is now padded to a
+    bucket of runtime.sequence_bucket rows and the warm-up runs each bucket a geometry reaches
+    with prompts of 1 to runtime.warmup_prompt_tokens tokens: afterwards jobs of any prompt
+    length in that range compile nothing, and one past it compiles (the counter can tell). The
+    refiner blocks, whose rows are the prompt's, stay eager."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from dist_attn.serve.config import apply_overrides
+    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.serve.launch.warmup import warm_up
+
+    torch._dynamo.reset()
+    cfg = apply_overrides(load_config(None), {
+        "runtime.compile": True, "runtime.sequence_bucket": 64, "runtime.warmup_prompt_tokens": 100,
+        "runtime.warmup_shapes": [[17, 64, 128]]})
+    assert cfg.runtime.bucket("cpu") == 64
+    counter = CompileCounter()
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored at the end
+        (engine,) = _engines(cfg, {"backend": counter}, sequence_bucket=64)
+        refiner = engine.model.token_refiner.refiner_blocks
+        assert all(b._compiled_call_impl is None for b in refiner)  # eager
+        assert all(b._compiled_call_impl is not None for b in engine.model.transformer_blocks)
+        runs = warm_up(engine, cfg)
+        # 17 frames -> 22 -> 7 latent frames x (64/32 x 128/32) = 56 video rows + 2 x 37 audio
+        # rows = 130; + 1..100 text rows -> padded to 192 or 256 rows: two runs, each with the
+        # longest text of its bucket (the stand-in's 32 text rows fall in the first)
+        assert [(r.text_rows, r.padded_rows) for r in runs] == [(62, 192), (100, 256)]
+        warmed = counter.frame_count
+        req = parse_request({"frames": 17, "height": 64, "width": 128, "steps": 3, "seed": 2}, cfg)
+        for text in (1, 7, 32, 99):
+            result = engine.run(req, text_rows=text)
+            assert result.tokens.total == -(-(130 + text) // 64) * 64
+        assert counter.frame_count == warmed
+        engine.run(req, text_rows=140)  # past warmup_prompt_tokens: 270 rows, the 320-row bucket
+        assert counter.frame_count > warmed
+    torch._dynamo.reset()
