@@ -207,8 +207,9 @@ class RuntimeConfig:
     """Idle rank 0 exchanges a heartbeat with every rank this often, so waiting ranks never reach
     the timeout and rank 0 knows they answer."""
     compile: bool | Literal["auto"] = "auto"
-    """torch.compile every H3 block and refiner block, fullgraph (attention stays one opaque op;
-    FP8 linears are traced as torchao tensor subclasses). ``"auto"``: compiled on CUDA, eager
+    """torch.compile every H3 transformer block, fullgraph (attention stays one opaque op; FP8
+    linears are traced as torchao tensor subclasses; the refiner blocks, whose rows are the
+    prompt's tokens, stay eager). ``"auto"``: compiled on CUDA, eager
     elsewhere. Measured on an H200 (the real block at h3-ref, W = 1, ``h3-fp8_h200_2026-12-04``):
     compiled 95.7 ms vs eager 107.8 ms with bf16 linears + sage8, 81.5 vs 106.0 ms with FP8
     linears (FP8 only pays compiled: eager, its per-row activation quantizer runs as separate
