@@ -558,6 +558,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
     from dist_attn.integrations.diffusers import quantize_linears
     from dist_attn.serve.config import apply_overrides
     from dist_attn.serve.h3.engine import Engine
+    from dist_attn.serve.config.sections import COMPILED_SEQUENCE_BUCKET
     from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
     from dist_attn.serve.jobs.requests import parse_request
 
@@ -573,7 +574,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
         reserve = args.reserve_s / 2
     else:  # compile_blocks cannot be undone: each compiled path builds its own model
         paths = [tuple(path.split(":")) for path in _names(args.acc_compiled)]
-        reserve = 3 * args.compile_reserve_s  # an engine's two step shapes, and the refiner
+        reserve = 3 * args.compile_reserve_s  # an engine's two step shapes, and its kernels' JIT
     for prec, backend in paths:
         row = {"section": "accuracy", "path": f"{prec}:{backend}", "mode": mode,
                "layers": args.acc_layers, "steps": args.acc_steps}
@@ -593,7 +594,9 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
                 _quantize(model, prec, emulate)
                 quantized = prec
             timer = PhaseTimer(dev)
-            handle = parallelize(model, backend=backend, timer=timer)
+            # compiled as served: the sequence padded to the server's bucket
+            handle = parallelize(model, backend=backend, timer=timer, sequence_bucket=(
+                COMPILED_SEQUENCE_BUCKET if mode == "compiled" else 1))
             block0: list[torch.Tensor] = []  # the first block's output at the first step
             hook = None
             if mode == "compiled":  # as the server: fullgraph blocks (a hook's .cpu() would break them)

@@ -268,6 +268,7 @@ def _serve(cfg, dev, dtype, args, budget, rows) -> None:
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
     from dist_attn.serve.h3.engine import Engine
+    from dist_attn.serve.config.sections import COMPILED_SEQUENCE_BUCKET
     from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
     from dist_attn.serve.jobs.requests import parse_request
 
@@ -285,7 +286,8 @@ def _serve(cfg, dev, dtype, args, budget, rows) -> None:
                 if model is None:
                     model = build_h3(cfg.model, device=dev, dtype=dtype)
                 timer = PhaseTimer(dev)
-                handle = parallelize(model, backend=backend, timer=timer)
+                handle = parallelize(model, backend=backend, timer=timer, sequence_bucket=(
+                    COMPILED_SEQUENCE_BUCKET if compiled else 1))  # as served
                 if compiled:
                     compile_blocks(model)
                 engine = Engine(cfg, env, model, timer, backend=backend)

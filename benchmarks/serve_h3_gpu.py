@@ -163,7 +163,7 @@ def main() -> None:
                    help="identity: every transformer block returns its input, so a step's seconds "
                         "are the part of the served step outside the blocks (the refiner, "
                         "embeddings, heads and the engine's loop; benchmarks.job_model reads it); "
-                        "not with --diffusers on; --compile compiles the refiner as served")
+                        "not with --diffusers on; the refiner runs eager, as served")
     add_common_args(p, iters=1, warmup=1, budget_s=400)
     args = p.parse_args()
     refuse_unhonoured(p, args, smoke_on_cpu=True)
@@ -172,6 +172,7 @@ def main() -> None:
                 "--diffusers on (diffusers' own pipeline would run the real blocks)")
     from dist_attn.distributed import DistEnv
     from dist_attn.serve.h3.components import load_components
+    from dist_attn.serve.config.sections import COMPILED_SEQUENCE_BUCKET
     from dist_attn.serve.h3.model import compile_blocks, parallelize
     from dist_attn.serve.h3.pipeline import H3Pipeline, H3Runner
     from dist_attn.serve.jobs.videos import parse_video_request
@@ -212,9 +213,11 @@ def main() -> None:
         print(f"diffusers t2va (native attention, its decode): {diffusers_row}", flush=True)
         if cuda:
             torch.cuda.empty_cache()
-    parallelize(comps.transformer, backend=args.backend)
     compiled = args.compile == "on" or (args.compile == "auto" and cuda)
-    if args.blocks == "identity":  # before compile_blocks: the refiner compiles as it is served
+    # as served: compiled, the sequence is padded to the server's bucket
+    parallelize(comps.transformer, backend=args.backend,
+                sequence_bucket=COMPILED_SEQUENCE_BUCKET if compiled else 1)
+    if args.blocks == "identity":  # before compile_blocks
         for block in comps.transformer.transformer_blocks:
             block.forward = _identity_block
     if compiled:
