@@ -105,8 +105,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         valid_host = valid_len if isinstance(valid_len, torch.Tensor) else None
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
-            max_seqlen, None if valid_host is not None else valid_len, valid_host,
-            compile_key(group, mesh), backend, softmax_scale, num_heads, head_dim, overlap_chunks)
+            max_seqlen, None if valid_host is not None else valid_len, compile_key(group, mesh),
+            backend, softmax_scale, num_heads, head_dim, overlap_chunks, valid_host)
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
                     num_heads=num_heads, head_dim=head_dim, buffers=buffers, timer=timer,
@@ -277,9 +277,11 @@ def _agreed_waves(ask: Callable[[], KernelWaves | None], be, *, key: tuple, grou
 @torch.library.custom_op("dist_attn::ulysses_attention", mutates_args=())
 def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
                 cu_seqlens_host: Optional[list[int]], max_seqlen: Optional[int],
-                valid_len: Optional[int], valid_len_host: Optional[torch.Tensor], group_key: str,
-                backend: str, softmax_scale: Optional[float], num_heads: Optional[int],
-                head_dim: Optional[int], overlap_chunks: int) -> torch.Tensor:
+                valid_len: Optional[int], group_key: str, backend: str,
+                softmax_scale: Optional[float], num_heads: Optional[int], head_dim: Optional[int],
+                overlap_chunks: int, valid_len_host: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # valid_len_host (last: positional callers of the older schema keep working) replaces
+    # valid_len when given: a CPU tensor, a graph input whose value is read here, at run time
     group, mesh = resolve_compile_key(group_key)
     if valid_len_host is not None:
         valid_len = valid_len_host
@@ -290,8 +292,8 @@ def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: O
 
 
 @_ulysses_op.register_fake
-def _(q, k, v, cu_seqlens, cu_seqlens_host, max_seqlen, valid_len, valid_len_host, group_key,
-      backend, softmax_scale, num_heads, head_dim, overlap_chunks):
+def _(q, k, v, cu_seqlens, cu_seqlens_host, max_seqlen, valid_len, group_key, backend,
+      softmax_scale, num_heads, head_dim, overlap_chunks, valid_len_host=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
