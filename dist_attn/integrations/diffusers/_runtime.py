@@ -276,15 +276,25 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device,
     return a silently wrong mix of the two inputs.
     """
     names = rt.spec.compared_inputs
-    grad_row = torch.full((1, _ROW), float(grad), dtype=torch.float64, device=device)
+    # the last row: grad mode, then the settings that decide the collectives' shapes (a rank
+    # with another bucket pads to another length; another chunk count issues other all-to-alls)
+    settings = {"sequence_bucket": rt.sequence_bucket, "overlap_chunks": rt.overlap_chunks}
+    own = torch.zeros((1, _ROW), dtype=torch.float64, device=device)
+    own[0, :1 + len(settings)] = torch.tensor([float(grad), *map(float, settings.values())],
+                                              dtype=torch.float64)
     mine = torch.cat([torch.stack([_fingerprint(arguments.get(n), device) for n in names]),
-                      grad_row])  # [len(names) + 1, _ROW]
+                      own])  # [len(names) + 1, _ROW]
     rows = [torch.empty_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(rows, mine, group=rt.group)
     every = torch.stack(rows).cpu()  # [W, len(names) + 1, _ROW]
     with_grad = [r for r in range(rt.world_size) if every[r, -1, 0] != 0]
     if with_grad:
         raise RuntimeError(f"{_FORWARD_ONLY}; grad mode is on for rank(s) {with_grad} of the group")
+    for j, name in enumerate(settings, start=1):
+        values = [int(every[r, -1, j]) for r in range(rt.world_size)]
+        if len(set(values)) > 1:
+            raise ValueError(f"enable_ulysses({name}=...) differs across the W={rt.world_size} "
+                             f"ranks of the group: {values} by rank; pass the same on every rank")
     every = every[:, :-1]
     for i, name in enumerate(names):
         odd = [r for r in range(rt.world_size) if every[r, i, 0] == _UNCOMPARABLE]
