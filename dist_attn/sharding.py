@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.validation import as_int
 
-__all__ = ["SequenceShard", "plan_shard", "shard_rows", "shard_sequence", "gather_sequence"]
+__all__ = ["SequenceShard", "bucket_multiple", "padded_length", "plan_shard", "shard_rows", "shard_sequence",
+           "gather_sequence"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class SequenceShard:
     valid_len: int
     """Rows of the real sequence (pass it as ``valid_len=`` to the attention)."""
     total_len: int
-    """``valid_len`` rounded up to a multiple of ``world_size``: the packed length S."""
+    """``valid_len`` rounded up to a multiple of ``world_size`` (times the plan's
+    ``multiple_of``): the packed length S."""
     world_size: int
     rank: int
 
@@ -77,9 +79,22 @@ def plan_shard(seq_len: int, group=None, *, multiple_of: int = 1) -> SequenceSha
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
     _, world, rank = group_size_and_rank(group)
+    return SequenceShard(valid_len=seq_len, total_len=padded_length(seq_len, world, multiple_of),
+                         world_size=world, rank=rank)
+
+
+def padded_length(seq_len: int, world: int, multiple_of: int = 1) -> int:
+    """``seq_len`` rounded up to a multiple of ``world * multiple_of``: :func:`plan_shard`'s
+    packed length S, for callers that know the world size but hold no group."""
     step = world * multiple_of
-    total = -(-seq_len // step) * step
-    return SequenceShard(valid_len=seq_len, total_len=total, world_size=world, rank=rank)
+    return -(-seq_len // step) * step
+
+
+def bucket_multiple(bucket: int, world: int) -> int:
+    """:func:`plan_shard`'s ``multiple_of`` for a sequence bucket of ``bucket`` rows over
+    ``world`` ranks: ``ceil(bucket / world)``, so S is a multiple of ``bucket`` when ``world``
+    divides it, of the next multiple of ``world`` above it otherwise."""
+    return -(-bucket // world)
 
 
 def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1,

@@ -61,7 +61,8 @@ def segment_layout(bounds: Sequence[int], *, total: int, valid_len=None, max_seq
     Args:
         bounds: host segment bounds, already checked by :func:`dist_attn.validation.host_bounds`.
         total: rows of the packed sequence.
-        valid_len: None (no padding) or a Python int in ``[1, total]``.
+        valid_len: None (no padding), or a Python int or one-element integer CPU tensor (read on
+            the host) in ``[1, total]``.
         max_seqlen: None, or an int that is at least the longest clipped segment.
         src: the argument name the bounds came from (for messages).
     """

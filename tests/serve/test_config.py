@@ -219,7 +219,8 @@ def test_compile_auto_compiles_on_cuda_only():
 def test_sequence_bucket_is_512_when_compiled_and_its_rules():
     """runtime.sequence_bucket: "auto" pads to 512 rows exactly where the blocks compile; an
     explicit bucket is a positive int, refused under lossless (padding changes each rank's rows),
-    and a warm-up may not span more than 8 of them."""
+    and a warm-up that could compile more lengths than the raised recompile limit holds is
+    refused where the blocks may compile."""
     assert (RuntimeConfig().bucket("cuda"), RuntimeConfig().bucket("cpu")) == (512, 1)
     assert RuntimeConfig(compile=True).bucket("cpu") == 512
     assert RuntimeConfig(quality="lossless", backend="sdpa").bucket("cuda") == 1
@@ -231,9 +232,19 @@ def test_sequence_bucket_is_512_when_compiled_and_its_rules():
     with pytest.raises(ValueError, match=r"runtime.sequence_bucket=64 pads each rank's rows, .* "
                                          r"quality='lossless' serves the eager bf16 path bit for bit"):
         RuntimeConfig(quality="lossless", backend="sdpa", sequence_bucket=64)
-    with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=520 spans more than 8 "
-                                         r"buckets of sequence_bucket=64 rows"):
-        RuntimeConfig(sequence_bucket=64, warmup_prompt_tokens=520, warmup_shapes=[[17, 64, 64]])
+    shapes = [[17, 64, 64]] * 4
+    with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=512 with 4 warmup_shapes "
+                                         r"and buckets of 64 rows, may compile up to 36 padded "
+                                         r"lengths at launch, more than the 32 that Dynamo's"):
+        RuntimeConfig(sequence_bucket=64, warmup_shapes=shapes)
+    with pytest.raises(ValueError, match=r"with 17 warmup_shapes and buckets of 512 rows, may "
+                                         r"compile up to 34 padded lengths"):
+        RuntimeConfig(warmup_shapes=[[17, 64, 64]] * 17)  # "auto": 512 rows when compiled
+    assert RuntimeConfig(warmup_shapes=[[17, 64, 64]] * 16).warmup_shapes  # 32: fits
+    # eager configs compile nothing: no bound (the warm-up runs one length a geometry)
+    assert RuntimeConfig(sequence_bucket=1, compile=False, warmup_shapes=shapes).sequence_bucket == 1
+    assert RuntimeConfig(quality="lossless", backend="sdpa", sequence_bucket=1,
+                         warmup_shapes=shapes).sequence_bucket == 1
     with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=0 must be a positive integer"):
         RuntimeConfig(warmup_prompt_tokens=0)
     assert apply_overrides(load_config(None), {"runtime.sequence_bucket": 256}).runtime.bucket("cpu") == 256

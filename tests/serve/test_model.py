@@ -269,6 +269,7 @@ def test_the_warm_up_covers_every_prompt_length_up_to_its_bound():
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
+    from dist_attn.integrations.diffusers import ulysses_handle
     from dist_attn.serve.config import apply_overrides
     from dist_attn.serve.jobs.requests import parse_request
     from dist_attn.serve.launch.warmup import warm_up
@@ -290,10 +291,13 @@ def test_the_warm_up_covers_every_prompt_length_up_to_its_bound():
         # longest text of its bucket (the stand-in's 32 text rows fall in the first)
         assert [(r.text_rows, r.padded_rows) for r in runs] == [(62, 192), (100, 256)]
         warmed = counter.frame_count
+        rt = ulysses_handle(engine.model).runtime
+        planned, plan = [], rt.plan
+        rt.plan = lambda n: planned.append(plan(n).total_len)  # what the forward padded to
         req = parse_request({"frames": 17, "height": 64, "width": 128, "steps": 3, "seed": 2}, cfg)
         for text in (1, 7, 32, 99):
             result = engine.run(req, text_rows=text)
-            assert result.tokens.total == -(-(130 + text) // 64) * 64
+            assert planned[-3:] == [-(-(130 + text) // 64) * 64] * 3 == [result.tokens.total] * 3
         assert counter.frame_count == warmed
         engine.run(req, text_rows=140)  # past warmup_prompt_tokens: 270 rows, the 320-row bucket
         assert counter.frame_count > warmed

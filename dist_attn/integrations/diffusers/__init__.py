@@ -65,7 +65,7 @@ from dist_attn.validation import check_overlap_chunks, positive_int
 
 __all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "UlyssesHandle",
            "disable_ulysses", "enable_parallel_decode", "enable_ulysses", "quantize_linears",
-           "supported_models", "supported_vaes"]
+           "supported_models", "supported_vaes", "ulysses_handle"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,11 @@ class UlyssesHandle:
     def mesh(self):
         """The ``("ring", "ulysses")`` mesh as given, or None."""
         return self.runtime.mesh
+
+    @property
+    def sequence_bucket(self) -> int:
+        """Rows the packed sequence is padded to a multiple of, with W (as given)."""
+        return self.runtime.sequence_bucket
 
     @contextlib.contextmanager
     def sequence(self, seq_len: int) -> Iterator[SequenceShard]:
@@ -245,6 +250,12 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
                 "overlap_chunks=%d, sequence_bucket=%d, %s)", type(transformer).__name__, len(attns),
                 backend, overlap_chunks, sequence_bucket, parallel_groups(mesh=mesh, group=group).desc)
     return handle
+
+
+def ulysses_handle(transformer: nn.Module) -> UlyssesHandle | None:
+    """The :class:`UlyssesHandle` of a transformer :func:`enable_ulysses` made
+    sequence-parallel, or None."""
+    return getattr(transformer, _HANDLE_ATTR, None)
 
 
 def disable_ulysses(transformer: nn.Module) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_rows, ulysses_attention
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.mesh import parallel_groups
+from dist_attn.sharding import bucket_multiple
 from dist_attn.integrations.diffusers._spec import ModelSpec, ShardPoint
 
 __all__ = ["Runtime", "install_hooks"]
@@ -98,7 +99,8 @@ class Runtime:
         """Plans the forward's sequence of ``seq_len`` rows (padded to W and the bucket) and
         refills :attr:`valid_len_host`; returns the plan, also kept in :attr:`shard`."""
         _, world, _ = group_size_and_rank(self.group)
-        self.shard = plan_shard(seq_len, self.group, multiple_of=-(-self.sequence_bucket // world))
+        self.shard = plan_shard(seq_len, self.group,
+                                multiple_of=bucket_multiple(self.sequence_bucket, world))
         self.valid_len_host.fill_(seq_len)
         return self.shard
 

@@ -24,6 +24,7 @@ __all__ = [
     "ServeConfig",
     "registered_backend",
     "COMPILED_SEQUENCE_BUCKET",
+    "SERVED_RECOMPILE_LIMIT",
     "WARMUP_STEPS",
     "warmup_shapes_rule",
 ]
@@ -31,6 +32,13 @@ __all__ = [
 #: Denoise steps the launch's warm-up runs of each ``runtime.warmup_shapes`` geometry: the first
 #: step's shapes (video and audio share one timestep) and every later step's (two).
 WARMUP_STEPS = 2
+
+#: Dynamo's ``recompile_limit`` while the served blocks are compiled (torch's default: 8). Each
+#: padded sequence length (a geometry's bucket: ``runtime.sequence_bucket``) takes two entries
+#: of the block's code (the first step has one distinct timestep, the later ones two). The
+#: default let a server compile four lengths and fail the fifth (fullgraph raises); 64 covers
+#: 32, on every rank alike.
+SERVED_RECOMPILE_LIMIT = 64
 
 #: ``runtime.sequence_bucket = "auto"`` with compiled blocks: rows the packed sequence is padded
 #: to a multiple of. A video job's sequence holds its prompt's tokens, so without buckets every
@@ -271,11 +279,18 @@ class RuntimeConfig:
                               "quality='lossless' serves the eager bf16 path bit for bit (use 1 "
                               "or \"auto\")")
         require_positive(self, "warmup_prompt_tokens")
-        if self.warmup_shapes and bucket != "auto" and self.warmup_prompt_tokens > 8 * bucket:
-            raise field_error("RuntimeConfig", "warmup_prompt_tokens", self.warmup_prompt_tokens,
-                              f"spans more than 8 buckets of sequence_bucket={bucket} rows: the "
-                              "warm-up would compile each of them for every geometry (raise "
-                              "sequence_bucket or lower warmup_prompt_tokens)")
+        if self.compile is not False and self.quality != "lossless":  # blocks may compile
+            rows = COMPILED_SEQUENCE_BUCKET if bucket == "auto" else bucket
+            per_shape = -(-self.warmup_prompt_tokens // rows) + 1  # at most, whatever the W
+            lengths = len(self.warmup_shapes) * per_shape
+            if lengths > SERVED_RECOMPILE_LIMIT // 2:
+                raise field_error(
+                    "RuntimeConfig", "warmup_prompt_tokens", self.warmup_prompt_tokens,
+                    f"with {len(self.warmup_shapes)} warmup_shapes and buckets of {rows} rows, "
+                    f"may compile up to {lengths} padded lengths at launch, more than the "
+                    f"{SERVED_RECOMPILE_LIMIT // 2} that Dynamo's raised recompile limit "
+                    f"({SERVED_RECOMPILE_LIMIT} entries, two a length) holds; raise "
+                    "sequence_bucket, or lower warmup_prompt_tokens or the number of shapes")
         if not self.pg_timeout_s > 0:
             raise field_error("RuntimeConfig", "pg_timeout_s", self.pg_timeout_s, "must be > 0")
         if not 0 < self.heartbeat_s < self.pg_timeout_s / 2:
@@ -352,7 +367,8 @@ class ServeConfig:
     port: int = 8000
     """Bind port (0 picks a free one; the bound port is logged)."""
     max_tokens: int = 65536
-    """Largest accepted packed sequence (rows); larger requests get 413."""
+    """Largest accepted packed sequence (rows, before the padding to ``runtime.sequence_bucket``,
+    which adds up to ``sequence_bucket - 1``); larger requests get 413."""
     max_steps: int = 100
     """Largest accepted step count; larger requests get 413."""
     max_body_bytes: int = 65536

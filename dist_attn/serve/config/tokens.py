@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
+from dist_attn.sharding import bucket_multiple, padded_length
 
 __all__ = ["TokenConfig", "PackedLayout", "padded_rows", "request_layout", "VIDEO_TAG", "TEXT_TAG", "AUDIO_TAG"]
 
@@ -196,8 +197,7 @@ def padded_rows(used: int, world: int, bucket: int) -> int:
     """Rows of a ``used``-row sequence once padded as the served attention pads it: to a multiple
     of ``world * ceil(bucket / world)`` (``runtime.sequence_bucket``, resolved; see
     :func:`dist_attn.integrations.diffusers.enable_ulysses`)."""
-    step = world * -(-bucket // world)
-    return -(-used // step) * step
+    return padded_length(used, world, bucket_multiple(bucket, world))
 
 
 def request_layout(tok: TokenConfig, patch: tuple[int, int, int], *, frames: int, height: int,

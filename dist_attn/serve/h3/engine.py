@@ -55,7 +55,8 @@ class TokenCounts:
     used: int
     """S: rows of the packed sequence (text + audio + video)."""
     total: int
-    """S padded to a multiple of the world size, as the attention runs it."""
+    """S padded as the attention runs it: to a multiple of the world size and of the model's
+    sequence bucket (``runtime.sequence_bucket``)."""
     text: int
     audio: int
     video: int
@@ -252,11 +253,14 @@ class Engine:
         attn_ms = sum(phases.values())
         a2a_ms = sum(v for k, v in phases.items() if k.startswith("a2a"))
         world = env.world_size
+        from dist_attn.integrations.diffusers import ulysses_handle
+
+        handle = ulysses_handle(self.model)  # the bucket the model pads to, as enabled
+        bucket = handle.sequence_bucket if handle is not None else 1
         t_end = time.perf_counter()
         return RunResult(
             request_id=req.request_id, request=req.to_json(),
-            tokens=TokenCounts(used=layout.used,
-                               total=padded_rows(layout.used, world, cfg.runtime.bucket(dev.type)),
+            tokens=TokenCounts(used=layout.used, total=padded_rows(layout.used, world, bucket),
                                text=layout.text, audio=layout.audio, video=layout.video,
                                frames=layout.frames, latent_shape=list(layout.latent_shape)),
             world_size=world, backend=self.backend,

@@ -18,20 +18,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dist_attn.serve.config.sections import ModelConfig
+from dist_attn.serve.config.sections import SERVED_RECOMPILE_LIMIT, ModelConfig
 from dist_attn.serve.h3.transformer import h3_class
 from dist_attn.serve.h3.weights import load_checkpoint
 
 __all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_names", "parallelize"]
 
 log = logging.getLogger(__name__)
-
-#: Dynamo's ``recompile_limit`` while the served blocks are compiled (torch's default: 8). Each
-#: padded sequence length (a geometry's bucket: ``runtime.sequence_bucket``) takes two entries
-#: of the block's code (the first step has one distinct timestep, the later ones two). The
-#: default let a server compile four lengths and fail the fifth (fullgraph raises); 64 covers
-#: 32, on every rank alike.
-SERVED_RECOMPILE_LIMIT = 64
 
 
 @contextlib.contextmanager

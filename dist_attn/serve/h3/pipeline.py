@@ -161,7 +161,7 @@ class H3Runner:
         comps = load_components(checkpoint, device=env.device, dtype=dtype, rank0=env.rank == 0,
                                 transformer=transformer)
         check_fit(comps, checkpoint)
-        if env.distributed and transformer is None:
+        if env.distributed and transformer is None:  # never compiled here: no sequence bucket
             from dist_attn.integrations.diffusers import enable_ulysses
 
             enable_ulysses(comps.transformer, backend=backend,
