@@ -1,1 +1,19 @@
 """Kernel development tools (run as ``python -m benchmarks.dev.<name>`` on an H200), not user benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["write_probe_json"]
+
+
+def write_probe_json(out_dir: str, name: str, data: Any) -> str:
+    """Writes a probe's raw results to ``<out_dir>/<name>`` (indented JSON), creating the folder;
+    returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return path

@@ -19,11 +19,11 @@ blocks under ``compile_blocks`` with a frame counter around inductor. Then, in o
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
+
+from benchmarks.dev import write_probe_json
 
 __all__ = ["main"]
 
@@ -111,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "text_rows": text, "video_rel_l2": _rel(latents[text]["video"], ref["video"]),
         "audio_rel_l2": _rel(latents[text]["audio"], ref["audio"])}
     print("accuracy", res["compiled_padded_vs_eager_unpadded"], flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compiled-serve-probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_probe_json(args.out, "compiled-serve-probe.json", res)
     return 0
 
 

@@ -16,10 +16,11 @@ call and no host sync inside the block: it does not wait.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
+
+from benchmarks.dev import write_probe_json
 
 __all__ = ["main"]
 
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   gap {g['us']:.0f} us after {g['after']} before {g['before']}", flush=True)
             del block, fn
             torch._dynamo.reset()
-    with open(os.path.join(args.out, "gaps-probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_probe_json(args.out, "gaps-probe.json", res)
     return 0
 
 

@@ -12,11 +12,11 @@ read of the projection and one write of the codes move, as a rate. Writes ``swig
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.dev import write_probe_json
 
 __all__ = ["main"]
 
@@ -65,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(rows, name, out[name], flush=True)
             res["rows"][rows] = out
     swiglu_fp8.NUM_WARPS = 16
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "swiglu-probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_probe_json(args.out, "swiglu-probe.json", res)
     return 0
 
 

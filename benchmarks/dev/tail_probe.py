@@ -12,10 +12,10 @@ kernel were free to start while the previous one drains). Writes ``tail-probe.js
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
+
+from benchmarks.dev import write_probe_json
 
 __all__ = ["main"]
 
@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("serial_ms", "two_streams_ms"):
             r[key] = sorted(r[key])[1]
         print(r, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tail-probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_probe_json(args.out, "tail-probe.json", res)
     return 0
 
 

@@ -16,12 +16,12 @@ strided receive-buffer views cost more than contiguous inputs at 14 heads, if th
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import torch
 import triton.testing
+
+from benchmarks.dev import write_probe_json
 
 __all__ = ["main"]
 
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
                 print(name)
                 for k in prof[name]:
                     print(f"   {k['ms']:8.3f} ms  x{k['calls']:.0f}  {k['kernel'][:80]}")
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "w4-probe-profile.json"), "w") as f:
-            json.dump(prof, f, indent=1)
+        write_probe_json(args.out, "w4-probe-profile.json", prof)
         return 0
     cases = {**_gemm_cases(dev), **_attn_cases(dev)}
     with torch.no_grad():
@@ -131,9 +129,7 @@ def main(argv=None) -> int:
         print(f"{name:32s} {r['median_ms']:8.3f} ms  " + " ".join(f"{t:.3f}" for t in r["rounds_ms"])
               + (f"  {r['tflops']:.0f} TFLOP/s" if "tflops" in r else ""))
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "w4-probe.json"), "w") as f:
-        json.dump({"meta": meta, "results": res}, f, indent=1)
+    write_probe_json(args.out, "w4-probe.json", {"meta": meta, "results": res})
     return 0
 
 

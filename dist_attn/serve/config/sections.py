@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from dist_attn.fp8_linear import LINEAR_PRECISIONS, LinearPrecision
+from dist_attn.serve.config.compiling import (COMPILED_SEQUENCE_BUCKET, SERVED_RECOMPILE_LIMIT,
+                                              WARMUP_STEPS, sequence_bucket_rule, warmup_bound_rule,
+                                              warmup_shapes_rule)
 from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
 from dist_attn.serve.config.quality import (QualityTier, tier_backend_rule, tier_compile_rule,
                                             tier_name_rule)
@@ -28,24 +31,6 @@ __all__ = [
     "WARMUP_STEPS",
     "warmup_shapes_rule",
 ]
-
-#: Denoise steps the launch's warm-up runs of each ``runtime.warmup_shapes`` geometry: the first
-#: step's shapes (video and audio share one timestep) and every later step's (two).
-WARMUP_STEPS = 2
-
-#: Dynamo's ``recompile_limit`` while the served blocks are compiled (torch's default: 8). Each
-#: padded sequence length (a geometry's bucket: ``runtime.sequence_bucket``) takes two entries
-#: of the block's code (the first step has one distinct timestep, the later ones two). The
-#: default let a server compile four lengths and fail the fifth (fullgraph raises); 64 covers
-#: 32, on every rank alike.
-SERVED_RECOMPILE_LIMIT = 64
-
-#: ``runtime.sequence_bucket = "auto"`` with compiled blocks: rows the packed sequence is padded
-#: to a multiple of. A video job's sequence holds its prompt's tokens, so without buckets every
-#: prompt length compiled the blocks anew (and the 33rd failed its job). Prompts of 1 to 512
-#: tokens fall in at most two buckets of a geometry, for at most 511 padding rows (1.3% of H3's
-#: 37,980 at h3-ref) of work outside the attention, which never computes them.
-COMPILED_SEQUENCE_BUCKET = 512
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -240,7 +225,8 @@ class RuntimeConfig:
     """With compiled blocks, the warm-up covers prompts of 1 to this many tokens: it runs every
     sequence bucket a ``warmup_shapes`` geometry reaches with them (one or two at the default
     bucket), and the stand-in's ``tokens.text_tokens``. A longer prompt's first job may compile.
-    At most 8 buckets' worth (``8 * sequence_bucket``) when the bucket is given."""
+    The launch refuses a warm-up that could compile more padded lengths than the raised
+    recompile limit holds (32, summed over the geometries)."""
     health_timeout_s: float = 10.0
     """/health reports not-ready when rank 0 has not heard from every rank for this long. Rank 0
     hears from all ranks at every heartbeat and after every denoise step, so this must exceed one
@@ -269,28 +255,15 @@ class RuntimeConfig:
         rule = tier_compile_rule(self.quality, self.compile)
         if rule:
             raise field_error("RuntimeConfig", "compile", self.compile, rule)
-        bucket = self.sequence_bucket
-        if bucket != "auto" and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
-            raise field_error("RuntimeConfig", "sequence_bucket", bucket,
-                              "must be a positive integer (rows) or \"auto\"")
-        if self.quality == "lossless" and bucket not in ("auto", 1):
-            raise field_error("RuntimeConfig", "sequence_bucket", bucket,
-                              "pads each rank's rows, which may change how the GEMMs round, and "
-                              "quality='lossless' serves the eager bf16 path bit for bit (use 1 "
-                              "or \"auto\")")
+        rule = sequence_bucket_rule(self.sequence_bucket, self.quality)
+        if rule:
+            raise field_error("RuntimeConfig", "sequence_bucket", self.sequence_bucket, rule)
         require_positive(self, "warmup_prompt_tokens")
-        if self.compile is not False and self.quality != "lossless":  # blocks may compile
-            rows = COMPILED_SEQUENCE_BUCKET if bucket == "auto" else bucket
-            per_shape = -(-self.warmup_prompt_tokens // rows) + 1  # at most, whatever the W
-            lengths = len(self.warmup_shapes) * per_shape
-            if lengths > SERVED_RECOMPILE_LIMIT // 2:
-                raise field_error(
-                    "RuntimeConfig", "warmup_prompt_tokens", self.warmup_prompt_tokens,
-                    f"with {len(self.warmup_shapes)} warmup_shapes and buckets of {rows} rows, "
-                    f"may compile up to {lengths} padded lengths at launch, more than the "
-                    f"{SERVED_RECOMPILE_LIMIT // 2} that Dynamo's raised recompile limit "
-                    f"({SERVED_RECOMPILE_LIMIT} entries, two a length) holds; raise "
-                    "sequence_bucket, or lower warmup_prompt_tokens or the number of shapes")
+        rule = warmup_bound_rule(self.warmup_shapes, self.warmup_prompt_tokens,
+                                 self.sequence_bucket,
+                                 may_compile=self.compile is not False and self.quality != "lossless")
+        if rule:
+            raise field_error("RuntimeConfig", "warmup_prompt_tokens", self.warmup_prompt_tokens, rule)
         if not self.pg_timeout_s > 0:
             raise field_error("RuntimeConfig", "pg_timeout_s", self.pg_timeout_s, "must be > 0")
         if not 0 < self.heartbeat_s < self.pg_timeout_s / 2:
@@ -313,17 +286,6 @@ class RuntimeConfig:
         if self.sequence_bucket == "auto":
             return COMPILED_SEQUENCE_BUCKET if self.compiled(device_type) else 1
         return self.sequence_bucket
-
-
-def warmup_shapes_rule(shapes: Any) -> str | None:
-    """The broken format rule of ``runtime.warmup_shapes`` (None: fine); the geometries
-    themselves are checked against H3's request rules by :class:`Config`."""
-    if not isinstance(shapes, (list, tuple)) or not all(
-            isinstance(s, (list, tuple)) and len(s) == 3
-            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in s)
-            for s in shapes):
-        return "must be a list of [frames, height, width] triples of positive integers"
-    return None
 
 
 def registered_backend(name: str):
