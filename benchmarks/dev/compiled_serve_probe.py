@@ -13,6 +13,7 @@ blocks under ``compile_blocks`` with a frame counter around inductor. Then, in o
    ~0.29% on 2026-12-06; padding rows wrongly attended would move them further).
 
     python3 -m benchmarks.dev.compiled_serve_probe --out $OUT     # one GPU, ~3 min
+    python3 -m benchmarks.dev.compiled_serve_probe --out $OUT --layers 50 --no-eager  # full size
     python3 -m benchmarks.dev.compiled_serve_probe --out /tmp/p --smoke   # CPU: the code path
 """
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--geometry", type=int, nargs=3, default=(124, 768, 1344))
     p.add_argument("--prompts", type=int, nargs="+", default=(37, 300, 512))
     p.add_argument("--linear-precision", choices=("bf16", "fp8"), default="fp8")
+    p.add_argument("--no-eager", action="store_true",
+                   help="skip step 3 (a second model: H3's 50 blocks twice do not fit one H100)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, the tiny config, sdpa, aot_eager: the probe's own code path only")
     args = p.parse_args(argv)
@@ -103,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     res["jobs"] = jobs
     del engine
     if not smoke:
+        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
+    if args.no_eager:
+        write_probe_json(args.out, "compiled-serve-probe.json", res)
+        return 0
     text = args.prompts[len(args.prompts) // 2]
     eager = _engine(cfg, env, bucket=1, compiled=False, backend=backend)
     ref = eager.run(req, text_rows=text).latent
