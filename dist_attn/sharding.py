@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_attn.distributed import group_size_and_rank
-from dist_attn.validation import as_int
+from dist_attn.validation import as_int, positive_int
 
 __all__ = ["SequenceShard", "bucket_multiple", "padded_length", "plan_shard", "shard_rows", "shard_sequence",
            "gather_sequence"]
@@ -85,7 +85,10 @@ def plan_shard(seq_len: int, group=None, *, multiple_of: int = 1) -> SequenceSha
 
 def padded_length(seq_len: int, world: int, multiple_of: int = 1) -> int:
     """``seq_len`` rounded up to a multiple of ``world * multiple_of``: :func:`plan_shard`'s
-    packed length S, for callers that know the world size but hold no group."""
+    packed length S, for callers that know the world size but hold no group. Each argument must
+    be a positive int (ValueError naming it)."""
+    seq_len, world, multiple_of = (positive_int(n, v) for n, v in (
+        ("seq_len", seq_len), ("world", world), ("multiple_of", multiple_of)))
     step = world * multiple_of
     return -(-seq_len // step) * step
 
@@ -93,7 +96,9 @@ def padded_length(seq_len: int, world: int, multiple_of: int = 1) -> int:
 def bucket_multiple(bucket: int, world: int) -> int:
     """:func:`plan_shard`'s ``multiple_of`` for a sequence bucket of ``bucket`` rows over
     ``world`` ranks: ``ceil(bucket / world)``, so S is a multiple of ``bucket`` when ``world``
-    divides it, of the next multiple of ``world`` above it otherwise."""
+    divides it, of the next multiple of ``world`` above it otherwise (W = 3, bucket 16: 18).
+    Both must be positive ints (ValueError naming it)."""
+    bucket, world = positive_int("bucket", bucket), positive_int("world", world)
     return -(-bucket // world)
 
 

@@ -107,3 +107,34 @@ def test_pack_runs_send_the_first_chunk_alone_then_join_equal_widths(folded, wor
         assert plan.pack_runs == runs
         for a, b in runs:  # a run: chunks as wide as one another on every rank
             assert len({tuple(y - x for x, y in c.head_ranges) for c in plan.chunks[a:b]}) == 1
+
+
+@pytest.mark.parametrize("seq_len, world, bucket, padded", [
+    (29, 3, 16, 36),          # W does not divide the bucket: multiples of 3 * ceil(16 / 3) = 18
+    (27, 2, 16, 32), (33, 2, 16, 48),
+    (37980, 4, 512, 38400),   # H3 at h3-ref under the server's compiled bucket
+    (37980, 4, 1, 37980),     # no bucket: a multiple of W only
+    (7, 8, 1, 8),
+])
+def test_a_bucket_pads_to_a_multiple_of_w_times_its_rows_per_rank(seq_len, world, bucket, padded):
+    """The one padding formula the runtime (plan_shard's multiple_of) and the server's counts
+    (serve.config.tokens.padded_rows) share."""
+    from dist_attn.serve.config.tokens import padded_rows
+    from dist_attn.sharding import bucket_multiple, padded_length
+
+    assert padded_length(seq_len, world, bucket_multiple(bucket, world)) == padded
+    assert padded_rows(seq_len, world, bucket) == padded
+    assert padded % world == 0 and padded >= max(seq_len, bucket if seq_len <= bucket else 0)
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda f: f["padded_length"](5, 0), "world=0 must be a positive int"),
+    (lambda f: f["padded_length"](0, 2), "seq_len=0 must be a positive int"),
+    (lambda f: f["bucket_multiple"](-3, 2), "bucket=-3 must be a positive int"),
+    (lambda f: f["bucket_multiple"](16, True), "world=True must be a positive int"),
+])
+def test_padding_helpers_name_a_bad_argument(call, needle):
+    from dist_attn.sharding import bucket_multiple, padded_length
+
+    with pytest.raises(ValueError, match=needle):
+        call({"padded_length": padded_length, "bucket_multiple": bucket_multiple})

@@ -342,23 +342,26 @@ def _bucket_worker(rank, world):
     with torch.inference_mode():
         enable_ulysses(other, backend="sdpa", sequence_bucket=16)
     after_inference_mode = _max_diff(_outputs(other, cases[5]), refs[5])
-    odd = tiny_h3(4, layers=LAYERS)
-    enable_ulysses(odd, backend="sdpa", sequence_bucket=16 if rank == 0 else 8)
-    try:
-        _outputs(odd, cases[5])
-        odd_bucket = None
-    except ValueError as exc:
-        odd_bucket = str(exc)
+    refused = {}
+    for name, kwargs in (("bucket", {"sequence_bucket": 16 if rank == 0 else 8}),
+                         ("chunks", {"overlap_chunks": 2 if rank == 0 else 1})):
+        odd = tiny_h3(4, layers=LAYERS)
+        enable_ulysses(odd, backend="sdpa", **kwargs)
+        try:
+            _outputs(odd, cases[5])
+            refused[name] = None
+        except ValueError as exc:
+            refused[name] = str(exc)
     return {"eager_vs_diffusers": max(_max_diff(eager[t], refs[t]) for t in cases),
             "compiled_vs_eager": max(_max_diff(compiled[t], eager[t]) for t in cases),
             "rows_seen": seen, "planned": planned, "frames": frames,
-            "after_inference_mode": after_inference_mode, "odd_bucket": odd_bucket}
+            "after_inference_mode": after_inference_mode, "refused": refused}
 
 
 def test_a_sequence_bucket_pads_and_prompt_lengths_in_it_compile_once(tmp_path):
     """enable_ulysses(sequence_bucket=16) on 2 ranks: each rank's rows are a multiple of 8, the
-    output is diffusers' own (also when enabled under inference mode; a bucket that differs on
-    one rank is refused on both, before the first all-to-all), and compiled blocks (dynamic=False, as served) compile for the
+    output is diffusers' own (also when enabled under inference mode; a bucket or a chunk count
+    that differs on one rank is refused on both, before the first all-to-all), and compiled blocks (dynamic=False, as served) compile for the
     first length of a bucket only: 27 and 29 rows share the 32-row graphs (the true length reaches
     the attention as a tensor, not a guarded int), 33 rows compile 48-row ones."""
     for res in run_ranks(_bucket_worker, 2, tmp_path, timeout=300):
@@ -368,6 +371,8 @@ def test_a_sequence_bucket_pads_and_prompt_lengths_in_it_compile_once(tmp_path):
         first, same_bucket, next_bucket = res["frames"]
         assert first > 0 and same_bucket == first and next_bucket > first, res
         assert res["after_inference_mode"] <= ATOL, res
-        assert res["odd_bucket"] == ("enable_ulysses(sequence_bucket=...) differs across the W=2 "
-                                     "ranks of the group: [16, 8] by rank; pass the same on every "
-                                     "rank"), res
+        assert res["refused"] == {
+            "bucket": "enable_ulysses(sequence_bucket=...) differs across the W=2 ranks of the "
+                      "group: [16, 8] by rank; pass the same on every rank",
+            "chunks": "enable_ulysses(overlap_chunks=...) differs across the W=2 ranks of the "
+                      "group: [2, 1] by rank; pass the same on every rank"}, res

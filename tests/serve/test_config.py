@@ -219,8 +219,8 @@ def test_compile_auto_compiles_on_cuda_only():
 def test_sequence_bucket_is_512_when_compiled_and_its_rules():
     """runtime.sequence_bucket: "auto" pads to 512 rows exactly where the blocks compile; an
     explicit bucket is a positive int, refused under lossless (padding changes each rank's rows),
-    and a warm-up that could compile more lengths than the raised recompile limit holds is
-    refused where the blocks may compile."""
+    and a warm-up that could compile more than half the lengths the raised recompile limit
+    holds is refused where the blocks may compile."""
     assert (RuntimeConfig().bucket("cuda"), RuntimeConfig().bucket("cpu")) == (512, 1)
     assert RuntimeConfig(compile=True).bucket("cpu") == 512
     assert RuntimeConfig(quality="lossless", backend="sdpa").bucket("cuda") == 1
@@ -232,19 +232,27 @@ def test_sequence_bucket_is_512_when_compiled_and_its_rules():
     with pytest.raises(ValueError, match=r"runtime.sequence_bucket=64 pads each rank's rows, .* "
                                          r"quality='lossless' serves the eager bf16 path bit for bit"):
         RuntimeConfig(quality="lossless", backend="sdpa", sequence_bucket=64)
+    def warm(**runtime):
+        return apply_overrides(load_config(None), {f"runtime.{k}": v for k, v in runtime.items()})
+
     shapes = [[17, 64, 64]] * 4
-    with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=512 with 4 warmup_shapes "
-                                         r"and buckets of 64 rows, may compile up to 36 padded "
-                                         r"lengths at launch, more than the 32 that Dynamo's"):
-        RuntimeConfig(sequence_bucket=64, warmup_shapes=shapes)
-    with pytest.raises(ValueError, match=r"with 17 warmup_shapes and buckets of 512 rows, may "
-                                         r"compile up to 34 padded lengths"):
-        RuntimeConfig(warmup_shapes=[[17, 64, 64]] * 17)  # "auto": 512 rows when compiled
-    assert RuntimeConfig(warmup_shapes=[[17, 64, 64]] * 16).warmup_shapes  # 32: fits
+    with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=512 with 4 warmup_shapes, "
+                                         r"buckets of 64 rows and tokens.text_tokens=32, may compile "
+                                         r"up to 36 padded lengths at launch, more than 16: half"):
+        warm(compile=True, sequence_bucket=64, warmup_shapes=shapes)
+    with pytest.raises(ValueError, match=r"with 9 warmup_shapes, buckets of 512 rows .* up to 18 "):
+        warm(compile=True, warmup_shapes=[[17, 64, 64]] * 9)  # "auto": 512 rows when compiled
+    assert warm(compile=True, warmup_shapes=[[17, 64, 64]] * 8).runtime.warmup_shapes  # 16: fits
+    # the stand-in's text rows outside 1..warmup_prompt_tokens add a length a geometry
+    over = {"runtime.compile": True, "runtime.warmup_shapes": [[17, 64, 64]] * 6,
+            "runtime.warmup_prompt_tokens": 20, "tokens.text_tokens": 40}
+    with pytest.raises(ValueError, match=r"tokens.text_tokens=40, may compile up to 18 padded"):
+        apply_overrides(load_config(None), over)
+    assert apply_overrides(load_config(None), {**over, "tokens.text_tokens": 20}).runtime.compile
     # eager configs compile nothing: no bound (the warm-up runs one length a geometry)
-    assert RuntimeConfig(sequence_bucket=1, compile=False, warmup_shapes=shapes).sequence_bucket == 1
-    assert RuntimeConfig(quality="lossless", backend="sdpa", sequence_bucket=1,
-                         warmup_shapes=shapes).sequence_bucket == 1
+    assert warm(sequence_bucket=1, compile=False, warmup_shapes=shapes).runtime.sequence_bucket == 1
+    assert warm(quality="lossless", backend="sdpa", sequence_bucket=1,
+                warmup_shapes=shapes).runtime.sequence_bucket == 1
     with pytest.raises(ValueError, match=r"runtime.warmup_prompt_tokens=0 must be a positive integer"):
         RuntimeConfig(warmup_prompt_tokens=0)
     assert apply_overrides(load_config(None), {"runtime.sequence_bucket": 256}).runtime.bucket("cpu") == 256

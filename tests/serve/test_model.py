@@ -293,7 +293,11 @@ def test_the_warm_up_covers_every_prompt_length_up_to_its_bound():
         warmed = counter.frame_count
         rt = ulysses_handle(engine.model).runtime
         planned, plan = [], rt.plan
-        rt.plan = lambda n: planned.append(plan(n).total_len)  # what the forward padded to
+        def recording(n):  # what the forward padded to
+            planned.append(plan(n).total_len)
+            return rt.shard
+
+        rt.plan = recording
         req = parse_request({"frames": 17, "height": 64, "width": 128, "steps": 3, "seed": 2}, cfg)
         for text in (1, 7, 32, 99):
             result = engine.run(req, text_rows=text)
@@ -302,3 +306,6 @@ def test_the_warm_up_covers_every_prompt_length_up_to_its_bound():
         engine.run(req, text_rows=140)  # past warmup_prompt_tokens: 270 rows, the 320-row bucket
         assert counter.frame_count > warmed
     torch._dynamo.reset()
+    # a job reports the padding its model ran, not the config's: here an eager model, unpadded
+    (eager,) = _engines(cfg, None, sequence_bucket=1)
+    assert eager.run(req, text_rows=7).tokens.total == 137

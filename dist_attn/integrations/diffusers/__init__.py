@@ -105,7 +105,9 @@ class UlyssesHandle:
 
     @property
     def sequence_bucket(self) -> int:
-        """Rows the packed sequence is padded to a multiple of, with W (as given)."""
+        """``sequence_bucket`` as given to :func:`enable_ulysses`: each forward pads its S rows to
+        a multiple of ``W * ceil(sequence_bucket / W)``
+        (:func:`dist_attn.sharding.padded_length` with :func:`dist_attn.sharding.bucket_multiple`)."""
         return self.runtime.sequence_bucket
 
     @contextlib.contextmanager
@@ -177,7 +179,8 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
             blocks under ``torch.compile(dynamic=False)``: every S of one bucket gives the blocks
             the same shapes, and the true length reaches the compiled attention as a tensor, so
             a bucket compiles once, where each S would compile again (H3's S holds the prompt's
-            token count). Costs up to ``sequence_bucket - 1`` rows of work outside the attention.
+            token count). Costs up to ``W * ceil(sequence_bucket / W) - 1`` rows of work outside
+            the attention, which never computes padding.
 
     Returns:
         A :class:`UlyssesHandle`; ``handle.remove()`` (or leaving ``with handle:``) restores the

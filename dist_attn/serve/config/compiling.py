@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COMPILED_SEQUENCE_BUCKET", "SERVED_RECOMPILE_LIMIT", "WARMUP_STEPS",
+__all__ = ["COMPILED_SEQUENCE_BUCKET", "SERVED_RECOMPILE_LIMIT", "WARMUP_LENGTHS_MAX", "WARMUP_STEPS",
            "sequence_bucket_rule", "warmup_bound_rule", "warmup_shapes_rule"]
 
 #: Denoise steps the launch's warm-up runs of each ``runtime.warmup_shapes`` geometry: the first
@@ -18,6 +18,10 @@ WARMUP_STEPS = 2
 #: default let a server compile four lengths and fail the fifth (fullgraph raises); 64 covers
 #: 32, on every rank alike.
 SERVED_RECOMPILE_LIMIT = 64
+
+#: Padded lengths a launch's warm-up may compile: half of what :data:`SERVED_RECOMPILE_LIMIT`
+#: holds, so that lengths met later (longer prompts, geometries not warmed) still compile.
+WARMUP_LENGTHS_MAX = SERVED_RECOMPILE_LIMIT // 4
 
 #: ``runtime.sequence_bucket = "auto"`` with compiled blocks: rows the packed sequence is padded
 #: to a multiple of. A video job's sequence holds its prompt's tokens, so without buckets every
@@ -48,18 +52,22 @@ def sequence_bucket_rule(bucket: Any, quality: str | None) -> str | None:
     return None
 
 
-def warmup_bound_rule(shapes: tuple, prompt_tokens: int, bucket: int | str, *,
+def warmup_bound_rule(shapes: tuple, prompt_tokens: int, bucket: int | str, *, text_tokens: int,
                       may_compile: bool) -> str | None:
     """The broken rule of ``runtime.warmup_prompt_tokens`` (None: fine): where the blocks may
-    compile, the warm-up's padded lengths (at most ``ceil(prompt_tokens / bucket) + 1`` a
-    geometry, whatever the world size) must fit Dynamo's raised recompile limit."""
+    compile, the padded lengths the warm-up compiles (at most ``ceil(prompt_tokens / bucket) + 1``
+    a geometry whatever the world size, one more when the stand-in's ``text_tokens`` lies
+    outside ``[1, prompt_tokens]``) may take at most half of Dynamo's raised recompile limit,
+    leaving the other half to the lengths jobs bring later."""
     if not may_compile:
         return None
     rows = COMPILED_SEQUENCE_BUCKET if bucket == "auto" else bucket
-    lengths = len(shapes) * (-(-prompt_tokens // rows) + 1)
-    if lengths <= SERVED_RECOMPILE_LIMIT // 2:
+    per_shape = -(-prompt_tokens // rows) + 1 + (not 1 <= text_tokens <= prompt_tokens)
+    lengths = len(shapes) * per_shape
+    if lengths <= WARMUP_LENGTHS_MAX:
         return None
-    return (f"with {len(shapes)} warmup_shapes and buckets of {rows} rows, may compile up to "
-            f"{lengths} padded lengths at launch, more than the {SERVED_RECOMPILE_LIMIT // 2} that "
-            f"Dynamo's raised recompile limit ({SERVED_RECOMPILE_LIMIT} entries, two a length) "
-            "holds; raise sequence_bucket, or lower warmup_prompt_tokens or the number of shapes")
+    return (f"with {len(shapes)} warmup_shapes, buckets of {rows} rows and tokens.text_tokens="
+            f"{text_tokens}, may compile up to {lengths} padded lengths at launch, more than "
+            f"{WARMUP_LENGTHS_MAX}: half of what Dynamo's raised recompile limit holds "
+            f"({SERVED_RECOMPILE_LIMIT} entries, two a length), the other half left to later jobs; "
+            "raise sequence_bucket, or lower warmup_prompt_tokens or the number of shapes")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dist_attn.plan import heads_per_rank
+from dist_attn.serve.config.compiling import warmup_bound_rule
 from dist_attn.serve.config.fields import field_error, steps_rule
 from dist_attn.serve.config.jobs import JobsConfig
 from dist_attn.serve.config.quality import tier_linear_rule
@@ -69,7 +70,8 @@ class Config:
     def _check_warmup_shapes(self) -> None:
         """Each ``runtime.warmup_shapes`` geometry must be a valid request (H3's frame and size
         rules, ``serve.max_tokens``, and the warm-up's ``WARMUP_STEPS`` within
-        ``serve.max_steps``): a ValueError names the entry."""
+        ``serve.max_steps``): a ValueError names the entry. Where the blocks may compile, the
+        warm-up's padded lengths must fit :func:`warmup_bound_rule`."""
         rule = steps_rule(WARMUP_STEPS, self.serve.max_steps)
         if self.runtime.warmup_shapes and rule:
             raise field_error("RuntimeConfig", "warmup_shapes", [list(s) for s in self.runtime.warmup_shapes],
@@ -82,6 +84,12 @@ class Config:
             if rule:
                 raise ValueError(f"runtime.warmup_shapes[{i}]={[frames, height, width]!r} "
                                  f"is not a valid request: {rule}")
+        rt = self.runtime
+        rule = warmup_bound_rule(rt.warmup_shapes, rt.warmup_prompt_tokens, rt.sequence_bucket,
+                                 text_tokens=self.tokens.text_tokens,
+                                 may_compile=rt.compile is not False and rt.quality != "lossless")
+        if rule:
+            raise field_error("RuntimeConfig", "warmup_prompt_tokens", rt.warmup_prompt_tokens, rule)
 
     def layout(self, *, frames: int, height: int, width: int) -> PackedLayout:
         """The packed rows of a ``frames`` x ``height`` x ``width`` request (H3's rules)."""

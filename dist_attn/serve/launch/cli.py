@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "initialisation (model.weight_seed) inside a tiny random pipeline built "
                         "once into a cache directory")
     p.add_argument("--compile", action="store_const", const=True, default=None,
-                   help="torch.compile every H3 block, fullgraph (attention stays one opaque op); "
-                        "the first request of each new shape compiles")
+                   help="torch.compile every H3 transformer block, fullgraph (attention stays one "
+                        "opaque op; the default on CUDA); the first job of each padded length "
+                        "(runtime.sequence_bucket) compiles unless runtime.warmup_shapes covers it")
     p.add_argument("--host", help="HTTP bind address (rank 0; default loopback, others warn)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on every endpoint but /health (default: "
