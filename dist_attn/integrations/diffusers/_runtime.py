@@ -1,11 +1,11 @@
 """The hooks of an enabled transformer: one sequence plan per forward, shard once, gather once.
 
 Every rank calls the transformer with the FULL inputs. The forward pre-hook checks them (once
-across the ranks, then locally), plans the shard of the S-token sequence (padded at its end to a multiple of W, or of the
-sequence bucket)
-and cuts the per-token forward arguments; the submodule hooks cut every other tensor that carries
-the sequence (hidden states entering the first block, RoPE tables, per-row index tensors) to this
-rank's rows and gather the output projections back to all S rows; the forward hook closes the plan.
+across the ranks, then locally), plans the shard of the S-token sequence (padded at its end to a
+multiple of W, or of the sequence bucket) and cuts the per-token forward arguments; the
+submodule hooks cut every other tensor that carries the sequence (hidden states entering the
+first block, RoPE tables, per-row index tensors) to this rank's rows and gather the output
+projections back to all S rows; the forward hook closes the plan.
 The processors' attention goes through :meth:`Runtime.attend`, the one place that turns the plan
 into a :func:`dist_attn.ulysses_attention` call.
 """
@@ -83,7 +83,7 @@ class Runtime:
     sequence_bucket: int = 1
     """Rows the packed sequence is padded to a multiple of, with W: each rank's rows are a multiple
     of ``ceil(sequence_bucket / W)`` (:func:`plan_shard`'s ``multiple_of``)."""
-    valid_len_host: torch.Tensor = field(default_factory=lambda: _host_scalar())
+    valid_len_host: torch.Tensor = field(default_factory=_host_scalar)
     """The forward in flight's ``valid_len`` as a CPU tensor, refilled in place by every forward:
     compiled attention reads it as a graph input, so sequences of one padded length share one
     compiled graph whatever their true length."""
