@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from benchmarks.scaling import pipelined_ms
 from dist_attn.plan import make_plan
 
 __all__ = ["Params", "LayoutSpec", "model_layer"]
@@ -138,24 +139,10 @@ def _rank_ms(spec: LayoutSpec, *, seq: int, used: int, heads: int, d: int, chunk
         merge += staging + r_size * step_merge + final
     pack = s_local * 3 * heads * d * _BYTES / (p.copy_gbs * 1e6) if u_size > 1 else 0.0
     unpack = s_local * heads * d * _BYTES / (p.copy_gbs * 1e6) if u_size > 1 else 0.0
-    # the core's pack calls back to back (plan.pack_runs), each run's input all-to-alls issued
-    # right after it; the pack time split by the heads each call packs
+    # the core's pack calls (plan.pack_runs) and each chunk's unpack, their times split by heads
     packs = [sum(b - a for a, b in c.head_ranges) for c in plan.chunks]
-    in_end, packed, t = [], 0.0, 0.0
-    for first, stop in plan.pack_runs:
-        packed += pack * sum(packs[first:stop]) / heads
-        for a in a_in[first:stop]:
-            t = max(t, packed) + a
-            in_end.append(t)
-    k_end, out_end, out_ends = packed, in_end[-1], []
-    for c, (k, a) in enumerate(zip(k_stage, a_out)):
-        k_end = max(k_end, in_end[c]) + k
-        out_end = max(out_end, k_end) + a
-        out_ends.append(out_end)
-    # the unpacks queue behind the last kernel, each waiting for its chunk's output (split by heads)
-    total = k_end
-    for c, end in enumerate(out_ends):
-        total = max(total, end) + unpack * packs[c] / heads
+    pack_runs = [(stop - first, pack * sum(packs[first:stop]) / heads) for first, stop in plan.pack_runs]
+    total = pipelined_ms(pack_runs, a_in, k_stage, a_out, [unpack * n / heads for n in packs])
     serial = pack + sum(a_in) + kern + xfer + merge + sum(a_out) + unpack
     return {"total_ms": total, "pack": pack, "a2a_in": sum(a_in), "kernel": kern, "ring_xfer": xfer,
             "merge": merge, "a2a_out": sum(a_out), "unpack": unpack, "hidden_ms": serial - total,

@@ -102,11 +102,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
         # A CPU tensor valid_len is a graph input (its value may change without a recompile);
         # an int is a constant of the graph.
-        valid_host = valid_len if isinstance(valid_len, torch.Tensor) else None
+        as_tensor = isinstance(valid_len, torch.Tensor)
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
-            max_seqlen, None if valid_host is not None else valid_len, compile_key(group, mesh),
-            backend, softmax_scale, num_heads, head_dim, overlap_chunks, valid_host)
+            max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,
+            softmax_scale, num_heads, head_dim, overlap_chunks, valid_len if as_tensor else None)
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
                     num_heads=num_heads, head_dim=head_dim, buffers=buffers, timer=timer,
