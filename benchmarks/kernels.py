@@ -32,7 +32,9 @@ variant:<b>:<v>        sage8 / sage8_gluon dense with a non-default config:     
                        (the Triton loop's launch before 3 CTAs per SM),
                        kscale-pipelined (its K-scale load before the direct one),
                        bn64 / bn64-s3 (64-key blocks, 168 registers, 2 or 3
-                       TMA stages)
+                       TMA stages), bm128 / bm128-r128 / bm128-s3 (128 query
+                       rows and 8 warps a program: 168 or 128 registers, or
+                       3 stages uncapped)
 bridge:<backend>       dist_attn.sage_varlen(..., backend=<b>) at (0,used,total) used
 dense:<backend>        get_backend(<b>).dense on all rows                        total
 dense_used:<backend>   get_backend(<b>).dense on rows [0, used) (bridge baseline) used
@@ -338,7 +340,12 @@ _PARTS = {"quant": "its quantization alone", "attn": "its attention kernel alone
 _SAGE8_VARIANTS = {"v2-running": {"pv_accum": "running"}, "pv-first": {"pv_first": True},
                    "stages2": {"stages": 2}, "3stages-2cta": {"num_stages": 3, "maxnreg": None},
                    "kscale-pipelined": {"kscale_load": "pipelined"},
-                   "bn64": {"block_n": 64}, "bn64-s3": {"block_n": 64, "num_stages": 3}}
+                   "bn64": {"block_n": 64}, "bn64-s3": {"block_n": 64, "num_stages": 3},
+                   # 128 query rows a program: two warpgroups share each K/V tile (half the L2
+                   # traffic a query row); 168 registers allow one CTA an SM, 128 two (spilling)
+                   "bm128": {"block_m": 128, "num_warps": 8},
+                   "bm128-r128": {"block_m": 128, "num_warps": 8, "maxnreg": 128},
+                   "bm128-s3": {"block_m": 128, "num_warps": 8, "num_stages": 3, "maxnreg": None}}
 
 
 def _sage8_variant(backend: str, variant: str):
