@@ -1,0 +1,187 @@
+"""Per-head RMSNorm of q and k and rotate-half RoPE on their first R channels, in one pass
+(Triton on the GPU; importing this module imports triton).
+
+MiniMax-H3 normalises q and k per head (``nn.RMSNorm(head_dim)``) and rotates their first 96 of
+128 channels before attention. Compiled, inductor runs that as three kernels that read q and k
+twice and write them once (1.24-1.42 ms of the compiled block at 37,980 rows x 56 heads on an
+H100, ``benchmarks/results/h3-fp8-profile_h100_2026-12-05.md``); one read and one write of q and
+k (1.63 GB) take ~0.55 ms at the H100's bandwidth. Here a program holds ``ROWS`` rows' RoPE
+tables in registers and walks q's and k's heads over them: q and k are read once, written once,
+and each table row is read once per head block rather than once per head.
+
+The arithmetic is float32 from the inputs to one rounding to q's dtype at the end (diffusers'
+eager path rounds to bf16 after the norm, after the weight and after each RoPE product): nearer
+float64 than the eager path, and a few bf16 ulps from it. The "lossless" tier never runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_reference"]
+
+#: rows a program holds tables for, and heads it walks (measured on an H100, benchmarks/README.md)
+ROWS, HEADS = 16, 8
+
+
+@triton.jit
+def _norm_rope(base, rows, ok, offs_d, perm, sign, w, wp, c, s, stride_r, eps,
+               ROT: tl.constexpr, D: tl.constexpr):
+    ptr = base + rows[:, None] * stride_r
+    x = tl.load(ptr + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    if ROT > 0:
+        # each channel's partner in the rotation, read again (an L1 hit) rather than shuffled
+        xp = tl.load(ptr + perm[None, :], mask=ok, other=0.0).to(tl.float32)
+        return (x * w[None, :] * c + xp * (wp * sign)[None, :] * s) * rstd
+    return x * w[None, :] * rstd
+
+
+@triton.jit
+def _out(y, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """float32 -> ``dtype``, to nearest even; by the bits for bfloat16 under the interpreter,
+    whose cast truncates."""
+    if INTERP and dtype == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return y.to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(Q, K, QO, KO, Wq, Wk, Cos, Sin, n_rows, seq, H, eps,
+                         sq_r, sq_h, sk_r, sk_h, so_r, so_h,
+                         D: tl.constexpr, ROT: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
+                         INTERP: tl.constexpr):
+    """Rows ``[ROWS * pid0, ...)`` of the flattened ``[B * S]`` row axis, heads ``[HEADS * pid1, ...)``."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok_r = rows < n_rows
+    ok = ok_r[:, None]
+    rows = rows.to(tl.int64)
+    offs_d = tl.arange(0, D)
+    HALF: tl.constexpr = ROT // 2
+    rot = offs_d < ROT
+    perm = tl.where(offs_d < HALF, offs_d + HALF, tl.where(rot, offs_d - HALF, offs_d))
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    if ROT > 0:
+        t = (rows % seq)[:, None] * ROT + offs_d[None, :]  # the table row of each row
+        tmask = ok & rot[None, :]
+        c = tl.load(Cos + t, mask=tmask, other=1.0)
+        s = tl.load(Sin + t, mask=tmask, other=0.0)
+    else:
+        c = tl.full([ROWS, D], 1.0, tl.float32)
+        s = tl.zeros([ROWS, D], tl.float32)
+    wq = tl.load(Wq + offs_d).to(tl.float32)
+    wk = tl.load(Wk + offs_d).to(tl.float32)
+    wqp = tl.load(Wq + perm).to(tl.float32)
+    wkp = tl.load(Wk + perm).to(tl.float32)
+    h0 = tl.program_id(1) * HEADS
+    for i in range(HEADS):
+        h = (h0 + i).to(tl.int64)
+        if h < H:
+            dst = rows[:, None] * so_r + h * so_h + offs_d[None, :]
+            y = _norm_rope(Q + h * sq_h, rows, ok, offs_d, perm, sign, wq, wqp, c, s, sq_r, eps, ROT, D)
+            tl.store(QO + dst, _out(y, QO.dtype.element_ty, INTERP), mask=ok)
+            y = _norm_rope(K + h * sk_h, rows, ok, offs_d, perm, sign, wk, wkp, c, s, sk_r, eps, ROT, D)
+            tl.store(KO + dst, _out(y, KO.dtype.element_ty, INTERP), mask=ok)
+
+
+def _launchable(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@torch.library.custom_op("dist_attn::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _launchable(q):  # the CPU without Triton's interpreter: the same arithmetic in torch
+        return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)
+    B, S, H, D = q.shape
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # rows of [B, S] flattened: B * S rows of stride S's (q.stride(1)) when the batch is dense
+    qf, kf = (x.reshape(B * S, H, D) if x.stride(0) != S * x.stride(1) else x.view(B * S, H, D) for x in (q, k))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _qk_norm_rope_kernel[(triton.cdiv(B * S, ROWS), triton.cdiv(H, HEADS))](
+            qf, kf, qo, ko, q_weight, k_weight, cos, sin, B * S, S, H, float(eps),
+            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), qo.stride(1), qo.stride(2),
+            D=D, ROT=cos.shape[-1], ROWS=ROWS, HEADS=HEADS, INTERP=not q.is_cuda, num_warps=4)
+    return qo, ko
+
+
+@_qk_norm_rope_op.register_fake
+def _(q, k, q_weight, k_weight, eps, cos, sin):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(q.shape, dtype=q.dtype, device=q.device))
+
+
+def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                           eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
+                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`qk_norm_rope` computes, in torch at ``dtype`` (float64 for an exact reference),
+    returned in q's dtype (float32 / float64 results stay at ``dtype`` when q is of it)."""
+    out_dtype = q.dtype if dtype == torch.float32 else dtype
+    r = cos.shape[-1]
+    c, s = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # [S, 1, R]
+
+    def one(x, w):
+        y = x.to(dtype)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w.to(dtype)
+        if r:
+            head, half = y[..., :r], r // 2
+            turned = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+            y = torch.cat((head * c + turned * s, y[..., r:]), dim=-1)
+        return y.to(out_dtype)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q', k')``: per head, ``y = x * rsqrt(mean(x**2) + eps) * weight``, then on channels
+    ``c < R``: ``y_c * cos[t, c] + r_c * sin[t, c]`` with ``r_c = -y[c + R/2]`` for ``c < R/2`` and
+    ``y[c - R/2]`` otherwise (rotate half); channels ``[R, D)`` keep ``y``.
+
+    Args:
+        q, k: ``[B, S, H, D]`` of one float dtype, shape and device; last dim contiguous. Not modified.
+        q_weight, k_weight: ``[D]`` RMSNorm weights.
+        eps: RMSNorm's epsilon (> 0).
+        cos, sin: ``[S, R]`` float32 RoPE tables (row t for row t of every sample; R even,
+            ``2 <= R <= D``, a power-of-two ``D``).
+
+    Returns:
+        Fresh contiguous tensors of q's shape and dtype: float32 arithmetic, one rounding at the
+        end (module doc). On a CPU without ``TRITON_INTERPRET=1`` the same arithmetic in torch.
+
+    Raises:
+        ValueError: naming the argument, its value and the rule.
+    """
+    if q.dim() != 4 or k.shape != q.shape or k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"q and k must be [B, S, H, D] of one shape, dtype and device, got q "
+                         f"{tuple(q.shape)} {q.dtype} {q.device} and k {tuple(k.shape)} {k.dtype} {k.device}")
+    if not q.is_floating_point() or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"q and k must be floating with a contiguous last dim, got {q.dtype} strides "
+                         f"{q.stride()} / {k.stride()}")
+    B, S, H, D = q.shape
+    if D & (D - 1):
+        raise ValueError(f"head_dim={D} must be a power of two (the kernel holds a row in registers)")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != (D,) or w.device != q.device:
+            raise ValueError(f"{name} must be a [{D}] tensor on {q.device}, got "
+                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps={eps!r} must be a positive float")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32
+                or t.shape != cos.shape or t.device != q.device):
+            raise ValueError(f"{name} must be a float32 [S, R] tensor on {q.device} shaped like cos, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    r = cos.shape[1]
+    if cos.shape[0] != S or r < 2 or r % 2 or r > D:
+        raise ValueError(f"cos and sin have shape {tuple(cos.shape)}: they need S={S} rows (q's) and an "
+                         f"even R in [2, head_dim={D}]")
+    return torch.ops.dist_attn.qk_norm_rope(q, k, q_weight, k_weight, float(eps), cos, sin)
