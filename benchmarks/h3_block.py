@@ -35,10 +35,21 @@ class LayerRuntime:
     """Stands in for enable_ulysses' runtime under the H3 processor: the block's attention is
     ``layer(q, k, v, valid_len=...)`` (a :class:`dist_attn.UlyssesSageAttention` over a group, or
     a stand-in), over a sequence whose rows past ``valid_len`` are padding. The benchmarks swap
-    ``layer`` (backend, group, overlap) without rebuilding the block."""
+    ``layer`` (backend, group, overlap) without rebuilding the block. ``fused``: whether the
+    processor normalises and rotates q and k in one kernel; None = as enable_ulysses' runtime
+    decides it, from ``layer``'s backend (True for an 8-bit one; False for a layer without one)."""
 
-    def __init__(self, layer: nn.Module, valid_len: int) -> None:
-        self.layer, self.valid_len = layer, valid_len
+    def __init__(self, layer: nn.Module, valid_len: int, fused: bool | None = None) -> None:
+        self.layer, self.valid_len, self.fused = layer, valid_len, fused
+
+    @property
+    def fused_qk_norm_rope(self) -> bool:
+        if self.fused is not None:
+            return self.fused
+        from dist_attn.backends import get_backend
+
+        name = getattr(self.layer, "backend", "auto")
+        return name != "auto" and not get_backend(name).exact
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> torch.Tensor:
         """``[B, S_local, H, D]`` each -> ``[B, S_local, H, D]``."""
@@ -60,12 +71,13 @@ def build_block(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, *, s
     return block.to(dtype).eval().requires_grad_(False)
 
 
-def attach(block: nn.Module, layer: nn.Module, valid_len: int) -> LayerRuntime:
+def attach(block: nn.Module, layer: nn.Module, valid_len: int, *, fused: bool | None = None) -> LayerRuntime:
     """Gives ``block.attn`` dist_attn's H3 processor with attention through ``layer``; returns
-    the runtime whose ``layer`` / ``valid_len`` may be swapped later."""
+    the runtime whose ``layer`` / ``valid_len`` may be swapped later (``fused``: see
+    :class:`LayerRuntime`)."""
     from dist_attn.integrations.diffusers._minimax_h3 import MiniMaxH3UlyssesProcessor
 
-    runtime = LayerRuntime(layer, valid_len)
+    runtime = LayerRuntime(layer, valid_len, fused)
     block.attn.set_processor(MiniMaxH3UlyssesProcessor(runtime))
     return runtime
 

@@ -58,12 +58,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((head * c + turned * s, tail), dim=-1)
 
 
+def _plain_norms(attn: nn.Module, head_dim: int) -> bool:
+    """Whether q's and k's norms are the ``nn.RMSNorm(head_dim)`` with weights and one eps that
+    :func:`dist_attn.kernels.qk_norm_rope.qk_norm_rope` computes."""
+    return all(type(n) is nn.RMSNorm and tuple(n.normalized_shape) == (head_dim,) and n.weight is not None
+               and n.eps is not None and n.eps == attn.norm_q.eps for n in (attn.norm_q, attn.norm_k))
+
+
 class MiniMaxH3UlyssesProcessor:
     """Self-attention of a block's ``MiniMaxH3Attention`` whose attention spans every rank's rows.
 
     Projections, per-head RMSNorm of q and k, and RoPE act on this rank's ``S_local`` rows; the
     attention itself is :func:`dist_attn.ulysses_attention` over the group (or mesh), rows past the
-    true length never attended.
+    true length never attended. With an 8-bit backend (``runtime.fused_qk_norm_rope``) the norm and
+    RoPE run as one kernel (:mod:`dist_attn.kernels.qk_norm_rope`: float32, one rounding, ~2.5x
+    faster than inductor's three); with an exact one, as diffusers' own ops, bit for bit.
     """
 
     def __init__(self, runtime: Any) -> None:
@@ -84,9 +93,15 @@ class MiniMaxH3UlyssesProcessor:
             q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         # [B, S_local, H*D] -> [B, S_local, H, D]
         q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in (q, k, v))
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        if rotary_emb is not None:
-            q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
+        if self._rt.fused_qk_norm_rope and rotary_emb is not None and _plain_norms(attn, q.shape[-1]):
+            # one pass over q and k instead of diffusers' bf16 ops (an 8-bit backend: not bit for bit)
+            from dist_attn.kernels.qk_norm_rope import qk_norm_rope
+
+            q, k = qk_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, *rotary_emb)
+        else:
+            q, k = attn.norm_q(q), attn.norm_k(k)
+            if rotary_emb is not None:
+                q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
         out = self._rt.attend(q, k, v, "an H3 block's self-attention (transformer_blocks.*.attn)")
         out = out.flatten(2, 3).type_as(q)  # [B, S_local, H, D] -> [B, S_local, H*D]
         return attn.to_out[1](attn.to_out[0](out))

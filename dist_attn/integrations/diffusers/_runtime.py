@@ -94,6 +94,10 @@ class Runtime:
     """The plan of the forward in flight; None outside a forward."""
     handles: list = field(default_factory=list)
     """The ``RemovableHandle`` of every hook registered on the transformer."""
+    fused_qk_norm_rope: bool = False
+    """Whether processors that can normalise and rotate q and k in one kernel do (H3's): True
+    when ``backend`` names an 8-bit kernel, whose results are not bit for bit those of diffusers'
+    ops anyway; an exact backend (the lossless tier's) keeps diffusers' arithmetic."""
 
     def plan(self, seq_len: int) -> SequenceShard:
         """Plans the forward's sequence of ``seq_len`` rows (padded to W and the bucket) and

@@ -1,0 +1,144 @@
+"""The fused q/k RMSNorm + RoPE kernel (dist_attn.kernels.qk_norm_rope) on CPU, and on the GPU
+where there is one.
+
+The Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be set
+before triton decorates the kernel) and must equal its float32 torch reference bit for bit,
+and sit as near float64 as a single bf16 rounding allows, over shapes that hit its edges:
+batches, rows and heads that do not fill a program, R < D and R = D, zero (padding) table rows.
+Without the interpreter the op computes the reference itself. The GPU test runs H3's shape.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+__all__: list[str] = []
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from dist_attn.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+    g = torch.Generator().manual_seed(0)
+    for B, S, H, D, R in ((1, 37, 11, 128, 96), (2, 20, 3, 64, 64), (1, 5, 8, 32, 2)):
+        q, k = (torch.randn(B, S, H, D, generator=g).mul(3).add(0.4).bfloat16() for _ in range(2))
+        q[0, 1, 2] = 0.0  # an all-zero row: rsqrt(eps), finite
+        wq, wk = (torch.rand(D, generator=g).add(0.5).bfloat16() for _ in range(2))
+        ang = torch.rand(S, R // 2, generator=g) * 6
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        cos[-2:], sin[-2:] = 0.0, 0.0  # padding rows: zero tables
+        before = (q.clone(), k.clone())
+        got = qk_norm_rope(q, k, wq, wk, 1e-5, cos, sin)
+        assert torch.equal(q, before[0]) and torch.equal(k, before[1]), "q or k was modified"
+        want = qk_norm_rope_reference(q, k, wq, wk, 1e-5, cos, sin)
+        exact = qk_norm_rope_reference(q, k, wq, wk, 1e-5, cos, sin, dtype=torch.float64)
+        for name, a, b, c in zip("qk", got, want, exact):
+            assert a.shape == q.shape and a.dtype == q.dtype and a.is_contiguous()
+            assert torch.isfinite(a.float()).all()
+            diff = (a.float() - b.float()).abs().max().item()
+            # one bf16 ulp where fp32 sums in another order land on the other side of a tie
+            assert diff <= b.float().abs().max().item() * 2 ** -8, (name, B, S, H, D, R, diff)
+            off = (a.view(torch.int16) != b.view(torch.int16)).float().mean().item()
+            assert off < 1e-3, (name, B, S, H, D, R, off)
+            rel = ((a.double() - c).norm() / c.norm()).item()
+            assert rel < 2.2e-3, (name, rel)  # one bf16 rounding: ~1.6e-3 on these values
+            assert (a[:, -2:, :, R:].float() != 0).any() or R == D
+            print(name, B, S, H, D, R, f"{off:.2e} codes off, rel-L2 vs float64 {rel:.2e}")
+    print("OK")
+    """
+)
+
+
+def test_interp_qk_norm_rope_equals_its_reference():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "OK", proc.stdout
+
+
+def _inputs(device, B=1, S=9, H=3, D=64, R=48, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, S, H, D, generator=g).to(device, dtype) for _ in range(2))
+    wq, wk = (torch.rand(D, generator=g).add(0.5).to(device, dtype) for _ in range(2))
+    ang = torch.rand(S, R // 2, generator=g) * 6
+    return q, k, wq, wk, torch.cat([ang.cos()] * 2, -1).to(device), torch.cat([ang.sin()] * 2, -1).to(device)
+
+
+def test_cpu_without_the_interpreter_computes_the_reference(monkeypatch):
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from dist_attn.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+    q, k, wq, wk, cos, sin = _inputs("cpu")
+    for a, b in zip(qk_norm_rope(q, k, wq, wk, 1e-6, cos, sin), qk_norm_rope_reference(q, k, wq, wk, 1e-6, cos, sin)):
+        assert torch.equal(a, b)
+
+
+def test_reference_is_diffusers_norm_then_rope():
+    """The reference in float64 is nn.RMSNorm followed by H3's rotate-half RoPE, computed in
+    float64 too: the definition the kernel is held to."""
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    pytest.importorskip("diffusers", reason="H3's processor lives in the diffusers adapter")
+    from dist_attn.integrations.diffusers._minimax_h3 import _rotate
+    from dist_attn.kernels.qk_norm_rope import qk_norm_rope_reference
+
+    q, k, wq, wk, cos, sin = _inputs("cpu", dtype=torch.float64)
+    norm = torch.nn.RMSNorm(q.shape[-1], eps=1e-5, dtype=torch.float64)
+    got = qk_norm_rope_reference(q, k, wq, wk, 1e-5, cos, sin, dtype=torch.float64)
+    for x, w, y in ((q, wq, got[0]), (k, wk, got[1])):
+        with torch.no_grad():
+            norm.weight.copy_(w)
+            want = _rotate(norm(x), cos.double(), sin.double())
+        torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.update(k=a["k"][..., :32]), "one shape"),
+    (lambda a: a.update(q_weight=a["q_weight"][:5]), "q_weight must be a \\[64\\]"),
+    (lambda a: a.update(eps=0.0), "eps=0.0 must be a positive float"),
+    (lambda a: a.update(cos=a["cos"].double()), "cos must be a float32"),
+    (lambda a: a.update(cos=a["cos"][:4], sin=a["sin"][:4]), "S=9 rows"),
+    (lambda a: a.update(cos=a["cos"][:, :5], sin=a["sin"][:, :5]), "even R"),
+])
+def test_qk_norm_rope_rejects_bad_arguments(change, match):
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    from dist_attn.kernels.qk_norm_rope import qk_norm_rope
+
+    q, k, wq, wk, cos, sin = _inputs("cpu")
+    args = dict(q=q, k=k, q_weight=wq, k_weight=wk, eps=1e-5, cos=cos, sin=sin)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        qk_norm_rope(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel on hardware)")
+def test_gpu_qk_norm_rope_at_h3_shape():
+    """H3's shape (56 heads x 128, RoPE on 96), 2,048 rows: within one bf16 rounding of the float32
+    reference (the GPU's rsqrt is approximate), as near float64 as that, and compiled (fullgraph)
+    equal to eager."""
+    from dist_attn.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+    q, k, wq, wk, cos, sin = _inputs("cuda", S=2048, H=56, D=128, R=96, seed=1)
+    got = qk_norm_rope(q, k, wq, wk, 1e-5, cos, sin)
+    want = qk_norm_rope_reference(q, k, wq, wk, 1e-5, cos, sin)
+    exact = qk_norm_rope_reference(q, k, wq, wk, 1e-5, cos, sin, dtype=torch.float64)
+    for a, b, c in zip(got, want, exact):
+        assert (a.float() - b.float()).abs().max().item() <= b.float().abs().max().item() * 2 ** -7
+        assert (a.view(torch.int16) != b.view(torch.int16)).float().mean().item() < 0.02
+        assert ((a.double() - c).norm() / c.norm()).item() < 2.2e-3
+    fn = torch.compile(lambda *x: qk_norm_rope(*x), fullgraph=True)
+    for a, b in zip(fn(q, k, wq, wk, 1e-5, cos, sin), got):
+        assert torch.equal(a, b)
