@@ -376,3 +376,36 @@ def test_a_sequence_bucket_pads_and_prompt_lengths_in_it_compile_once(tmp_path):
                       "group: [16, 8] by rank; pass the same on every rank",
             "chunks": "enable_ulysses(overlap_chunks=...) differs across the W=2 ranks of the "
                       "group: [2, 1] by rank; pass the same on every rank"}, res
+
+
+def test_an_8bit_backend_runs_q_k_norm_and_rope_as_one_kernel(monkeypatch):
+    """enable_ulysses with a backend that is not exact gives H3's processor the fused q/k norm +
+    RoPE (dist_attn.kernels.qk_norm_rope; on this CPU its torch reference, in float32 like the
+    tiny model: diffusers' result to float32 summation order); an exact backend keeps diffusers'
+    own ops, and so does "auto", whose kernel is not known until it runs."""
+    pytest.importorskip("triton", reason="the fused kernel's module imports triton")
+    import dist_attn.kernels.qk_norm_rope as qknr
+    from dist_attn.backends import SdpaBackend, register_backend, unregister_backend
+    from dist_attn.integrations.diffusers import enable_ulysses
+
+    class Lossy(SdpaBackend):
+        name, exact = "sdpa_as_8bit", False
+
+    calls = []
+    real = qknr.qk_norm_rope
+    monkeypatch.setattr(qknr, "qk_norm_rope", lambda *a: calls.append(a[0].shape) or real(*a))
+    register_backend(Lossy())
+    try:
+        for backend, fused in (("sdpa_as_8bit", True), ("sdpa", False), ("auto", False)):
+            model, inputs = tiny_h3(4, layers=LAYERS), h3_inputs(2)
+            ref = _outputs(model, inputs)
+            calls.clear()
+            with enable_ulysses(model, backend=backend) as handle:
+                assert handle.runtime.fused_qk_norm_rope is fused, backend
+                out = _outputs(model, inputs)
+            assert len(calls) == (LAYERS if fused else 0), (backend, calls)
+            assert _max_diff(out, ref) <= ATOL, (backend, _max_diff(out, ref))
+            if not fused:
+                assert all(torch.equal(a, b) for a, b in zip(out, ref)), backend
+    finally:
+        unregister_backend("sdpa_as_8bit")
