@@ -7,6 +7,7 @@ from dist_attn.varlen import sage_varlen, trailing_padding_used_len
 from dist_attn.distributed import DistEnv, init_distributed
 from dist_attn.buffers import StagingBuffers, StagingCapacityError, default_staging_buffers
 from dist_attn.profiling import PhaseTimer
+from dist_attn.qk_prologue import QKNormRope
 from dist_attn.sharding import SequenceShard, gather_sequence, plan_shard, shard_rows, shard_sequence
 from dist_attn.ulysses import UlyssesSageAttention, ulysses_attention
 from dist_attn.mesh import init_usp_mesh, shard_index
@@ -16,6 +17,7 @@ __all__ = [
     "BackendUnavailableError",
     "DistEnv",
     "PhaseTimer",
+    "QKNormRope",
     "SequenceShard",
     "StagingBuffers",
     "StagingCapacityError",

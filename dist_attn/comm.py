@@ -37,7 +37,7 @@ def _widen(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
 
-def _strided_run(shape, chunk_ranges) -> tuple[int, int, int, int] | None:
+def strided_run(shape, chunk_ranges) -> tuple[int, int, int, int] | None:
     """``(W, H/W, first head, w)`` when ``n`` consecutive chunks of ``w`` heads for each of W ranks
     (``chunk_ranges[i][j]``: chunk i's heads for rank j) can be read from a ``[1, S_local, H, D]``
     tensor as one strided view: each rank's heads lie H/W apart and each chunk starts where the one
@@ -58,7 +58,7 @@ def _strided_run(shape, chunk_ranges) -> tuple[int, int, int, int] | None:
 
 
 def _run_view(t: torch.Tensor, run: tuple[int, int, int, int], n: int) -> torch.Tensor:
-    """The ``[n, W, S_local, w, D]`` view of ``t`` ``[1, S_local, H, D]`` that :func:`_strided_run` found."""
+    """The ``[n, W, S_local, w, D]`` view of ``t`` ``[1, S_local, H, D]`` that :func:`strided_run` found."""
     world, hw, base, w = run
     _, s_local, _, head_dim = t.shape
     # [1, S_local, H, D] -> [S_local, W, H/W, D] -> [S_local, W, n, w, D] -> [n, W, S_local, w, D]
@@ -109,7 +109,7 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tens
 def _copy_strided_run(q, k, v, send, chunk_ranges) -> bool:
     """One strided copy per role of a run of chunks into its send blocks ``[n, W, S_local, 3, w,
     D]`` (tensors already widened); False, copying nothing, when the heads need a loop."""
-    run = _strided_run(q.shape, chunk_ranges)
+    run = strided_run(q.shape, chunk_ranges)
     if run is None:
         return False
     n = len(chunk_ranges)
@@ -175,7 +175,7 @@ def unpack_output(recv: torch.Tensor, out: torch.Tensor, head_ranges) -> torch.T
     result = out
     recv, out = _widen(recv, out)
     _, s_local, num_heads, head_dim = out.shape  # head_dim counted in (possibly widened) elements
-    run = _strided_run(out.shape, (head_ranges,))
+    run = strided_run(out.shape, (head_ranges,))
     if run is not None:
         dst = _run_view(out, run, 1)  # [1, W, S_local, w, D]
         dst.copy_(recv.view(dst.shape))  # one copy

@@ -35,6 +35,7 @@ from dist_attn.distributed import (check_group, compile_key, register_for_compil
 from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
 from dist_attn.plan import KernelWaves, heads_per_rank, make_plan
 from dist_attn.profiling import PhaseTimer
+from dist_attn.qk_prologue import QKNormRope, check_qk_prologue
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
 from dist_attn.validation import (check_bounds, check_no_grad, check_op_scalars,
                                   check_overlap_chunks, check_qkv, check_softmax_scale,
@@ -49,7 +50,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       valid_len: int | torch.Tensor | None = None, group=None, mesh=None, backend: str = "auto",
                       softmax_scale: float | None = None, num_heads: int | None = None,
                       head_dim: int | None = None, buffers: StagingBuffers | None = None,
-                      timer: PhaseTimer | None = None, overlap_chunks: int = 1) -> torch.Tensor:
+                      timer: PhaseTimer | None = None, overlap_chunks: int = 1,
+                      qk_prologue: QKNormRope | None = None) -> torch.Tensor:
     """Sequence-parallel block-diagonal attention over the ranks of ``group`` or ``mesh`` (forward only).
 
     Args:
@@ -85,6 +87,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             of 1 there is no all-to-all to overlap and one ring runs). Without a ring the chunks
             are cut to the kernel's waves where the backend reports them (``kernel_waves``;
             :func:`dist_attn.plan.chunk_widths`).
+        qk_prologue: a :class:`dist_attn.QKNormRope` (per-head RMSNorm + RoPE, its tables of
+            this rank's rows): q and k are then the raw projections, transformed inside the pack's
+            one pass over q, k and v where its kernel can, else by one kernel first (and always
+            so without an all-to-all). float32 arithmetic, one rounding: not bit for bit diffusers'
+            bf16 ops.
 
     Returns:
         Fresh tensor of q's shape, dtype and device.
@@ -103,18 +110,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         # A CPU tensor valid_len is a graph input (its value may change without a recompile);
         # an int is a constant of the graph.
         as_tensor = isinstance(valid_len, torch.Tensor)
+        p = qk_prologue
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
             max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,
-            softmax_scale, num_heads, head_dim, overlap_chunks, valid_len if as_tensor else None)
+            softmax_scale, num_heads, head_dim, overlap_chunks, valid_len if as_tensor else None,
+            *((None, None, 0.0, None, None) if p is None else (p.q_weight, p.k_weight, p.eps, p.cos, p.sin)))
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
                     num_heads=num_heads, head_dim=head_dim, buffers=buffers, timer=timer,
-                    overlap_chunks=overlap_chunks)
+                    overlap_chunks=overlap_chunks, prologue=qk_prologue)
 
 
 def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, mesh, backend,
-             softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks) -> torch.Tensor:
+             softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks,
+             prologue=None) -> torch.Tensor:
     # ---- validation: host-only facts, identical on every rank, before any collective ----
     check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
     check_no_grad(q, k, v)
@@ -126,6 +136,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
                                   groups.ring_size)
     batched = q.ndim == 4
     q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [S_local, H, D] -> [1, S_local, H, D]
+    check_qk_prologue(prologue, q4)
     batch, s_local, n_heads, d = q4.shape
     chunk = s_local * world  # rows one Ulysses group gathers: the whole sequence without a ring
     seq = chunk * n_ring
@@ -146,6 +157,8 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
 
+    if prologue is not None and world == 1:  # no pack to fold it into
+        q4, k4 = _apply_prologue(q4, k4, prologue)
     if world == 1:
         if n_ring > 1:
             out = ring_attention(q4, k4, v4, layout=layout, groups=groups, backend=be,
@@ -171,6 +184,9 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
                               backend_arg=backend)
     plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
                      head_dim=d, overlap_chunks=overlap_chunks, waves=waves)
+    if prologue is not None and not _prologue_packs(plan, q4):
+        q4, k4 = _apply_prologue(q4, k4, prologue)
+        prologue = None
     pool = buffers if buffers is not None else default_staging_buffers()
     pool.reserve(plan.buffer_sizes(), q.dtype, q.device)  # raises on every rank alike
     bufs = {role: pool.get(role, n, q.dtype, q.device) for role, n in plan.buffer_sizes().items()}
@@ -186,8 +202,12 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     for first, stop in plan.pack_runs:
         run = plan.chunks[first:stop]
         with phase("pack"):
-            pack_qkv_chunks(q4, k4, v4, bufs["in_send"][run[0].in_send[0]:run[-1].in_send[1]],
-                            [c.head_ranges for c in run])
+            send, ranges = bufs["in_send"][run[0].in_send[0]:run[-1].in_send[1]], [c.head_ranges for c in run]
+            if prologue is None:
+                pack_qkv_chunks(q4, k4, v4, send, ranges)
+            else:
+                from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue
+                pack_qkv_prologue(q4, k4, v4, send, ranges, prologue)
         with phase("a2a_in"):
             works_in += [all_to_all_flat(view("in_recv", c.in_recv), view("in_send", c.in_send),
                                          recv_splits=list(c.in_recv_splits),
@@ -222,6 +242,22 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
         with phase("unpack"):
             unpack_output(view("out_recv", c.out_recv), out, c.head_ranges)
     return out if batched else out[0]
+
+
+def _apply_prologue(q4, k4, p: QKNormRope):
+    """``(q', k')`` through ``p`` by one kernel (its torch reference on a CPU without Triton's
+    interpreter)."""
+    from dist_attn.kernels.qk_norm_rope import qk_norm_rope
+    return qk_norm_rope(q4, k4, p.q_weight, p.k_weight, p.eps, p.cos, p.sin)
+
+
+def _prologue_packs(plan, q4) -> bool:
+    """Whether every pack call of ``plan`` can apply the prologue itself (one strided run each,
+    and a device its kernel runs on)."""
+    from dist_attn.comm import strided_run
+    from dist_attn.kernels.qk_norm_rope import launchable
+    return launchable(q4) and all(strided_run(q4.shape, [c.head_ranges for c in plan.chunks[a:b]])
+                                  is not None for a, b in plan.pack_runs)
 
 
 #: group name -> {(backend argument, segments, rows, head_dim, dtype): the waves all ranks of the
@@ -279,21 +315,28 @@ def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: O
                 cu_seqlens_host: Optional[list[int]], max_seqlen: Optional[int],
                 valid_len: Optional[int], group_key: str, backend: str,
                 softmax_scale: Optional[float], num_heads: Optional[int], head_dim: Optional[int],
-                overlap_chunks: int, valid_len_host: Optional[torch.Tensor] = None) -> torch.Tensor:
-    # valid_len_host (last: positional callers of the older schema keep working) replaces
-    # valid_len when given: a CPU tensor, a graph input whose value is read here, at run time
+                overlap_chunks: int, valid_len_host: Optional[torch.Tensor] = None,
+                qk_q_weight: Optional[torch.Tensor] = None, qk_k_weight: Optional[torch.Tensor] = None,
+                qk_eps: float = 0.0, qk_cos: Optional[torch.Tensor] = None,
+                qk_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # valid_len_host, then a QKNormRope's fields, come last (positional callers of the older
+    # schema keep working); valid_len_host replaces valid_len when given: a CPU tensor, a graph
+    # input whose value is read here, at run time
     group, mesh = resolve_compile_key(group_key)
     if valid_len_host is not None:
         valid_len = valid_len_host
+    given = any(t is not None for t in (qk_q_weight, qk_k_weight, qk_cos, qk_sin))
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend,
                     softmax_scale=softmax_scale, num_heads=num_heads, head_dim=head_dim,
-                    buffers=None, timer=None, overlap_chunks=overlap_chunks)
+                    buffers=None, timer=None, overlap_chunks=overlap_chunks,
+                    prologue=QKNormRope(qk_q_weight, qk_k_weight, qk_eps, qk_cos, qk_sin) if given else None)
 
 
 @_ulysses_op.register_fake
 def _(q, k, v, cu_seqlens, cu_seqlens_host, max_seqlen, valid_len, group_key, backend,
-      softmax_scale, num_heads, head_dim, overlap_chunks, valid_len_host=None):
+      softmax_scale, num_heads, head_dim, overlap_chunks, valid_len_host=None, qk_q_weight=None,
+      qk_k_weight=None, qk_eps=0.0, qk_cos=None, qk_sin=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -315,7 +358,7 @@ class UlyssesSageAttention(nn.Module):
         overlap_chunks: head chunks pipelined against their all-to-alls (1 = plain path).
 
     Call: ``attn(q, k, v, cu_seqlens=None, max_seqlen=None, cu_seqlens_host=None, *,
-    valid_len=None)`` with q/k/v ``[S_local, H, D]`` or ``[B, S_local, H, D]``; see
+    valid_len=None, qk_prologue=None)`` with q/k/v ``[S_local, H, D]`` or ``[B, S_local, H, D]``; see
     :func:`ulysses_attention`.
     """
 
@@ -348,13 +391,15 @@ class UlyssesSageAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
                 max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
-                valid_len: int | torch.Tensor | None = None) -> torch.Tensor:
+                valid_len: int | torch.Tensor | None = None,
+                qk_prologue: QKNormRope | None = None) -> torch.Tensor:
         compiling = torch.compiler.is_compiling()
         return ulysses_attention(
             q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len, group=self.group,
             mesh=self.mesh, backend=self.backend, softmax_scale=self.softmax_scale, num_heads=self.num_heads,
             head_dim=self.head_dim, buffers=None if compiling else self.buffers,
             timer=None if compiling else self.timer, overlap_chunks=self.overlap_chunks,
+            qk_prologue=qk_prologue,
         )
 
     def extra_repr(self) -> str:

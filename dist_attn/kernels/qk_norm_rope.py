@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_reference"]
+__all__ = ["launchable", "pack_qkv_prologue", "qk_norm_rope", "qk_norm_rope_reference"]
 
 #: rows a program holds tables for, and heads it walks (measured on an H100, benchmarks/README.md)
 ROWS, HEADS = 16, 8
@@ -90,14 +90,77 @@ def _qk_norm_rope_kernel(Q, K, QO, KO, Wq, Wk, Cos, Sin, n_rows, seq, H, eps,
             tl.store(KO + dst, _out(y, KO.dtype.element_ty, INTERP), mask=ok)
 
 
-def _launchable(x: torch.Tensor) -> bool:
+@triton.jit
+def _pack_kernel(Q, K, V, Dst, Wq, Wk, Cos, Sin, s_local, eps, sq_r, sq_h, sk_r, sk_h, sv_r, sv_h,
+                 W, HW, BASE, WIDTH, N,
+                 D: tl.constexpr, ROT: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+    """Rows ``[ROWS * pid0, ...)`` of destination rank ``j`` and chunk ``i`` (``pid1 = i * W + j``):
+    its WIDTH heads of q and k through the prologue, and of v as they are, into the send blocks
+    ``[N, W, S_local, 3, WIDTH, D]``."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = (rows < s_local)[:, None]
+    rows = rows.to(tl.int64)
+    blk = tl.program_id(1)
+    i = blk // W
+    j = blk % W
+    offs_d = tl.arange(0, D)
+    HALF: tl.constexpr = ROT // 2
+    rot = offs_d < ROT
+    perm = tl.where(offs_d < HALF, offs_d + HALF, tl.where(rot, offs_d - HALF, offs_d))
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    t = rows[:, None] * ROT + offs_d[None, :]
+    tmask = ok & rot[None, :]
+    c = tl.load(Cos + t, mask=tmask, other=1.0)
+    s = tl.load(Sin + t, mask=tmask, other=0.0)
+    wq = tl.load(Wq + offs_d).to(tl.float32)
+    wk = tl.load(Wk + offs_d).to(tl.float32)
+    wqp = tl.load(Wq + perm).to(tl.float32)
+    wkp = tl.load(Wk + perm).to(tl.float32)
+    # dst[i, j, row, role, h, :]: a row of the block holds 3 * WIDTH heads
+    row_base = ((blk.to(tl.int64) * s_local + rows) * 3 * WIDTH)[:, None] * D + offs_d[None, :]
+    for hh in range(WIDTH):
+        g = (j * HW + BASE + i * WIDTH + hh).to(tl.int64)
+        y = _norm_rope(Q + g * sq_h, rows, ok, offs_d, perm, sign, wq, wqp, c, s, sq_r, eps, ROT, D)
+        tl.store(Dst + row_base + hh * D, _out(y, Dst.dtype.element_ty, INTERP), mask=ok)
+        y = _norm_rope(K + g * sk_h, rows, ok, offs_d, perm, sign, wk, wkp, c, s, sk_r, eps, ROT, D)
+        tl.store(Dst + row_base + (WIDTH + hh) * D, _out(y, Dst.dtype.element_ty, INTERP), mask=ok)
+        x = tl.load(V + g * sv_h + rows[:, None] * sv_r + offs_d[None, :], mask=ok, other=0.0)
+        tl.store(Dst + row_base + (2 * WIDTH + hh) * D, x, mask=ok)
+
+
+def pack_qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: torch.Tensor, chunk_ranges,
+                      prologue) -> bool:
+    """:func:`dist_attn.comm.pack_qkv_chunks` with q and k through ``prologue`` (a checked
+    :class:`dist_attn.QKNormRope`) on the way, in one pass; False, writing nothing, where the
+    chunks are not one strided run (batch 1, H divisible by W, equally wide chunks) or the kernel
+    cannot launch (a CPU without ``TRITON_INTERPRET=1``): the caller then applies the prologue
+    first and packs as usual."""
+    from dist_attn.comm import strided_run
+
+    run = strided_run(q.shape, chunk_ranges)
+    if run is None or not launchable(q):
+        return False
+    world, hw, base, width = run
+    _, s_local, _, d = q.shape
+    cos, sin = prologue.cos.contiguous(), prologue.sin.contiguous()
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _pack_kernel[(triton.cdiv(s_local, ROWS), len(chunk_ranges) * world)](
+            q, k, v, send, prologue.q_weight, prologue.k_weight, cos, sin, s_local, float(prologue.eps),
+            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+            world, hw, base, width, len(chunk_ranges),
+            D=d, ROT=cos.shape[-1], ROWS=ROWS, INTERP=not q.is_cuda, num_warps=4)
+    return True
+
+
+def launchable(x: torch.Tensor) -> bool:
+    """Whether the kernels run on ``x``'s device: a GPU, or the CPU under Triton's interpreter."""
     return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @torch.library.custom_op("dist_attn::qk_norm_rope", mutates_args=())
 def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                      eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _launchable(q):  # the CPU without Triton's interpreter: the same arithmetic in torch
+    if not launchable(q):  # the CPU without Triton's interpreter: the same arithmetic in torch
         return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)
     B, S, H, D = q.shape
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_attn.comm import _strided_run, pack_qkv, pack_qkv_chunks
+from dist_attn.comm import strided_run, pack_qkv, pack_qkv_chunks
 from dist_attn.plan import KernelWaves, make_plan
 
 
@@ -101,5 +101,5 @@ def test_h3s_chunks_after_the_first_are_one_strided_view():
     for a, b in plan.pack_runs:
         ranges = [c.head_ranges for c in plan.chunks[a:b]]
         first = plan.chunks[a]
-        assert _strided_run((1, 5, 56, 128), ranges) == (4, 14, first.head_ranges[0][0], first.local_heads(0))
-        assert _strided_run((2, 5, 28, 128), ranges) is None
+        assert strided_run((1, 5, 56, 128), ranges) == (4, 14, first.head_ranges[0][0], first.local_heads(0))
+        assert strided_run((2, 5, 28, 128), ranges) is None
