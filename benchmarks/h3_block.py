@@ -51,9 +51,11 @@ class LayerRuntime:
         name = getattr(self.layer, "backend", "auto")
         return name != "auto" and not get_backend(name).exact
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str,
+               qk_prologue=None) -> torch.Tensor:
         """``[B, S_local, H, D]`` each -> ``[B, S_local, H, D]``."""
-        return self.layer(q, k, v, valid_len=self.valid_len)
+        extra = {} if qk_prologue is None else {"qk_prologue": qk_prologue}
+        return self.layer(q, k, v, valid_len=self.valid_len, **extra)
 
 
 def build_block(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, *, seed: int = 0) -> nn.Module:

@@ -287,8 +287,9 @@ def _set_attention(block, attn: str, heads: int, head_dim: int, valid_len: int) 
     if attn == "native":
         block.attn.set_processor(MiniMaxH3AttnProcessor())
     elif attn == "none":
-        # the rest of the block as a rank of the 8-bit model runs it (one kernel for q/k norm +
-        # RoPE); the model's sdpa / fa3 rows reuse it, ~0.2 ms a block short of their own rest
+        # the rest of the block as a rank of the 8-bit model runs it: q/k norm + RoPE belong to the
+        # pack (measure_w4_parts times it so); the model's sdpa / fa3 rows reuse both, where their
+        # served route would run diffusers' ops in the rest (~0.2 ms a block more)
         attach(block, _NoAttention(), valid_len, fused=True)
     else:
         attach(block, UlyssesSageAttention(heads, head_dim, backend=attn), valid_len)
@@ -378,13 +379,18 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     attention at each chunk's heads over all rows (the receive buffer's strided q/k/v views, as in
     the core), measured; the all-to-alls computed from the bytes rank 0 sends to the 3 others."""
     from dist_attn import backends as da_backends
+    from dist_attn import QKNormRope
     from dist_attn.comm import pack_qkv_chunks, unpack_output, unpack_qkv
+    from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue
     from dist_attn.plan import make_plan
     from dist_attn.varlen import attend_varlen, segment_layout
 
     m, lay, total = cfg.model, args.layout, padded_total(args.layout.used)
     s_local, H, D = total // 4, m.num_heads, m.head_dim
     q, k, v = (torch.randn(1, s_local, H, D, device=dev).to(torch.bfloat16) for _ in range(3))
+    rot = 6 * m.rope_freq_dim
+    prologue = QKNormRope(torch.ones(D, device=dev, dtype=torch.bfloat16), torch.ones(D, device=dev, dtype=torch.bfloat16),
+                          m.qk_norm_eps, torch.rand(s_local, rot, device=dev), torch.rand(s_local, rot, device=dev))
     send = torch.empty(s_local * 3 * H * D, device=dev, dtype=torch.bfloat16)
     recv_out = torch.randn(s_local * H * D, device=dev).to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -446,7 +452,9 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
 
                         def pack(span=(run[0].in_send[0], run[-1].in_send[1]),
                                  ranges=[c.head_ranges for c in run]):
-                            pack_qkv_chunks(q, k, v, send[span[0]:span[1]], ranges)
+                            # q/k norm + RoPE in the pack, as the 8-bit route's rank runs it
+                            if not pack_qkv_prologue(q, k, v, send[span[0]:span[1]], ranges, prologue):
+                                pack_qkv_chunks(q, k, v, send[span[0]:span[1]], ranges)
                         timers["pack", widths, i] = pack
                     for i, c in enumerate(plan.chunks):  # the core's unpack calls, one by one
 

@@ -142,3 +142,76 @@ def test_gpu_qk_norm_rope_at_h3_shape():
     fn = torch.compile(lambda *x: qk_norm_rope(*x), fullgraph=True)
     for a, b in zip(fn(q, k, wq, wk, 1e-5, cos, sin), got):
         assert torch.equal(a, b)
+
+
+_PACK_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from dist_attn import QKNormRope
+    from dist_attn.comm import pack_qkv_chunks
+    from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue, qk_norm_rope
+    from dist_attn.plan import make_plan
+
+    g = torch.Generator().manual_seed(0)
+    S, H, D, R, W = 13, 8, 32, 16, 4
+    q, k, v = (torch.randn(1, S, H, D, generator=g).bfloat16() for _ in range(3))
+    ang = torch.rand(S, R // 2, generator=g) * 6
+    p = QKNormRope(torch.rand(D, generator=g).add(0.5).bfloat16(), torch.rand(D, generator=g).add(0.5).bfloat16(),
+                   1e-5, torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1))
+    qq, kk = qk_norm_rope(q, k, p.q_weight, p.k_weight, p.eps, p.cos, p.sin)
+    for C in (1, 2):
+        plan = make_plan(world=W, rank=1, s_local=S, folded_heads=H, head_dim=D, overlap_chunks=C)
+        for a, b in plan.pack_runs:
+            run = plan.chunks[a:b]
+            n = run[-1].in_send[1] - run[0].in_send[0]
+            ranges = [c.head_ranges for c in run]
+            fused, plain = torch.full((n,), 7.0).bfloat16(), torch.full((n,), 7.0).bfloat16()
+            assert pack_qkv_prologue(q, k, v, fused, ranges, p)
+            pack_qkv_chunks(qq, kk, v, plain, ranges)
+            assert torch.equal(fused, plain), (C, a, b)
+    # two samples: not one strided run, so the caller is told to apply the prologue first
+    q2 = torch.cat([q, q])
+    assert not pack_qkv_prologue(q2, q2, q2, torch.empty(2 * S * 3 * H * D).bfloat16(),
+                                 [make_plan(world=W, rank=0, s_local=S, folded_heads=2 * H, head_dim=D,
+                                            overlap_chunks=1).chunks[0].head_ranges], p)
+    print("OK")
+    """
+)
+
+
+def test_interp_the_pack_applies_the_prologue_as_the_kernel_does():
+    """The Ulysses pack with the prologue folded in writes the send blocks that the one-pass
+    kernel followed by the plain pack writes, bit for bit (one chunk and two, each run)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _PACK_SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "OK", proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel on hardware)")
+def test_gpu_the_pack_applies_the_prologue_as_the_kernel_does():
+    """H3's W = 4 rank 0 (56 heads, 2,048 rows), the core's pack calls at C = 4: the fused pack
+    against the one-pass kernel then the plain pack, within one bf16 step in rare elements."""
+    from dist_attn import QKNormRope
+    from dist_attn.comm import pack_qkv_chunks
+    from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue, qk_norm_rope
+    from dist_attn.plan import make_plan
+
+    q, k, wq, wk, cos, sin = _inputs("cuda", S=2048, H=56, D=128, R=96, seed=2)
+    v = torch.randn_like(q)
+    p = QKNormRope(wq, wk, 1e-5, cos, sin)
+    qq, kk = qk_norm_rope(q, k, wq, wk, 1e-5, cos, sin)
+    plan = make_plan(world=4, rank=0, s_local=2048, folded_heads=56, head_dim=128, overlap_chunks=4)
+    for a, b in plan.pack_runs:
+        run = plan.chunks[a:b]
+        n = run[-1].in_send[1] - run[0].in_send[0]
+        ranges = [c.head_ranges for c in run]
+        fused, plain = (torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        assert pack_qkv_prologue(q, k, v, fused, ranges, p)
+        pack_qkv_chunks(qq, kk, v, plain, ranges)
+        assert (fused.view(torch.int16) != plain.view(torch.int16)).float().mean().item() < 1e-3
+        assert (fused.float() - plain.float()).abs().max().item() <= plain.float().abs().max().item() * 2 ** -7

@@ -33,6 +33,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 from torch import nn
 
 from dist_attn.integrations.diffusers._spec import ForwardInputs, ModelSpec, ShardPoint
+from dist_attn.qk_prologue import QKNormRope
 
 __all__ = ["MINIMAX_H3", "MiniMaxH3UlyssesProcessor"]
 
@@ -70,9 +71,10 @@ class MiniMaxH3UlyssesProcessor:
 
     Projections, per-head RMSNorm of q and k, and RoPE act on this rank's ``S_local`` rows; the
     attention itself is :func:`dist_attn.ulysses_attention` over the group (or mesh), rows past the
-    true length never attended. With an 8-bit backend (``runtime.fused_qk_norm_rope``) the norm and
-    RoPE run as one kernel (:mod:`dist_attn.kernels.qk_norm_rope`: float32, one rounding, ~2.5x
-    faster than inductor's three); with an exact one, as diffusers' own ops, bit for bit.
+    true length never attended. With an 8-bit backend (``runtime.fused_qk_norm_rope``) q and k go
+    to the attention as projected, with a :class:`dist_attn.QKNormRope` that the Ulysses pack
+    applies in its pass over them (:mod:`dist_attn.kernels.qk_norm_rope`: float32, one rounding);
+    with an exact backend the norm and RoPE are diffusers' own ops, bit for bit.
     """
 
     def __init__(self, runtime: Any) -> None:
@@ -93,16 +95,17 @@ class MiniMaxH3UlyssesProcessor:
             q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         # [B, S_local, H*D] -> [B, S_local, H, D]
         q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in (q, k, v))
+        where = "an H3 block's self-attention (transformer_blocks.*.attn)"
         if self._rt.fused_qk_norm_rope and rotary_emb is not None and _plain_norms(attn, q.shape[-1]):
-            # one pass over q and k instead of diffusers' bf16 ops (an 8-bit backend: not bit for bit)
-            from dist_attn.kernels.qk_norm_rope import qk_norm_rope
-
-            q, k = qk_norm_rope(q, k, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, *rotary_emb)
+            # q and k as projected: the Ulysses pack normalises and rotates them in its one pass
+            # (one kernel first without an all-to-all); an 8-bit backend: not bit for bit anyway
+            prologue = QKNormRope(attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, *rotary_emb)
+            out = self._rt.attend(q, k, v, where, qk_prologue=prologue)
         else:
             q, k = attn.norm_q(q), attn.norm_k(k)
             if rotary_emb is not None:
                 q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
-        out = self._rt.attend(q, k, v, "an H3 block's self-attention (transformer_blocks.*.attn)")
+            out = self._rt.attend(q, k, v, where)
         out = out.flatten(2, 3).type_as(q)  # [B, S_local, H, D] -> [B, S_local, H*D]
         return attn.to_out[1](attn.to_out[0](out))
 

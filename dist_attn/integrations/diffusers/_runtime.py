@@ -118,13 +118,16 @@ class Runtime:
             )
         return self.shard
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str,
+               qk_prologue=None) -> torch.Tensor:
         """Self-attention of this rank's rows over the whole planned sequence.
 
         Args:
             q, k, v: ``[B, S_local, H, D]``, this rank's rows of the padded sequence (padding rows
                 past ``valid_len`` may hold anything: they are never attended).
             where: names the caller in the error raised outside a forward.
+            qk_prologue: an optional :class:`dist_attn.QKNormRope` for q and k (tables of this
+                rank's rows), see :func:`dist_attn.ulysses_attention`.
 
         Returns:
             ``[B, S_local, H, D]`` in q's dtype; padding rows are exactly zero.
@@ -139,7 +142,7 @@ class Runtime:
         return ulysses_attention(q, k, v, valid_len=valid_len,
                                  group=self.group if self.mesh is None else None, mesh=self.mesh,
                                  backend=self.backend, timer=timer,
-                                 overlap_chunks=self.overlap_chunks)
+                                 overlap_chunks=self.overlap_chunks, qk_prologue=qk_prologue)
 
 
 def _submodules(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
