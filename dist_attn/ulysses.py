@@ -111,6 +111,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         # an int is a constant of the graph.
         as_tensor = isinstance(valid_len, torch.Tensor)
         p = qk_prologue
+        if p is not None and not isinstance(p, QKNormRope):  # its fields become the op's arguments
+            raise ValueError(f"qk_prologue={type(p).__name__} must be a dist_attn.QKNormRope or None")
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
             max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,

@@ -215,3 +215,47 @@ def test_gpu_the_pack_applies_the_prologue_as_the_kernel_does():
         pack_qkv_chunks(qq, kk, v, plain, ranges)
         assert (fused.view(torch.int16) != plain.view(torch.int16)).float().mean().item() < 1e-3
         assert (fused.float() - plain.float()).abs().max().item() <= plain.float().abs().max().item() * 2 ** -7
+
+
+def _ulysses_worker(rank, world):
+    """Each rank's q/k through the prologue inside ulysses_attention against the same rows
+    transformed first, at C = 1 and 2, batch 1 (the pack path on this CPU: the kernel first) and
+    batch 2; then the errors, raised alike on every rank before any collective."""
+    from dist_attn import QKNormRope, ulysses_attention
+    from dist_attn.kernels.qk_norm_rope import qk_norm_rope
+
+    S, H, D, R = 24, 4, 32, 16
+    res = {}
+    for B in (1, 2):
+        q, k, wq, wk, cos, sin = _inputs("cpu", B=B, S=S, H=H, D=D, R=R, dtype=torch.float32, seed=B)
+        v = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(9))
+        rows = slice(rank * S // world, (rank + 1) * S // world)
+        p = QKNormRope(wq, wk, 1e-5, cos[rows].contiguous(), sin[rows].contiguous())
+        qq, kk = qk_norm_rope(q, k, wq, wk, 1e-5, cos, sin)
+        for C in (1, 2):
+            got = ulysses_attention(q[:, rows], k[:, rows], v[:, rows], backend="sdpa", valid_len=S - 3,
+                                    overlap_chunks=C, qk_prologue=p)
+            want = ulysses_attention(qq[:, rows], kk[:, rows], v[:, rows], backend="sdpa", valid_len=S - 3,
+                                     overlap_chunks=C)
+            res[B, C] = float((got - want).abs().max())
+    errors = []
+    for bad in (QKNormRope(wq, wk, 0.0, p.cos, p.sin), QKNormRope(wq[:8], wk, 1e-5, p.cos, p.sin),
+                QKNormRope(wq, wk, 1e-5, cos, sin), QKNormRope(wq, wk, 1e-5, p.cos.double(), p.sin), "norm"):
+        try:
+            ulysses_attention(q[:, rows], k[:, rows], v[:, rows], backend="sdpa", qk_prologue=bad)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return res, errors
+
+
+def test_ulysses_attention_applies_the_prologue_on_each_ranks_rows(tmp_path):
+    from tests._multirank import run_ranks
+
+    for res, errors in run_ranks(_ulysses_worker, 2, tmp_path, timeout=240):
+        assert all(d == 0.0 for d in res.values()), res
+        assert errors[0] and "eps=0.0 must be a positive float" in errors[0], errors
+        assert errors[1] and "q_weight" in errors[1] and "[32]" in errors[1], errors
+        assert errors[2] and "S_local=12" in errors[2], errors  # the whole sequence's tables
+        assert errors[3] and "float32" in errors[3], errors
+        assert errors[4] and "must be a dist_attn.QKNormRope" in errors[4], errors

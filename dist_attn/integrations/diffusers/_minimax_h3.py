@@ -59,11 +59,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((head * c + turned * s, tail), dim=-1)
 
 
-def _plain_norms(attn: nn.Module, head_dim: int) -> bool:
-    """Whether q's and k's norms are the ``nn.RMSNorm(head_dim)`` with weights and one eps that
-    :func:`dist_attn.kernels.qk_norm_rope.qk_norm_rope` computes."""
-    return all(type(n) is nn.RMSNorm and tuple(n.normalized_shape) == (head_dim,) and n.weight is not None
-               and n.eps is not None and n.eps == attn.norm_q.eps for n in (attn.norm_q, attn.norm_k))
+def _fusable(attn: nn.Module, q: torch.Tensor, rotary_emb) -> bool:
+    """Whether q's and k's norms and RoPE are what :class:`dist_attn.QKNormRope` computes:
+    ``nn.RMSNorm(head_dim)`` with weights and one eps, float32 ``[S_local, R]`` tables with R
+    even and at most head_dim (anything else keeps diffusers' ops)."""
+    d = q.shape[-1]
+    if rotary_emb is None or d & (d - 1) or not all(
+            type(n) is nn.RMSNorm and tuple(n.normalized_shape) == (d,) and n.weight is not None
+            and n.eps is not None and n.eps == attn.norm_q.eps for n in (attn.norm_q, attn.norm_k)):
+        return False
+    cos, sin = rotary_emb
+    return (cos.dtype == sin.dtype == torch.float32 and cos.dim() == 2 and cos.shape == sin.shape
+            and cos.shape[0] == q.shape[1] and 2 <= cos.shape[1] <= d and cos.shape[1] % 2 == 0)
 
 
 class MiniMaxH3UlyssesProcessor:
@@ -96,7 +103,7 @@ class MiniMaxH3UlyssesProcessor:
         # [B, S_local, H*D] -> [B, S_local, H, D]
         q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in (q, k, v))
         where = "an H3 block's self-attention (transformer_blocks.*.attn)"
-        if self._rt.fused_qk_norm_rope and rotary_emb is not None and _plain_norms(attn, q.shape[-1]):
+        if self._rt.fused_qk_norm_rope and _fusable(attn, q, rotary_emb):
             # q and k as projected: the Ulysses pack normalises and rotates them in its one pass
             # (one kernel first without an all-to-all); an 8-bit backend: not bit for bit anyway
             prologue = QKNormRope(attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, *rotary_emb)
