@@ -7,7 +7,9 @@ twice and write them once (1.24-1.42 ms of the compiled block at 37,980 rows x 5
 H100, ``benchmarks/results/h3-fp8-profile_h100_2026-12-05.md``); one read and one write of q and
 k (1.63 GB) take ~0.55 ms at the H100's bandwidth. Here a program holds ``ROWS`` rows' RoPE
 tables in registers and walks q's and k's heads over them: q and k are read once, written once,
-and each table row is read once per head block rather than once per head.
+and each table row is read once per head block rather than once per head. Under Ulysses the same
+transform rides in the pack (:func:`pack_qkv_prologue`), whose pass over q, k and v the
+all-to-all needs anyway: no pass of its own at all.
 
 The arithmetic is float32 from the inputs to one rounding to q's dtype at the end (diffusers'
 eager path rounds to bf16 after the norm, after the weight and after each RoPE product): nearer
