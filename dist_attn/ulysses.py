@@ -111,13 +111,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         # an int is a constant of the graph.
         as_tensor = isinstance(valid_len, torch.Tensor)
         p = qk_prologue
-        if p is not None and not isinstance(p, QKNormRope):  # its fields become the op's arguments
-            raise ValueError(f"qk_prologue={type(p).__name__} must be a dist_attn.QKNormRope or None")
+        check_qk_prologue(p, q if q.ndim == 4 else q[None])  # its fields become the op's arguments
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
             max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,
             softmax_scale, num_heads, head_dim, overlap_chunks, valid_len if as_tensor else None,
-            *((None, None, 0.0, None, None) if p is None else (p.q_weight, p.k_weight, p.eps, p.cos, p.sin)))
+            *((None, None, 0.0, None, None) if p is None else (p.q_weight, p.k_weight, float(p.eps), p.cos, p.sin)))
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
                     num_heads=num_heads, head_dim=head_dim, buffers=buffers, timer=timer,
@@ -139,6 +138,11 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     batched = q.ndim == 4
     q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [S_local, H, D] -> [1, S_local, H, D]
     check_qk_prologue(prologue, q4)
+    if prologue is not None and torch.is_grad_enabled() and (
+            prologue.q_weight.requires_grad or prologue.k_weight.requires_grad):
+        raise RuntimeError("dist_attn attention is forward-only (inference): qk_prologue's weights "
+                           "require grad while grad mode is on; wrap the call in torch.no_grad() "
+                           "or torch.inference_mode()")
     batch, s_local, n_heads, d = q4.shape
     chunk = s_local * world  # rows one Ulysses group gathers: the whole sequence without a ring
     seq = chunk * n_ring
@@ -209,7 +213,8 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
                 pack_qkv_chunks(q4, k4, v4, send, ranges)
             else:
                 from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue
-                pack_qkv_prologue(q4, k4, v4, send, ranges, prologue)
+                packed = pack_qkv_prologue(q4, k4, v4, send, ranges, prologue)
+                assert packed, "_prologue_packs promised a strided run this call could not pack"
         with phase("a2a_in"):
             works_in += [all_to_all_flat(view("in_recv", c.in_recv), view("in_send", c.in_send),
                                          recv_splits=list(c.in_recv_splits),

@@ -145,9 +145,10 @@ def pack_qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: t
     world, hw, base, width = run
     _, s_local, _, d = q.shape
     cos, sin = prologue.cos.contiguous(), prologue.sin.contiguous()
+    wq, wk = prologue.q_weight.contiguous(), prologue.k_weight.contiguous()  # read with stride 1
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _pack_kernel[(triton.cdiv(s_local, ROWS), len(chunk_ranges) * world)](
-            q, k, v, send, prologue.q_weight, prologue.k_weight, cos, sin, s_local, float(prologue.eps),
+            q, k, v, send, wq, wk, cos, sin, s_local, float(prologue.eps),
             q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
             world, hw, base, width, len(chunk_ranges),
             D=d, ROT=cos.shape[-1], ROWS=ROWS, INTERP=not q.is_cuda, num_warps=4)
@@ -170,6 +171,7 @@ def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
     # rows of [B, S] flattened: B * S rows of stride S's (q.stride(1)) when the batch is dense
     qf, kf = (x.reshape(B * S, H, D) if x.stride(0) != S * x.stride(1) else x.view(B * S, H, D) for x in (q, k))
     cos, sin = cos.contiguous(), sin.contiguous()
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # read with stride 1
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _qk_norm_rope_kernel[(triton.cdiv(B * S, ROWS), triton.cdiv(H, HEADS))](
             qf, kf, qo, ko, q_weight, k_weight, cos, sin, B * S, S, H, float(eps),

@@ -2,8 +2,9 @@
 where there is one.
 
 The Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be set
-before triton decorates the kernel) and must equal its float32 torch reference bit for bit,
-and sit as near float64 as a single bf16 rounding allows, over shapes that hit its edges:
+before triton decorates the kernel) and must equal its float32 torch reference (to one bf16 step
+in under 0.1% of the elements, where float32 sums in another order land on the other side of a
+tie), and sit as near float64 as a single bf16 rounding allows, over shapes that hit its edges:
 batches, rows and heads that do not fill a program, R < D and R = D, zero (padding) table rows.
 Without the interpreter the op computes the reference itself. The GPU test runs H3's shape.
 """
@@ -217,45 +218,84 @@ def test_gpu_the_pack_applies_the_prologue_as_the_kernel_does():
         assert (fused.float() - plain.float()).abs().max().item() <= plain.float().abs().max().item() * 2 ** -7
 
 
-def _ulysses_worker(rank, world):
-    """Each rank's q/k through the prologue inside ulysses_attention against the same rows
-    transformed first, at C = 1 and 2, batch 1 (the pack path on this CPU: the kernel first) and
-    batch 2; then the errors, raised alike on every rank before any collective."""
-    from dist_attn import QKNormRope, ulysses_attention
-    from dist_attn.kernels.qk_norm_rope import qk_norm_rope
+_ULYSSES_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
 
-    S, H, D, R = 24, 4, 32, 16
-    res = {}
-    for B in (1, 2):
-        q, k, wq, wk, cos, sin = _inputs("cpu", B=B, S=S, H=H, D=D, R=R, dtype=torch.float32, seed=B)
-        v = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(9))
-        rows = slice(rank * S // world, (rank + 1) * S // world)
-        p = QKNormRope(wq, wk, 1e-5, cos[rows].contiguous(), sin[rows].contiguous())
-        qq, kk = qk_norm_rope(q, k, wq, wk, 1e-5, cos, sin)
-        for C in (1, 2):
-            got = ulysses_attention(q[:, rows], k[:, rows], v[:, rows], backend="sdpa", valid_len=S - 3,
-                                    overlap_chunks=C, qk_prologue=p)
-            want = ulysses_attention(qq[:, rows], kk[:, rows], v[:, rows], backend="sdpa", valid_len=S - 3,
-                                     overlap_chunks=C)
-            res[B, C] = float((got - want).abs().max())
-    errors = []
-    for bad in (QKNormRope(wq, wk, 0.0, p.cos, p.sin), QKNormRope(wq[:8], wk, 1e-5, p.cos, p.sin),
-                QKNormRope(wq, wk, 1e-5, cos, sin), QKNormRope(wq, wk, 1e-5, p.cos.double(), p.sin), "norm"):
-        try:
-            ulysses_attention(q[:, rows], k[:, rows], v[:, rows], backend="sdpa", qk_prologue=bad)
-            errors.append(None)
-        except ValueError as exc:
-            errors.append(str(exc))
-    return res, errors
+    def _inputs(B, S, H, D, R, seed):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(B, S, H, D, generator=g).bfloat16() for _ in range(3))
+        wq, wk = (torch.rand(D, generator=g).add(0.5).bfloat16() for _ in range(2))
+        ang = torch.rand(S, R // 2, generator=g) * 6
+        return q, k, v, wq, wk, torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    def worker(rank, world, init, out):
+        dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
+        import dist_attn.kernels.qk_norm_rope as kernels
+        from dist_attn import QKNormRope, ulysses_attention
+
+        packs = []
+        fused = kernels.pack_qkv_prologue
+        kernels.pack_qkv_prologue = lambda *a: packs.append(a[0].shape[0]) or fused(*a)
+        S, H, D, R = 24, 4, 32, 16
+        res = {}
+        for B in (1, 2):
+            q, k, v, wq, wk, cos, sin = _inputs(B, S, H, D, R, B)
+            rows = slice(rank * S // world, (rank + 1) * S // world)
+            p = QKNormRope(wq, wk, 1e-5, cos[rows].contiguous(), sin[rows].contiguous())
+            qq, kk = kernels.qk_norm_rope(q, k, wq, wk, 1e-5, cos, sin)
+            for C in (1, 2):
+                got = ulysses_attention(q[:, rows], k[:, rows], v[:, rows], backend="sdpa", valid_len=S - 3,
+                                        overlap_chunks=C, qk_prologue=p)
+                want = ulysses_attention(qq[:, rows], kk[:, rows], v[:, rows], backend="sdpa",
+                                         valid_len=S - 3, overlap_chunks=C)
+                res[f"{B},{C}"] = float((got.float() - want.float()).abs().max())
+        errors = []
+        for bad in (QKNormRope(wq, wk, 0.0, p.cos, p.sin), QKNormRope(wq[:8], wk, 1e-5, p.cos, p.sin),
+                    QKNormRope(wq, wk, 1e-5, cos, sin), QKNormRope(wq, wk, 1e-5, p.cos.double(), p.sin), "norm"):
+            try:
+                ulysses_attention(q[:, rows], k[:, rows], v[:, rows], backend="sdpa", qk_prologue=bad)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        torch.save((res, errors, packs), f"{out}.{rank}")
+        dist.barrier()
+        os._exit(0)  # gloo's teardown under the interpreter's threads may abort a clean exit
+
+    if __name__ == "__main__":
+        d = tempfile.mkdtemp()
+        mp.spawn(worker, args=(2, os.path.join(d, "init"), os.path.join(d, "out")), nprocs=2)
+        for r in range(2):
+            res, errors, packs = torch.load(os.path.join(d, f"out.{r}"))
+            assert all(x == 0.0 for x in res.values()), res
+            # batch 1 went through the fused pack: one call at C = 1, two at C = 2 (the first
+            # chunk alone, then the rest); batch 2 (not one strided run) through the kernel first
+            assert packs == [1, 1, 1], packs
+            assert errors[0] and "eps=0.0 must be a positive float" in errors[0], errors
+            assert errors[1] and "q_weight" in errors[1] and "[32]" in errors[1], errors
+            assert errors[2] and "S_local=12" in errors[2], errors  # the whole sequence's tables
+            assert errors[3] and "float32" in errors[3], errors
+            assert errors[4] and "must be a dist_attn.QKNormRope" in errors[4], errors
+        print("OK")
+    """
+)
 
 
 def test_ulysses_attention_applies_the_prologue_on_each_ranks_rows(tmp_path):
-    from tests._multirank import run_ranks
-
-    for res, errors in run_ranks(_ulysses_worker, 2, tmp_path, timeout=240):
-        assert all(d == 0.0 for d in res.values()), res
-        assert errors[0] and "eps=0.0 must be a positive float" in errors[0], errors
-        assert errors[1] and "q_weight" in errors[1] and "[32]" in errors[1], errors
-        assert errors[2] and "S_local=12" in errors[2], errors  # the whole sequence's tables
-        assert errors[3] and "float32" in errors[3], errors
-        assert errors[4] and "must be a dist_attn.QKNormRope" in errors[4], errors
+    """On 2 gloo ranks under Triton's interpreter: q/k through ``qk_prologue`` inside
+    ulysses_attention (batch 1: the pack applies it; batch 2: the one-pass kernel first) equal the
+    same rows transformed first, bit for bit, at C = 1 and 2; the errors are raised on every rank
+    before any collective."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
+    script = tmp_path / "ulysses_prologue.py"
+    script.write_text(_ULYSSES_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "OK", proc.stdout
