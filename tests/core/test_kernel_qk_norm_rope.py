@@ -69,14 +69,19 @@ def _skip_without_interpreter() -> None:
         pytest.skip(f"the interpreter runs need triton >= 3.9, found {triton.__version__}")
 
 
-def test_interp_qk_norm_rope_equals_its_reference():
+def _interpreted(*argv: str) -> None:
+    """Runs ``python -W ignore *argv`` under Triton's interpreter (no GPU); it must print OK last."""
     _skip_without_interpreter()
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _SCRIPT], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-W", "ignore", *argv], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "OK", proc.stdout
+
+
+def test_interp_qk_norm_rope_equals_its_reference():
+    _interpreted("-c", _SCRIPT)
 
 
 def _inputs(device, B=1, S=9, H=3, D=64, R=48, dtype=torch.bfloat16, seed=0):
@@ -192,13 +197,7 @@ _PACK_SCRIPT = textwrap.dedent(
 def test_interp_the_pack_applies_the_prologue_as_the_kernel_does():
     """The Ulysses pack with the prologue folded in writes the send blocks that the one-pass
     kernel followed by the plain pack writes, bit for bit (one chunk and two, each run)."""
-    _skip_without_interpreter()
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _PACK_SCRIPT], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-1] == "OK", proc.stdout
+    _interpreted("-c", _PACK_SCRIPT)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel on hardware)")
@@ -297,12 +296,6 @@ def test_ulysses_attention_applies_the_prologue_on_each_ranks_rows(tmp_path):
     ulysses_attention (batch 1: the pack applies it; batch 2: the one-pass kernel first) equal the
     same rows transformed first, bit for bit, at C = 1 and 2; the errors are raised on every rank
     before any collective."""
-    _skip_without_interpreter()
     script = tmp_path / "ulysses_prologue.py"
     script.write_text(_ULYSSES_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-1] == "OK", proc.stdout
+    _interpreted(str(script))
