@@ -111,7 +111,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         # an int is a constant of the graph.
         as_tensor = isinstance(valid_len, torch.Tensor)
         p = qk_prologue
-        check_qk_prologue(p, q if q.ndim == 4 else q[None])  # its fields become the op's arguments
+        if p is not None and q.ndim in (3, 4):  # its fields become the op's arguments; other q: the op's checks
+            check_qk_prologue(p, q if q.ndim == 4 else q[None])
         return torch.ops.dist_attn.ulysses_attention(
             q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
             max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,
@@ -213,8 +214,9 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
                 pack_qkv_chunks(q4, k4, v4, send, ranges)
             else:
                 from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue
-                packed = pack_qkv_prologue(q4, k4, v4, send, ranges, prologue)
-                assert packed, "_prologue_packs promised a strided run this call could not pack"
+                if not pack_qkv_prologue(q4, k4, v4, send, ranges, prologue):
+                    raise RuntimeError("the pack could not apply qk_prologue to a run that "
+                                       "_prologue_packs admitted (a dist_attn bug: please report it)")
         with phase("a2a_in"):
             works_in += [all_to_all_flat(view("in_recv", c.in_recv), view("in_send", c.in_send),
                                          recv_splits=list(c.in_recv_splits),
