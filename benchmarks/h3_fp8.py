@@ -380,8 +380,8 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
     the core), measured; the all-to-alls computed from the bytes rank 0 sends to the 3 others."""
     from dist_attn import backends as da_backends
     from dist_attn import QKNormRope
-    from dist_attn.comm import unpack_output, unpack_qkv
-    from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue
+    from dist_attn.comm import pack_qkv_chunks, unpack_output, unpack_qkv
+    from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue, qk_norm_rope
     from dist_attn.plan import make_plan
     from dist_attn.varlen import attend_varlen, segment_layout
 
@@ -454,7 +454,11 @@ def measure_w4_parts(args, cfg, dev, budget) -> dict:
                                  ranges=[c.head_ranges for c in run]):
                             # q/k norm + RoPE in the pack, as the 8-bit route's rank runs it
                             if not pack_qkv_prologue(q, k, v, send[span[0]:span[1]], ranges, prologue):
-                                raise RuntimeError(f"the pack cannot apply the prologue to {ranges}")
+                                # the core's other route (e.g. a CPU): the one-pass kernel, then
+                                # the plain pack; timed as such, never a pack without the prologue
+                                p = prologue
+                                qq, kk = qk_norm_rope(q, k, p.q_weight, p.k_weight, p.eps, p.cos, p.sin)
+                                pack_qkv_chunks(qq, kk, v, send[span[0]:span[1]], ranges)
                         timers["pack", widths, i] = pack
                     for i, c in enumerate(plan.chunks):  # the core's unpack calls, one by one
 
