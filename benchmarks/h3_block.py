@@ -46,10 +46,9 @@ class LayerRuntime:
     def fused_qk_norm_rope(self) -> bool:
         if self.fused is not None:
             return self.fused
-        from dist_attn.backends import get_backend
+        from dist_attn.integrations.diffusers._runtime import fuses_qk_norm_rope
 
-        name = getattr(self.layer, "backend", "auto")
-        return name != "auto" and not get_backend(name).exact
+        return fuses_qk_norm_rope(getattr(self.layer, "backend", "auto"))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str,
                qk_prologue=None) -> torch.Tensor:

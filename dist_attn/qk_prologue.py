@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QKNormRope", "check_qk_prologue"]
+__all__ = ["QKNormRope", "check_qk_prologue", "qk_fields_rule"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,30 @@ class QKNormRope:
     sin: torch.Tensor
 
 
+def qk_fields_rule(q_weight, k_weight, eps, cos, sin, *, head_dim: int, rows: int, device: torch.device,
+                   prefix: str = "", rows_name: str = "S_local") -> str | None:
+    """The broken rule, naming the field (``prefix`` + its name), its value and the rule, if the
+    fields of a :class:`QKNormRope` do not fit q's ``head_dim`` and ``rows`` rows on ``device``;
+    None when they do. Shapes, dtypes and devices only (no device sync)."""
+    d = head_dim
+    if d & (d - 1):
+        return f"{prefix}head_dim={d} must be a power of two (the kernel holds a row in registers)"
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != (d,) or w.device != device:
+            return f"{prefix}{name} must be a [{d}] tensor on {device}, got {_desc(w)}"
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        return f"{prefix}eps={eps!r} must be a positive float"
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32
+                or t.device != device):
+            return f"{prefix}{name} must be a float32 [{rows_name}, R] tensor on {device}, got {_desc(t)}"
+    r = cos.shape[1]
+    if tuple(sin.shape) != tuple(cos.shape) or cos.shape[0] != rows or r < 2 or r % 2 or r > d:
+        return (f"{prefix}cos / sin have shapes {tuple(cos.shape)} / {tuple(sin.shape)}: they need "
+                f"{rows_name}={rows} rows (q's) and an even R in [2, head_dim={d}]")
+    return None
+
+
 def check_qk_prologue(prologue, q: torch.Tensor) -> None:
     """ValueError naming the field, its value and the rule, unless ``prologue`` is None or a
     :class:`QKNormRope` that fits ``q`` (``[B, S_local, H, D]``). Shapes, dtypes and devices only:
@@ -46,25 +70,11 @@ def check_qk_prologue(prologue, q: torch.Tensor) -> None:
         return
     if not isinstance(prologue, QKNormRope):
         raise ValueError(f"qk_prologue={type(prologue).__name__} must be a dist_attn.QKNormRope or None")
-    s_local, d = q.shape[-3], q.shape[-1]
-    if d & (d - 1):
-        raise ValueError(f"qk_prologue needs a power-of-two head_dim, got {d}")
-    for name in ("q_weight", "k_weight"):
-        w = getattr(prologue, name)
-        if not isinstance(w, torch.Tensor) or tuple(w.shape) != (d,) or w.device != q.device:
-            raise ValueError(f"qk_prologue.{name}={_desc(w)} must be a [{d}] tensor on {q.device}")
-    eps = prologue.eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"qk_prologue.eps={eps!r} must be a positive float")
-    cos, sin = prologue.cos, prologue.sin
-    for name, t in (("cos", cos), ("sin", sin)):
-        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32
-                or t.device != q.device):
-            raise ValueError(f"qk_prologue.{name}={_desc(t)} must be a float32 [S_local, R] tensor on {q.device}")
-    r = cos.shape[1]
-    if tuple(sin.shape) != tuple(cos.shape) or cos.shape[0] != s_local or r < 2 or r % 2 or r > d:
-        raise ValueError(f"qk_prologue.cos / sin have shapes {tuple(cos.shape)} / {tuple(sin.shape)}: "
-                         f"both [S_local={s_local}, R] (this rank's rows), R even in [2, head_dim={d}]")
+    p = prologue
+    rule = qk_fields_rule(p.q_weight, p.k_weight, p.eps, p.cos, p.sin, head_dim=q.shape[-1],
+                          rows=q.shape[-3], device=q.device, prefix="qk_prologue.")
+    if rule:
+        raise ValueError(rule)
 
 
 def _desc(x) -> str:

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dist_attn.qk_prologue import qk_fields_rule
+
 __all__ = ["launchable", "pack_qkv_prologue", "qk_norm_rope", "qk_norm_rope_reference"]
 
 #: rows a program holds tables for, and heads it walks (measured on an H100, benchmarks/README.md)
@@ -233,22 +235,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     if not q.is_floating_point() or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"q and k must be floating with a contiguous last dim, got {q.dtype} strides "
                          f"{q.stride()} / {k.stride()}")
-    B, S, H, D = q.shape
-    if D & (D - 1):
-        raise ValueError(f"head_dim={D} must be a power of two (the kernel holds a row in registers)")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if not isinstance(w, torch.Tensor) or tuple(w.shape) != (D,) or w.device != q.device:
-            raise ValueError(f"{name} must be a [{D}] tensor on {q.device}, got "
-                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps={eps!r} must be a positive float")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32
-                or t.shape != cos.shape or t.device != q.device):
-            raise ValueError(f"{name} must be a float32 [S, R] tensor on {q.device} shaped like cos, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    r = cos.shape[1]
-    if cos.shape[0] != S or r < 2 or r % 2 or r > D:
-        raise ValueError(f"cos and sin have shape {tuple(cos.shape)}: they need S={S} rows (q's) and an "
-                         f"even R in [2, head_dim={D}]")
+    rule = qk_fields_rule(q_weight, k_weight, eps, cos, sin, head_dim=q.shape[3], rows=q.shape[1],
+                          device=q.device, rows_name="S")
+    if rule:
+        raise ValueError(rule)
     return torch.ops.dist_attn.qk_norm_rope(q, k, q_weight, k_weight, float(eps), cos, sin)

@@ -49,9 +49,9 @@ from typing import Iterator
 from torch import nn
 
 from dist_attn import SequenceShard
-from dist_attn.backends import available_backends, get_backend
+from dist_attn.backends import available_backends
 from dist_attn.distributed import group_size_and_rank, register_for_compile
-from dist_attn.integrations.diffusers._runtime import Runtime, install_hooks
+from dist_attn.integrations.diffusers._runtime import Runtime, fuses_qk_norm_rope, install_hooks
 from dist_attn.integrations.diffusers._spec import ModelSpec
 from dist_attn.integrations.diffusers._ltx import LTX
 from dist_attn.integrations.diffusers._minimax_h3 import MINIMAX_H3
@@ -243,7 +243,7 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
     register_for_compile(group, mesh)
     runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer,
                       overlap_chunks=overlap_chunks, sequence_bucket=int(sequence_bucket),
-                      fused_qk_norm_rope=backend != "auto" and not get_backend(backend).exact)
+                      fused_qk_norm_rope=fuses_qk_norm_rope(backend))
     handle = UlyssesHandle(transformer=transformer, runtime=runtime)
     install_hooks(runtime, transformer)
     for _, attn in attns:

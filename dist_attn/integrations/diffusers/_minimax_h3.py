@@ -33,7 +33,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 from torch import nn
 
 from dist_attn.integrations.diffusers._spec import ForwardInputs, ModelSpec, ShardPoint
-from dist_attn.qk_prologue import QKNormRope
+from dist_attn.qk_prologue import QKNormRope, qk_fields_rule
 
 __all__ = ["MINIMAX_H3", "MiniMaxH3UlyssesProcessor"]
 
@@ -61,16 +61,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _fusable(attn: nn.Module, q: torch.Tensor, rotary_emb) -> bool:
     """Whether q's and k's norms and RoPE are what :class:`dist_attn.QKNormRope` computes:
-    ``nn.RMSNorm(head_dim)`` with weights and one eps, float32 ``[S_local, R]`` tables with R
-    even and at most head_dim (anything else keeps diffusers' ops)."""
+    ``nn.RMSNorm(head_dim)`` with weights and one eps, and tables the prologue admits
+    (:func:`dist_attn.qk_prologue.qk_fields_rule`); anything else keeps diffusers' ops."""
     d = q.shape[-1]
-    if rotary_emb is None or d & (d - 1) or not all(
+    if rotary_emb is None or not all(
             type(n) is nn.RMSNorm and tuple(n.normalized_shape) == (d,) and n.weight is not None
             and n.eps is not None and n.eps == attn.norm_q.eps for n in (attn.norm_q, attn.norm_k)):
         return False
-    cos, sin = rotary_emb
-    return (cos.dtype == sin.dtype == torch.float32 and cos.dim() == 2 and cos.shape == sin.shape
-            and cos.shape[0] == q.shape[1] and 2 <= cos.shape[1] <= d and cos.shape[1] % 2 == 0)
+    return qk_fields_rule(attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, *rotary_emb, head_dim=d,
+                          rows=q.shape[1], device=q.device) is None
 
 
 class MiniMaxH3UlyssesProcessor:

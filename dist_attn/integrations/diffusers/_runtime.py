@@ -29,7 +29,7 @@ from dist_attn.mesh import parallel_groups
 from dist_attn.sharding import bucket_multiple
 from dist_attn.integrations.diffusers._spec import ModelSpec, ShardPoint
 
-__all__ = ["Runtime", "install_hooks"]
+__all__ = ["Runtime", "fuses_qk_norm_rope", "install_hooks"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,15 @@ def _host_scalar() -> torch.Tensor:
     (created under inference mode it would be an inference tensor, read-only outside it)."""
     with torch.inference_mode(False):
         return torch.zeros((), dtype=torch.int64)
+
+
+def fuses_qk_norm_rope(backend: str) -> bool:
+    """Whether a processor hands q and k to ``backend`` with a :class:`dist_attn.QKNormRope`
+    instead of running diffusers' norm and RoPE: only for a named 8-bit backend, whose results are
+    not diffusers' bit for bit anyway ("auto" is not known until it runs)."""
+    from dist_attn.backends import get_backend
+
+    return backend != "auto" and not get_backend(backend).exact
 
 
 @dataclass(kw_only=True)
