@@ -13,9 +13,11 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   activation quantization alone, per row (one pass) or per tensor (two). TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
   outlier channels; the layer's own init).
 * ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) |
-  ``fp8fastunfused`` (the same with diffusers' SwiGLU and torchao's down projection,
-  ``quantize_linears(fuse_swiglu=False)``; the FP8 rows fuse the FFN's SwiGLU and its
-  quantization on CUDA since 2026-12-06, ``fuse_swiglu="auto"``) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
+  ``fp8fastunfused`` (the same with diffusers' SwiGLU, torchao's down projection and the block's
+  own AdaLN inputs, ``quantize_linears(fuse_swiglu=False, fuse_adaln=False)``; the FP8 rows fuse
+  the FFN's SwiGLU and its quantization on CUDA since 2026-12-06, ``fuse_swiglu="auto"``, and
+  each norm + AdaLN modulation with its quantization since 2026-12-07, ``fuse_adaln="auto"``) |
+  ``fp8fastnoadaln`` (``fuse_adaln=False`` alone) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
   named in ``--compiled`` and one accuracy row) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
@@ -23,7 +25,8 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   9,504 rows. Eager all, once each; compiled (``torch.compile(block, fullgraph=True, dynamic=False)``)
   the ``--compiled`` list, in its order, after the accuracy section, each path on its own copy of
   the block and timed once after its compilation (``first_ms``), then ``--rounds`` passes over all
-  of them: median of the rounds' medians.
+  of them: median of the rounds' medians. A ``+mk`` suffix (``fp8fast:sage8+mk``,
+  ``fp8fast:none+mk@w4``) compiles the same path with inductor's ``triton.multi_kernel=1``.
 * ``w4`` (modeled as ``benchmarks.scaling --modeled`` does): rank 0 of Ulysses 4 = ``none@w4`` +
   its attention layer: pack + all-to-alls (bytes / ``--bandwidth-gbs``: q, k, v in, the output
   back) + attention at 14 heads x 38,016 rows + unpack, plain (C = 1) or with the heads in
@@ -69,7 +72,9 @@ __all__ = ["main"]
 THEME, _REPO = "h3-fp8", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = "skipped: the --budget-s wall-time budget was spent"
 _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
-_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastunfused", "fp8tfast")
+#: ``--compiled`` suffixes: the same path compiled with other inductor options (benchmark-only)
+_VARIANTS: dict[str, dict | None] = {"": None, "mk": {"triton.multi_kernel": 1}}
+_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastnoadaln", "fp8fastunfused", "fp8tfast")
 _COMPILED = ("fp8:sage8,fp8fast:sage8,bf16:sage8,fp8:none@w4,fp8fast:none@w4,bf16:none@w4,bf16:native,"
              "fp8:sdpa,bf16:sdpa,fp8:native")
 
@@ -180,13 +185,16 @@ def _recipe_unavailable(prec: str, emulate: bool) -> str | None:
 def _quantize(model, prec: str, emulate: bool) -> None:
     """The block linears of ``model`` in ``prec``: ``fp8`` / ``fp8fast``, the shipped recipe
     (``quantize_linears``, fused SwiGLU FFNs on CUDA), with float32 / fast accumulation;
-    ``fp8fastunfused``, the same as ``fp8fast`` with diffusers' FFN (``fuse_swiglu=False``); ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
+    ``fp8fastunfused``, the same as ``fp8fast`` with diffusers' FFN and AdaLN inputs
+    (``fuse_swiglu=False, fuse_adaln=False``); ``fp8fastnoadaln``, with the fused FFN but not the
+    fused AdaLN inputs (``fuse_adaln=False``: ``fp8fast`` until 2026-12-07); ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
     activation tensor and per weight, fast accumulation (the other cuBLAS FP8 route)."""
     from dist_attn.integrations.diffusers import quantize_linears
 
     if prec != "fp8tfast":
-        quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec in ("fp8fast", "fp8fastunfused"),
-                         fuse_swiglu=False if prec == "fp8fastunfused" else "auto")
+        quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec.startswith("fp8fast"),
+                         fuse_swiglu=False if prec == "fp8fastunfused" else "auto",
+                         fuse_adaln=False if prec in ("fp8fastunfused", "fp8fastnoadaln") else "auto")
         return
     from torchao.quantization import PerTensor, quantize_
 
@@ -316,7 +324,7 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
         for key in keys:
             prec, attn = key.split(":")
             where = "w4" if attn.endswith("@w4") else "w1"
-            attn = attn.removesuffix("@w4")
+            attn, _, variant = attn.removesuffix("@w4").partition("+")
             row = {"section": "block" if where == "w1" else "w4-rest", "path": key, "mode": mode,
                    "rows": inputs[where][0].shape[1]}
             reason = _unavailable(attn, dev, cfg) or _recipe_unavailable(prec, args.emulate)
@@ -328,7 +336,7 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
                 try:
                     block = (models[prec] if mode == "eager" else models["copy"](prec)).transformer_blocks[0]
                     res, fn = _block_row(block, attn, mode, inputs[where], lay.used, m, dev, args, budget,
-                                         profile=key in _names(args.profile))
+                                         profile=key in _names(args.profile), options=_VARIANTS[variant])
                 except Exception as exc:  # noqa: BLE001 - e.g. out of memory for one more copy
                     res, fn = {"status": "error", "reason": describe_exception(exc)}, None
                 row.update(res)
@@ -349,18 +357,20 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
         del live
         torch._dynamo.reset()
     for row in rows:
-        if row.get("section") == "w4-rest" and row["mode"] == mode and row.get("status") == "ok":
+        if (row.get("section") == "w4-rest" and row["mode"] == mode and row.get("status") == "ok"
+                and "+" not in row["path"]):
             rest[(row["path"].split(":")[0], mode)] = row["median_ms"]
     args.writer.save()
 
 
-def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profile=False):
+def _block_row(block, attn, mode, inputs, valid_len, m, dev, args, budget, profile=False, options=None):
     """(row fields, the compiled callable to time again or None). Eager rows share one block per
     precision, so their dynamo state is reset after each; compiled rows own their block."""
     t0 = time.perf_counter()
     try:
         _set_attention(block, attn, m.num_heads, m.head_dim, valid_len)
-        fn = torch.compile(block, fullgraph=True, dynamic=False) if mode == "compiled" else block
+        fn = (torch.compile(block, fullgraph=True, dynamic=False, options=options)
+              if mode == "compiled" else block)
         with torch.no_grad():
             out = _timed(lambda: fn(*inputs), dev, args, budget)
             if profile:
@@ -513,7 +523,9 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
                 pack()
                 kern()
                 unpack()
-            seqs.append(({"section": "w4-seq", "path": f"{row['path'].split(':')[0]}:{backend}",
+            variant = row["path"].removesuffix("@w4").partition("+")[2]
+            seqs.append(({"section": "w4-seq",
+                          "path": f"{row['path'].split(':')[0]}:{backend}" + (f"+{variant}" if variant else ""),
                           "mode": row["mode"], "rows": parts["s_local"], "heads": parts["heads"],
                           "overlap_chunks": 1}, block))
     _time_rounds(seqs, args, dev, budget, args.compile_reserve_s)
@@ -584,7 +596,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
     if mode == "eager":
         paths = [(prec, backend) for prec, backend in (
             ("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8"), ("fp8fast", "sage8"),
-            ("fp8fastunfused", "sage8"), ("fp8tfast", "sage8"))]
+            ("fp8fastnoadaln", "sage8"), ("fp8fastunfused", "sage8"), ("fp8tfast", "sage8"))]
         reserve = args.reserve_s / 2
     else:  # compile_blocks cannot be undone: each compiled path builds its own model
         paths = [tuple(path.split(":")) for path in _names(args.acc_compiled)]
@@ -695,6 +707,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for key in _names(args.compiled):
         prec, _, attn = key.partition(":")
+        attn, _, variant = attn.replace("@w4", "").partition("+")
+        attn += "@w4" if key.endswith("@w4") else ""
+        if variant not in _VARIANTS:
+            p.error(f"--compiled entry {key!r}: '+{variant}' is not one of "
+                    f"{', '.join('+' + v for v in _VARIANTS if v)}")
         if prec not in _PRECISIONS or (attn not in _ATTN and attn != "none@w4"):
             p.error(f"--compiled entry {key!r} must be <linears>:<attention> with linears one of "
                     f"{', '.join(_PRECISIONS)} and attention one of {', '.join(_ATTN)}, or "

@@ -28,23 +28,27 @@ numerics in CPU tests (:class:`EmulatedFp8Linear`) and is never chosen automatic
 from __future__ import annotations
 
 import importlib
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
 
 __all__ = [
     "ACTIVATION_AMAX_FLOOR",
+    "ADALN_MAX_HIDDEN",
     "E4M3_MAX",
     "FP8_EXTRA",
     "FP8_MIN_CAPABILITY",
     "LINEAR_PRECISIONS",
     "EmulatedFp8Linear",
+    "Fp8Linear",
+    "Fp8Rows",
     "Fp8SwiGLUFeedForward",
     "SWIGLU_MAX_INNER",
     "LinearPrecision",
     "fix_zero_rows",
     "fp8_linear_emulated",
+    "fp8_rows_matmul",
     "fp8_unsupported_reason",
     "quantize_rows_e4m3",
     "quantize_weight_e4m3",
@@ -66,6 +70,9 @@ FP8_MIN_CAPABILITY = (8, 9)
 #: Widest SwiGLU output row (the FFN's inner size) that :class:`Fp8SwiGLUFeedForward`'s kernel
 #: holds in one program's registers.
 SWIGLU_MAX_INNER = 16384
+#: Widest row (a block's hidden size) that :func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`
+#: holds in one program's registers.
+ADALN_MAX_HIDDEN = 16384
 #: The package extra that installs torchao.
 FP8_EXTRA = "pip install 'dist-attn[fp8]'"
 
@@ -117,6 +124,49 @@ def fix_zero_rows(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     return codes, scales
 
 
+class Fp8Rows(NamedTuple):
+    """An activation already quantized by the recipe: what an FP8 linear of this module takes in
+    place of the bf16 tensor it would quantize itself (:class:`Fp8Linear`,
+    :class:`EmulatedFp8Linear`, :class:`Fp8SwiGLUFeedForward`), so that the pass producing the
+    activation can quantize it (:func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`)."""
+
+    codes: torch.Tensor
+    """``[..., K]`` float8_e4m3fn."""
+    scales: torch.Tensor
+    """``[..., 1]`` float32: the row ``x ~= codes.float() * scales``."""
+
+
+def fp8_rows_matmul(rows: Fp8Rows, weight_codes: torch.Tensor, weight_scales: torch.Tensor,
+                    bias: torch.Tensor | None = None, *, out_dtype: torch.dtype,
+                    fast_accum: bool = False, emulate: bool = False) -> torch.Tensor:
+    """``y = x W^T (+ b)`` from quantized rows: ``torch._scaled_mm`` on CUDA, the recipe's float32
+    emulation with ``emulate`` or off CUDA (the module docstring's epilogue either way; the
+    emulation ignores ``fast_accum``).
+
+    Args:
+        rows: ``codes [..., K]`` and ``scales [..., 1]``.
+        weight_codes: ``[N, K]`` float8_e4m3fn; weight_scales: ``N`` float32 scales, ``[N, 1]``
+            or ``[1, N]``.
+        bias: ``[N]`` or None; out_dtype: the result's dtype; fast_accum: ``use_fast_accum``;
+        emulate: float32 emulation on any device.
+
+    Returns:
+        ``[..., N]`` in ``out_dtype``.
+    """
+    codes, scales = rows
+    k, n = codes.shape[-1], weight_codes.shape[0]
+    a, sa, sw = codes.reshape(-1, k), scales.reshape(-1, 1), weight_scales.reshape(1, n)
+    if a.is_cuda and not emulate:
+        y = torch._scaled_mm(a, weight_codes.t(), scale_a=sa, scale_b=sw, bias=bias,
+                             out_dtype=out_dtype, use_fast_accum=fast_accum)
+    else:
+        y = (a.to(torch.float32) @ weight_codes.to(torch.float32).t()) * sa * sw  # fp32 accumulate
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        y = y.to(out_dtype)
+    return y.reshape(*codes.shape[:-1], n)
+
+
 def fp8_linear_emulated(x: torch.Tensor, weight_codes: torch.Tensor, weight_scales: torch.Tensor,
                         bias: torch.Tensor | None = None, *,
                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -132,13 +182,9 @@ def fp8_linear_emulated(x: torch.Tensor, weight_codes: torch.Tensor, weight_scal
     Returns:
         ``[..., N]`` in ``out_dtype``.
     """
-    k = x.shape[-1]
-    codes, scales = quantize_rows_e4m3(x.reshape(-1, k), amax_floor=ACTIVATION_AMAX_FLOOR)
-    acc = codes.to(torch.float32) @ weight_codes.to(torch.float32).t()  # [M, N]: fp32 accumulate
-    y = acc * scales * weight_scales.t()  # the epilogue: [M, N] * [M, 1] * [1, N]
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight_codes.shape[0])
+    rows = Fp8Rows(*quantize_rows_e4m3(x, amax_floor=ACTIVATION_AMAX_FLOOR))
+    return fp8_rows_matmul(rows, weight_codes, weight_scales, bias, out_dtype=out_dtype or x.dtype,
+                           emulate=True)
 
 
 class EmulatedFp8Linear(nn.Module):
@@ -162,13 +208,48 @@ class EmulatedFp8Linear(nn.Module):
         codes, scales = quantize_weight_e4m3(linear.weight.detach())
         return cls(codes, scales, linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., in_features]`` -> ``[..., out_features]`` in x's dtype."""
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """``[..., in_features]`` -> ``[..., out_features]`` in x's dtype (bf16 for
+        :class:`Fp8Rows`, whose quantization is already done)."""
+        if isinstance(x, Fp8Rows):
+            return fp8_rows_matmul(x, self.weight_codes, self.weight_scales, self.bias,
+                                   out_dtype=torch.bfloat16, emulate=True)
         return fp8_linear_emulated(x, self.weight_codes, self.weight_scales, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, fp8=e4m3 per-row (float32 emulation)")
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free FP8 linear of the recipe on CUDA that also takes :class:`Fp8Rows`.
+
+    torchao's FP8 ``nn.Linear`` quantizes its bf16 input itself; this one holds the same e4m3
+    weight (``weight_codes [N, K]``, ``weight_scales [1, N]``: torchao's ``qdata`` and ``scale``,
+    shared, not copied) and, given a bf16 tensor, quantizes it by the same recipe
+    (:func:`quantize_rows_e4m3`, then ``torch._scaled_mm``), or, given :class:`Fp8Rows`, runs only
+    the GEMM. :func:`dist_attn.integrations.diffusers.quantize_linears` puts it where the
+    activation's producer quantizes (``fuse_adaln``).
+    """
+
+    def __init__(self, weight_codes: torch.Tensor, weight_scales: torch.Tensor, *, fast_accum: bool) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_codes.shape
+        self.register_buffer("weight_codes", weight_codes)
+        self.register_buffer("weight_scales", weight_scales.reshape(1, -1))  # [1, N], as _scaled_mm takes
+        self.fast_accum = fast_accum
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """``[..., in_features]`` (bf16, or its rows already quantized) -> ``[..., out_features]``
+        bf16."""
+        if not isinstance(x, Fp8Rows):
+            x = Fp8Rows(*quantize_rows_e4m3(x, amax_floor=ACTIVATION_AMAX_FLOOR))
+        return fp8_rows_matmul(x, self.weight_codes, self.weight_scales, out_dtype=torch.bfloat16,
+                               fast_accum=self.fast_accum)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias=False, "
+                f"fast_accum={self.fast_accum}, fp8=e4m3 per-row, takes Fp8Rows")
 
 
 class Fp8SwiGLUFeedForward(nn.Module):
@@ -198,14 +279,16 @@ class Fp8SwiGLUFeedForward(nn.Module):
         self.register_buffer("down_scales", down_scales.reshape(1, -1))  # [1, N], as _scaled_mm takes
         self.fast_accum = fast_accum
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., K]`` bf16 -> ``[..., N]`` bf16."""
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """``[..., K]`` bf16 (or its rows quantized, when ``proj`` takes :class:`Fp8Rows`) ->
+        ``[..., N]`` bf16."""
         from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
 
+        lead = (x.codes if isinstance(x, Fp8Rows) else x).shape[:-1]
         codes, scales = swiglu_e4m3_rows(self.proj(x))  # [M, I] e4m3, [M, 1] float32
         y = torch._scaled_mm(codes, self.down_codes.t(), scale_a=scales, scale_b=self.down_scales,
-                             out_dtype=x.dtype, use_fast_accum=self.fast_accum)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+                             out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum)
+        return y.reshape(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
         n, i = self.down_codes.shape

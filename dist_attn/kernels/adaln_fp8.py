@@ -1,0 +1,170 @@
+"""A pre-norm AdaLN input and its FP8 row quantization in one pass (Triton on the GPU; importing
+this module imports triton).
+
+Before each of its two GEMM groups (q/k/v, then the FFN's projection) an H3 block computes
+``y = RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` over its rows, and with FP8 linears the recipe
+then quantizes ``y`` per row (:func:`dist_attn.fp8_linear.quantize_rows_e4m3`). Compiled,
+inductor fuses the two into one looped reduction that reads ``x`` three times: 0.68-0.72 ms each
+at 37,980 rows x 5,376 on an H100 (``benchmarks/results/h3-fp8-mk_h100_2026-12-07.md``), 0.50 ms
+with ``triton.multi_kernel``, where one program a row holding it in registers takes 0.304 ms
+(``benchmarks/results/adaln-quant-probe_h100_2026-12-07.json``): one read of ``x`` and one write
+of the codes.
+
+Arithmetic: float32 from the inputs (the norm, its weight, ``1 + scale``, the product and the
+shift), one rounding of ``y`` to bfloat16 (the dtype the linear's input has), then the recipe on
+that bf16 row: ``amax`` floored at ``ACTIVATION_AMAX_FLOOR``, ``scale = bf16(amax / 448)``, codes
+``e4m3(clamp(y / scale))`` with the division exact (as in :mod:`dist_attn.kernels.swiglu_fp8`).
+diffusers' eager path rounds to bf16 after the norm, after ``1 + scale``, after the product and
+after the sum; inductor's compiled path keeps float32 between them, as here. Under Triton's
+interpreter (CPU tests) the roundings are done on the bits, so the kernel is
+:func:`adaln_e4m3_rows_reference` up to the order of the row's sum of squares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX
+from dist_attn.kernels.swiglu_fp8 import _bf16, _round_e4m3
+
+__all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference"]
+
+#: warps of one program (one row) at H3's 5,376: 8 read 0.304 ms, 16 read 0.358 (one H100)
+NUM_WARPS = 8
+
+
+@triton.jit
+def _adaln_e4m3_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, idx_ptr, codes_ptr, scales_ptr, K, seq,
+                       stride_x, stride_mod, stride_codes, eps, amax_floor,
+                       BLOCK: tl.constexpr, HAS_W: tl.constexpr, FP8_MAX: tl.constexpr,
+                       INTERP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    y = x * rstd
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(idx_ptr + row % seq).to(tl.int64)  # the row's (timestep, modality) entry
+    sc = tl.load(sc_ptr + t * stride_mod + cols, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(sh_ptr + t * stride_mod + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _bf16(y * (1.0 + sc) + sh, INTERP)  # the linear's bf16 input
+    amax = tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor)  # tl.max skips NaN: put it back
+    amax = tl.where(tl.sum((y != y).to(tl.int32), axis=0) > 0, float("nan"), amax)
+    scale = _bf16(tl.math.div_rn(amax, FP8_MAX), INTERP)
+    if INTERP:
+        q = y / scale
+    else:
+        # y / scale correctly rounded: a correctly rounded reciprocal once a row, one residual step
+        inv = tl.math.div_rn(1.0, scale)
+        q0 = y * inv
+        q = tl.where(scale < float("inf"), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    if INTERP:
+        q = _round_e4m3(q)
+    tl.store(codes_ptr + row * stride_codes + cols, q.to(tl.float8e4nv), mask=mask)
+    tl.store(scales_ptr + row, scale)
+
+
+#: the recipe's amax floor as a bf16 value (y is bf16), computed once
+_FLOOR_BF16 = torch.tensor(ACTIVATION_AMAX_FLOOR, dtype=torch.bfloat16).item()
+
+
+def _launchable(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def adaln_e4m3_rows_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                              scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's arithmetic in torch (float32, one bf16 rounding; see the module docstring).
+    Arguments as :func:`adaln_e4m3_rows` with ``x`` 2-D ``[M, K]``; ``M`` a multiple of
+    ``index.numel()``. Returns ``codes [M, K]`` and ``scales [M, 1]``."""
+    from dist_attn.fp8_linear import quantize_rows_e4m3
+
+    m, k = x.shape
+    xf = x.to(torch.float32)
+    y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(torch.float32)
+    rows = index.repeat(m // index.numel())
+    y = y * (1.0 + scale.index_select(0, rows).to(torch.float32)) + shift.index_select(0, rows).to(torch.float32)
+    return quantize_rows_e4m3(y.to(torch.bfloat16), amax_floor=ACTIVATION_AMAX_FLOOR)
+
+
+@torch.library.custom_op("dist_attn::adaln_e4m3_rows", mutates_args=())
+def _adaln_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
+              shift: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _launchable(x):  # the CPU without Triton's interpreter: the same arithmetic in torch
+        return adaln_e4m3_rows_reference(x, weight, eps, scale, shift, index)
+    m, k = x.shape
+    codes = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    block = triton.next_power_of_2(k)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _adaln_e4m3_kernel[(m,)](x, weight if weight is not None else x, scale, shift, index, codes,
+                                 scales, k, index.numel(), x.stride(0), scale.stride(0), codes.stride(0),
+                                 eps, _FLOOR_BF16, BLOCK=block, HAS_W=weight is not None,
+                                 FP8_MAX=E4M3_MAX, INTERP=not x.is_cuda,
+                                 num_warps=NUM_WARPS if block <= 8192 else 16)
+    return codes, scales
+
+
+@_adaln_op.register_fake
+def _(x, weight, eps, scale, shift, index):
+    m, k = x.shape
+    return x.new_empty(m, k, dtype=torch.float8_e4m3fn), x.new_empty(m, 1, dtype=torch.float32)
+
+
+def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
+                    shift: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm(x) * (1 + scale[index]) + shift[index]``, quantized per row to e4m3, in one pass.
+
+    Args:
+        x: ``[..., S, K]`` bfloat16 (a block's hidden states), last dim contiguous,
+            ``K <= ADALN_MAX_HIDDEN``. Not modified.
+        weight: the norm's ``[K]`` weight, or None (no affine weight).
+        eps: the norm's epsilon (> 0).
+        scale, shift: ``[T, K]`` tables (rows of the block's AdaLN modulation; strided rows are
+            fine), last dim contiguous.
+        index: ``[S]`` integers in ``[0, T)``: the table row of each sequence position (the same
+            for every leading index of ``x``).
+
+    Returns:
+        ``codes [..., S, K]`` float8_e4m3fn and ``scales [..., S, 1]`` float32 (the recipe of
+        :mod:`dist_attn.fp8_linear` applied to ``y`` rounded once to bf16).
+
+    Raises:
+        ValueError: a dtype, shape, stride or ``eps`` outside the rules above. An index outside
+            ``[0, T)`` is not checked (it would cost a device sync): the caller's tables decide.
+    """
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x.dtype={x.dtype}: the fused AdaLN quantization takes bfloat16")
+    if x.dim() < 2 or x.shape[-1] > ADALN_MAX_HIDDEN or x.stride(-1) != 1:
+        raise ValueError(f"x has shape {tuple(x.shape)} and strides {x.stride()}: it must be "
+                         f"[..., S, K] with K <= {ADALN_MAX_HIDDEN} and its last dim contiguous")
+    k, s = x.shape[-1], x.shape[-2]
+    if weight is not None and tuple(weight.shape) != (k,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; it must be ({k},) or None")
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t.dim() != 2 or t.shape[1] != k or t.stride(1) != 1:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}; it must "
+                             f"be [T, {k}] with its last dim contiguous")
+    if scale.shape[0] != shift.shape[0] or scale.stride(0) != shift.stride(0):
+        raise ValueError(f"scale {tuple(scale.shape)} / stride {scale.stride(0)} and shift "
+                         f"{tuple(shift.shape)} / stride {shift.stride(0)} must have the same "
+                         "rows and row stride")
+    if tuple(index.shape) != (s,) or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"index has shape {tuple(index.shape)} and dtype {index.dtype}; it must be "
+                         f"({s},) integers (one table row per sequence position of x)")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps={eps!r} must be a positive number")
+    codes, scales = _adaln_op(x.reshape(-1, k), weight, float(eps), scale, shift, index.contiguous())
+    return codes.view(x.shape), scales.view(*x.shape[:-1], 1)

@@ -1,0 +1,140 @@
+"""The fused norm + AdaLN modulation + FP8 row quantization kernel (dist_attn.kernels.adaln_fp8)
+on CPU.
+
+The Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (set before triton decorates
+the kernel) and must equal its torch reference bit for bit (every code and scale) over rows
+chosen to hit the roundings: large, tiny and all-zero rows, an outlier, strided modulation
+tables, two leading indices, no norm weight, a non-power-of-two width. The reference itself is
+pinned against float64 and against diffusers' eager bf16 ops; the GPU check is in
+tests/integrations/test_fp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+__all__: list[str] = []
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows, adaln_e4m3_rows_reference
+
+    g = torch.Generator().manual_seed(0)
+    for k, with_weight in ((96, True), (100, False)):
+        x = torch.randn(2, 20, k, generator=g)
+        x[0, :5] *= 30.0
+        x[0, 5:10] *= 1e-4
+        x[1, 3] = 0.0          # an all-zero row: y = shift, no NaN
+        x[1, 4, 7] = 500.0     # one outlier, and small values beside it: subnormal codes
+        x[1, 4, :40] *= 1e-2
+        x = x.to(torch.bfloat16)
+        table = torch.randn(6, 6 * k, generator=g) * 0.3
+        table[0] = 0.0         # entry 0: no modulation, so the outlier row keeps its small values
+        table = table.to(torch.bfloat16)
+        shift, scale = table.chunk(6, dim=-1)[:2]  # strided rows, as H3's adaln_proj returns
+        weight = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16) if with_weight else None
+        index = torch.randint(1, 6, (20,), generator=g)
+        index[4] = 0
+        before = x.clone()
+        codes, scales = adaln_e4m3_rows(x, weight, 1e-5, scale, shift, index)
+        assert torch.equal(x.view(torch.int16), before.view(torch.int16)), "x was modified"
+        assert codes.shape == (2, 20, k) and scales.shape == (2, 20, 1), (codes.shape, scales.shape)
+        assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+        want_codes, want_scales = adaln_e4m3_rows_reference(x.reshape(40, k), weight, 1e-5, scale,
+                                                            shift, index)
+        assert torch.equal(scales.reshape(40, 1), want_scales), (scales.reshape(40, 1) - want_scales).abs().max()
+        bad = int((codes.reshape(40, k).view(torch.uint8) != want_codes.view(torch.uint8)).sum())
+        assert bad == 0, f"{bad} codes differ at k={k}"
+        sub = (codes.float().abs() < 2 ** -6) & (codes.float() != 0)
+        print(f"k={k} codes equal, {int(sub.sum())} subnormal codes")
+    print("OK")
+    """
+)
+
+
+def test_interp_adaln_e4m3_is_its_reference_bit_for_bit():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"the interpreter run needs triton >= 3.9, found {triton.__version__}")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "OK", proc.stdout
+    assert all(int(line.split()[3]) > 0 for line in lines if line.startswith("k=")), lines
+
+
+def _tables(k, t=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    table = (torch.randn(t, 6 * k, generator=g) * 0.3).to(torch.bfloat16)
+    shift, scale = table.chunk(6, dim=-1)[:2]
+    return g, shift, scale
+
+
+def test_reference_against_float64_and_diffusers_eager_ops():
+    """The reference's dequantized rows against the modulated norm in float64: e4m3's error
+    (3 mantissa bits: ~2.5% rel-L2), not more; against diffusers' eager bf16 ops (which round
+    four times), the same codes for most values and the same error to float64."""
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
+    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows_reference
+
+    k = 512
+    g, shift, scale = _tables(k)
+    x = (torch.randn(300, k, generator=g) * 2).to(torch.bfloat16)
+    norm = torch.nn.RMSNorm(k, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+    index = torch.randint(0, 6, (300,), generator=g)
+    codes, scales = adaln_e4m3_rows_reference(x, norm.weight, 1e-5, scale, shift, index)
+    got = codes.double() * scales.double()
+    xd = x.double()
+    exact = (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+             * (1 + scale.double()[index]) + shift.double()[index])
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    err = rel(got, exact)
+    assert 1e-2 <= err <= 4e-2, err
+    with torch.no_grad():
+        eager = norm(x) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
+    e_codes, e_scales = quantize_rows_e4m3(eager, amax_floor=ACTIVATION_AMAX_FLOOR)
+    same = (e_codes.view(torch.uint8) == codes.view(torch.uint8)).float().mean().item()
+    e_err = rel(e_codes.double() * e_scales.double(), exact)
+    assert same >= 0.9, same
+    assert err <= 1.02 * e_err, (err, e_err)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=torch.zeros(2, 4, 64, dtype=torch.float16)), r"x.dtype=torch.float16"),
+    (dict(x=torch.zeros(2, 64, 4, dtype=torch.bfloat16).transpose(1, 2)), r"last dim contiguous"),
+    (dict(x=torch.zeros(4, 16385, dtype=torch.bfloat16)), r"K <= 16384"),
+    (dict(weight=torch.ones(63)), r"weight has shape \(63,\); it must be \(64,\) or None"),
+    (dict(scale=torch.zeros(3, 63)), r"scale has shape \(3, 63\)"),
+    (dict(shift=torch.zeros(2, 64)), r"same rows and row stride"),
+    (dict(index=torch.zeros(3, dtype=torch.long)), r"index has shape \(3,\).*\(4,\) integers"),
+    (dict(index=torch.zeros(4)), r"index has shape \(4,\) and dtype torch.float32"),
+    (dict(eps=0.0), r"eps=0.0 must be a positive number"),
+])
+def test_adaln_e4m3_names_the_bad_argument(change, match):
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows
+
+    args = dict(x=torch.zeros(2, 4, 64, dtype=torch.bfloat16), weight=torch.ones(64), eps=1e-5,
+                scale=torch.zeros(3, 64), shift=torch.zeros(3, 64), index=torch.zeros(4, dtype=torch.long))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        adaln_e4m3_rows(**args)

@@ -1,0 +1,154 @@
+"""quantize_linears(fuse_adaln=...): H3 blocks whose two AdaLN inputs are quantized by the pass
+that computes them (dist_attn.kernels.adaln_fp8), on CPU: the kernel's torch reference inside the
+served tiny model (emulated FP8 linears, bf16 blocks) against the unfused FP8 model and float64;
+through enable_ulysses on 1 and 2 ranks and compiled; torchao's weights shared by the swapped
+linears; the refusals, raised before anything changes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
+pytest.importorskip("triton", reason="the kernel module imports triton")
+
+from dist_attn.fp8_linear import EmulatedFp8Linear, Fp8Linear  # noqa: E402
+from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears  # noqa: E402
+from dist_attn.serve.config import load_config  # noqa: E402
+from dist_attn.serve.h3.model import build_h3, compile_blocks  # noqa: E402
+
+from tests._multirank import run_ranks  # noqa: E402
+from tests.integrations.test_fp8_h3 import OUTPUT_FP8, _forward, _inputs, _rel  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def served():
+    cfg = load_config(None)
+    model = build_h3(cfg.model, device=CPU, dtype=torch.bfloat16)
+    return cfg, model, copy.deepcopy(model).double()
+
+
+def _counting(monkeypatch):
+    """Counts the fused kernel's calls (the blocks import it at call time)."""
+    import dist_attn.kernels.adaln_fp8 as mod
+
+    calls = []
+    real = mod.adaln_e4m3_rows
+    monkeypatch.setattr(mod, "adaln_e4m3_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    return calls
+
+
+def test_fused_adaln_blocks_against_unfused_and_float64(served, monkeypatch):
+    """Same weights, same GEMMs: the fused blocks differ from the unfused FP8 model only by the
+    roundings before the quantization (one here, four in diffusers' eager ops), so both sit at
+    the same distance from float64 (measured 5.10e-3 / 4.65e-3 fused, 5.13e-3 / 4.80e-3 unfused)
+    and ~2.5e-3 apart; every block ran the kernel twice, and nothing else changed."""
+    cfg, bf16, f64 = served
+    plain, fused = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    quantize_linears(plain, "fp8", emulate=True)
+    summary = quantize_linears(fused, "fp8", emulate=True, fuse_adaln=True)
+    n = cfg.model.num_layers
+    assert summary.fused_adaln == tuple(f"transformer_blocks.{i}" for i in range(n))
+    assert "AdaLN modulation fused with their quantization in 2 blocks" in summary.describe()
+    assert summary.layers == quantize_linears(copy.deepcopy(bf16), "fp8", emulate=True).layers
+    for block in fused.transformer_blocks:
+        assert "forward" in vars(block)  # the fused forward, on the instance
+        assert isinstance(block.attn.to_q, EmulatedFp8Linear)  # emulated linears take rows as they are
+    for block in plain.transformer_blocks:
+        assert "forward" not in vars(block)
+
+    inputs = _inputs(cfg, torch.bfloat16)
+    calls = _counting(monkeypatch)
+    got = _forward(fused, inputs)
+    assert len(calls) == 2 * n, calls
+    want = _forward(plain, inputs)
+    ref = _forward(f64, _inputs(cfg, torch.float64))
+    for a, b, r in zip(got, want, ref):
+        assert a.dtype == torch.float32 and bool(a.isfinite().all())
+        assert 1e-4 <= _rel(a, b) <= 1e-2, _rel(a, b)  # not a no-op, not another recipe
+        assert _rel(a, r) <= OUTPUT_FP8 and _rel(a, r) <= 1.1 * _rel(b, r), (_rel(a, r), _rel(b, r))
+
+    # enable_ulysses (one rank): the same result bit for bit; compiled fullgraph, again
+    with enable_ulysses(fused, backend="sdpa"):
+        ours = _forward(fused, inputs)
+        compile_blocks(fused, backend="aot_eager")
+        compiled = _forward(fused, inputs)
+    for a, b, c in zip(got, ours, compiled):
+        assert torch.equal(a, b)
+        assert _rel(c, a) <= 1e-6, _rel(c, a)
+
+
+def _two_rank_worker(rank, world):
+    cfg = load_config(None)
+    model = build_h3(cfg.model, device=CPU, dtype=torch.bfloat16)
+    quantize_linears(model, "fp8", emulate=True, fuse_adaln=True)
+    inputs = _inputs(cfg, torch.bfloat16)
+    one = _forward(model, inputs)
+    with enable_ulysses(model, backend="sdpa"):
+        two = _forward(model, inputs)
+    return [float((a.double() - b.double()).abs().max() / b.double().abs().max()) for a, b in zip(two, one)]
+
+
+def test_fused_adaln_on_two_ranks_equals_one(tmp_path):
+    """Each rank's blocks see their own rows and their own adaln_indices (cut by the hooks): the
+    kernel's per-row work is what one process does (measured: identical)."""
+    for diffs in run_ranks(_two_rank_worker, 2, tmp_path, timeout=240):
+        assert max(diffs) <= 1e-6, diffs
+
+
+def test_torchao_weights_are_shared_by_the_swapped_linears(served, monkeypatch):
+    """The GPU path's swap, on CPU with torchao's hardware gate lifted: q/k/v and the FFN's input
+    projection become Fp8Linear on torchao's own codes and scales (the same tensors, no copy);
+    the output projection and the FFN's down projection stay torchao's; the model's output is the
+    emulated fused model's up to float32 summation order."""
+    pytest.importorskip("torchao", reason="torchao is not installed (the fp8 extra)")
+    import dist_attn.integrations.diffusers.linear_precision as lp
+
+    monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda g: None)
+    monkeypatch.setattr(lp, "fp8_unsupported_reason", lambda device: None)
+    cfg, bf16, _ = served
+    tao, emulated = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    reference = copy.deepcopy(bf16)
+    quantize_linears(reference, "fp8", fuse_swiglu=False, fuse_adaln=False)
+    summary = quantize_linears(tao, "fp8", fuse_swiglu=False, fuse_adaln=True)  # SwiGLU's kernel: CUDA only
+    quantize_linears(emulated, "fp8", emulate=True, fuse_adaln=True)
+    assert len(summary.fused_adaln) == cfg.model.num_layers
+    for i, block in enumerate(tao.transformer_blocks):
+        ref_block = reference.transformer_blocks[i]
+        for name in ("attn.to_q", "attn.to_k", "attn.to_v", "ff.net.0.proj"):
+            lin, ref = block.get_submodule(name), ref_block.get_submodule(name).weight
+            assert isinstance(lin, Fp8Linear) and lin.weight_codes.dtype == torch.float8_e4m3fn
+            assert torch.equal(lin.weight_codes.view(torch.uint8), ref.qdata.view(torch.uint8))
+            assert torch.equal(lin.weight_scales.reshape(-1), ref.scale.reshape(-1))
+        for name in ("attn.to_out.0", "ff.net.2"):
+            assert hasattr(block.get_submodule(name).weight, "qdata"), name
+    inputs = _inputs(cfg, torch.bfloat16)
+    for a, b in zip(_forward(tao, inputs), _forward(emulated, inputs)):
+        assert _rel(a, b) <= 2e-3, _rel(a, b)
+
+
+def test_fuse_adaln_refusals_come_before_any_change(served):
+    cfg, bf16, _ = served
+    model = copy.deepcopy(bf16)
+    last = cfg.model.num_layers - 1
+    model.transformer_blocks[last].norm2 = nn.LayerNorm(cfg.model.hidden_size).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=rf"fuse_adaln=True: transformer_blocks.{last}: norm2 is not an "
+                                        r"nn.RMSNorm .*fuse_adaln='auto' or False"):
+        quantize_linears(model, "fp8", emulate=True, fuse_adaln=True)
+    assert type(model.transformer_blocks[0].attn.to_q) is nn.Linear  # nothing half-done
+    assert "forward" not in vars(model.transformer_blocks[0])
+    with pytest.raises(TypeError, match=r"fuse_adaln='yes' must be True, False or 'auto'"):
+        quantize_linears(model, "fp8", emulate=True, fuse_adaln="yes")
+    # "auto" fuses on CUDA with torchao only: emulated, nothing
+    assert quantize_linears(copy.deepcopy(bf16), "fp8", emulate=True).fused_adaln == ()
+    # a bias on a projection the fused forward feeds
+    biased = copy.deepcopy(bf16)
+    lin = biased.transformer_blocks[0].attn.to_k
+    biased.transformer_blocks[0].attn.to_k = nn.Linear(lin.in_features, lin.out_features).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"transformer_blocks.0: attn.to_k has a bias"):
+        quantize_linears(biased, "fp8", emulate=True, fuse_adaln=True)
