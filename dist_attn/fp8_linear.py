@@ -265,7 +265,8 @@ class Fp8SwiGLUFeedForward(nn.Module):
     saved.
 
     Args:
-        proj: the input projection ``[*, K] -> [*, 2I]`` (a torchao FP8 ``nn.Linear``), kept as is.
+        proj: the input projection ``[*, K] -> [*, 2I]`` (a torchao FP8 ``nn.Linear``, or an
+            :class:`Fp8Linear` where the block's AdaLN input arrives quantized), kept as is.
         down_codes: ``[N, I]`` float8_e4m3fn and ``down_scales``: ``[N, 1]`` float32, the down
             projection's weight (:func:`quantize_weight_e4m3`, or torchao's ``qdata`` / ``scale``).
         fast_accum: ``use_fast_accum`` of the down projection's ``torch._scaled_mm``.

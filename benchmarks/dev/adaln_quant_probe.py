@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from benchmarks.harness import time_fn
     from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
-    from dist_attn.kernels import adaln_fp8 as mod
+    from dist_attn.kernels import adaln_fp8 as kernel_mod
     from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows
 
     dev, K, T = torch.device("cuda"), 5376, 2 * 3
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5, generator=g)
-    mod = torch.randn(T, 6 * K, device=dev, generator=g).mul(0.1).to(torch.bfloat16)
-    shift, scale = mod.chunk(6, dim=-1)[:2]  # strided views, as the block's adaln_proj gives
+    table = torch.randn(T, 6 * K, device=dev, generator=g).mul(0.1).to(torch.bfloat16)
+    shift, scale = table.chunk(6, dim=-1)[:2]  # strided views, as the block's adaln_proj gives
 
     def route(x, idx):
         y = norm(x) * (1.0 + scale.index_select(0, idx)) + shift.index_select(0, idx)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             paths = dict(compiled)
             for nw in (8, 16):
                 def one(x, idx, nw=nw):
-                    mod.NUM_WARPS = nw
+                    kernel_mod.NUM_WARPS = nw
                     return adaln_e4m3_rows(x, norm.weight, 1e-5, scale, shift, idx)
                 paths[f"one pass, {nw} warps"] = one
             for name, fn in paths.items():

@@ -4,20 +4,26 @@ this module imports triton).
 Before each of its two GEMM groups (q/k/v, then the FFN's projection) an H3 block computes
 ``y = RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` over its rows, and with FP8 linears the recipe
 then quantizes ``y`` per row (:func:`dist_attn.fp8_linear.quantize_rows_e4m3`). Compiled,
-inductor fuses the two into one looped reduction that reads ``x`` three times: 0.68-0.72 ms each
-at 37,980 rows x 5,376 on an H100 (``benchmarks/results/h3-fp8-mk_h100_2026-12-07.md``), 0.50 ms
-with ``triton.multi_kernel``, where one program a row holding it in registers takes 0.304 ms
-(``benchmarks/results/adaln-quant-probe_h100_2026-12-07.json``): one read of ``x`` and one write
-of the codes.
+inductor fuses the two into one looped reduction that reads ``x`` three times: 0.675 and 0.723 ms
+at 37,980 rows x 5,376 in the block on an H100 (``benchmarks/results/h3-fp8-rerun_h100_2026-12-07.md``;
+with ``triton.multi_kernel`` one of them became a persistent reduction, 0.604 ms, and the other
+stayed at 0.724: ``h3-fp8-mk_h100_2026-12-07.md``). Alone, at 38,016 rows: inductor 0.565 ms
+(0.501 with ``multi_kernel``), a first version of this kernel, one program a row holding it in
+registers, 0.304 ms (``benchmarks/results/adaln-quant-probe_h100_2026-12-07.json``): one read of
+``x`` and one write of the codes.
 
 Arithmetic: float32 from the inputs (the norm, its weight, ``1 + scale``, the product and the
 shift), one rounding of ``y`` to bfloat16 (the dtype the linear's input has), then the recipe on
 that bf16 row: ``amax`` floored at ``ACTIVATION_AMAX_FLOOR``, ``scale = bf16(amax / 448)``, codes
 ``e4m3(clamp(y / scale))`` with the division exact (as in :mod:`dist_attn.kernels.swiglu_fp8`).
 diffusers' eager path rounds to bf16 after the norm, after ``1 + scale``, after the product and
-after the sum; inductor's compiled path keeps float32 between them, as here. Under Triton's
-interpreter (CPU tests) the roundings are done on the bits, so the kernel is
-:func:`adaln_e4m3_rows_reference` up to the order of the row's sum of squares.
+after the sum; inductor's compiled path keeps float32 between them, as here. On the GPU the
+row's sum runs in another order, ``rsqrt`` is the hardware's and ``y * (1 + scale) + shift`` may be
+contracted into one FMA: a float32 ulp or two that rarely moves the bf16 rounding (a code one e4m3
+step off; tests/integrations/test_fp8_gpu.py bounds how often). Under Triton's interpreter (CPU
+tests) the roundings are done on the bits and the kernel is :func:`adaln_e4m3_rows_reference` bit
+for bit on finite rows (a row with a NaN or an inf has a NaN scale either way; its codes are NaN in
+the reference and on the GPU, numbers under the interpreter, whose fp8 cast has no NaN).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ NUM_WARPS = 8
 
 @triton.jit
 def _adaln_e4m3_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, idx_ptr, codes_ptr, scales_ptr, K, seq,
-                       stride_x, stride_mod, stride_codes, eps, amax_floor,
+                       stride_x, stride_sc, stride_sh, stride_codes, eps, amax_floor,
                        BLOCK: tl.constexpr, HAS_W: tl.constexpr, FP8_MAX: tl.constexpr,
                        INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -52,8 +58,8 @@ def _adaln_e4m3_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, idx_ptr, codes_ptr, scales_
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     t = tl.load(idx_ptr + row % seq).to(tl.int64)  # the row's (timestep, modality) entry
-    sc = tl.load(sc_ptr + t * stride_mod + cols, mask=mask, other=0.0).to(tl.float32)
-    sh = tl.load(sh_ptr + t * stride_mod + cols, mask=mask, other=0.0).to(tl.float32)
+    sc = tl.load(sc_ptr + t * stride_sc + cols, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(sh_ptr + t * stride_sh + cols, mask=mask, other=0.0).to(tl.float32)
     y = _bf16(y * (1.0 + sc) + sh, INTERP)  # the linear's bf16 input
     amax = tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor)  # tl.max skips NaN: put it back
     amax = tl.where(tl.sum((y != y).to(tl.int32), axis=0) > 0, float("nan"), amax)
@@ -110,7 +116,8 @@ def _adaln_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: t
     block = triton.next_power_of_2(k)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _adaln_e4m3_kernel[(m,)](x, weight if weight is not None else x, scale, shift, index, codes,
-                                 scales, k, index.numel(), x.stride(0), scale.stride(0), codes.stride(0),
+                                 scales, k, index.numel(), x.stride(0), scale.stride(0), shift.stride(0),
+                                 codes.stride(0),
                                  eps, _FLOOR_BF16, BLOCK=block, HAS_W=weight is not None,
                                  FP8_MAX=E4M3_MAX, INTERP=not x.is_cuda,
                                  num_warps=NUM_WARPS if block <= 8192 else 16)
@@ -130,10 +137,10 @@ def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, sc
     Args:
         x: ``[..., S, K]`` bfloat16 (a block's hidden states), last dim contiguous,
             ``K <= ADALN_MAX_HIDDEN``. Not modified.
-        weight: the norm's ``[K]`` weight, or None (no affine weight).
+        weight: the norm's ``[K]`` weight (contiguous), or None (no affine weight).
         eps: the norm's epsilon (> 0).
         scale, shift: ``[T, K]`` tables (rows of the block's AdaLN modulation; strided rows are
-            fine), last dim contiguous.
+            fine), last dim contiguous, on x's device.
         index: ``[S]`` integers in ``[0, T)``: the table row of each sequence position (the same
             for every leading index of ``x``).
 
@@ -151,16 +158,19 @@ def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, sc
         raise ValueError(f"x has shape {tuple(x.shape)} and strides {x.stride()}: it must be "
                          f"[..., S, K] with K <= {ADALN_MAX_HIDDEN} and its last dim contiguous")
     k, s = x.shape[-1], x.shape[-2]
-    if weight is not None and tuple(weight.shape) != (k,):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; it must be ({k},) or None")
+    if weight is not None and (tuple(weight.shape) != (k,) or weight.stride(0) != 1):
+        raise ValueError(f"weight has shape {tuple(weight.shape)} and strides {weight.stride()}; it "
+                         f"must be ({k},) and contiguous, or None")
     for name, t in (("scale", scale), ("shift", shift)):
         if t.dim() != 2 or t.shape[1] != k or t.stride(1) != 1:
             raise ValueError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}; it must "
                              f"be [T, {k}] with its last dim contiguous")
-    if scale.shape[0] != shift.shape[0] or scale.stride(0) != shift.stride(0):
-        raise ValueError(f"scale {tuple(scale.shape)} / stride {scale.stride(0)} and shift "
-                         f"{tuple(shift.shape)} / stride {shift.stride(0)} must have the same "
-                         "rows and row stride")
+    if scale.shape[0] != shift.shape[0]:
+        raise ValueError(f"scale has {scale.shape[0]} rows and shift {shift.shape[0]}; they must "
+                         "have the same rows (one per table entry)")
+    for name, t in (("weight", weight), ("scale", scale), ("shift", shift), ("index", index)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} and x on {x.device}; they must share a device")
     if tuple(index.shape) != (s,) or index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"index has shape {tuple(index.shape)} and dtype {index.dtype}; it must be "
                          f"({s},) integers (one table row per sequence position of x)")

@@ -61,6 +61,13 @@ def test_fused_adaln_blocks_against_unfused_and_float64(served, monkeypatch):
         assert isinstance(block.attn.to_q, EmulatedFp8Linear)  # emulated linears take rows as they are
     for block in plain.transformer_blocks:
         assert "forward" not in vars(block)
+    # the forward pickles with its block (a bound method would not), bound to the copy
+    import io
+
+    buf = io.BytesIO()
+    torch.save(fused.transformer_blocks[0], buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert loaded.forward.args[0] is loaded
 
     inputs = _inputs(cfg, torch.bfloat16)
     calls = _counting(monkeypatch)
@@ -111,20 +118,22 @@ def test_torchao_weights_are_shared_by_the_swapped_linears(served, monkeypatch):
 
     monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda g: None)
     monkeypatch.setattr(lp, "fp8_unsupported_reason", lambda device: None)
+    from dist_attn.integrations.diffusers._h3_fp8_block import fuse_adaln_blocks
+
     cfg, bf16, _ = served
     tao, emulated = copy.deepcopy(bf16), copy.deepcopy(bf16)
-    reference = copy.deepcopy(bf16)
-    quantize_linears(reference, "fp8", fuse_swiglu=False, fuse_adaln=False)
-    summary = quantize_linears(tao, "fp8", fuse_swiglu=False, fuse_adaln=True)  # SwiGLU's kernel: CUDA only
+    quantize_linears(tao, "fp8", fuse_swiglu=False, fuse_adaln=False)  # SwiGLU's kernel: CUDA only
+    names = ("attn.to_q", "attn.to_k", "attn.to_v", "ff.net.0.proj")
+    before = [{n: (b.get_submodule(n).weight.qdata.data_ptr(), b.get_submodule(n).weight.scale.data_ptr())
+               for n in names} for b in tao.transformer_blocks]
+    fused = fuse_adaln_blocks(list(enumerate(tao.transformer_blocks)), fast_accum=False)
     quantize_linears(emulated, "fp8", emulate=True, fuse_adaln=True)
-    assert len(summary.fused_adaln) == cfg.model.num_layers
+    assert len(fused) == cfg.model.num_layers
     for i, block in enumerate(tao.transformer_blocks):
-        ref_block = reference.transformer_blocks[i]
-        for name in ("attn.to_q", "attn.to_k", "attn.to_v", "ff.net.0.proj"):
-            lin, ref = block.get_submodule(name), ref_block.get_submodule(name).weight
+        for name in names:
+            lin = block.get_submodule(name)
             assert isinstance(lin, Fp8Linear) and lin.weight_codes.dtype == torch.float8_e4m3fn
-            assert torch.equal(lin.weight_codes.view(torch.uint8), ref.qdata.view(torch.uint8))
-            assert torch.equal(lin.weight_scales.reshape(-1), ref.scale.reshape(-1))
+            assert (lin.weight_codes.data_ptr(), lin.weight_scales.data_ptr()) == before[i][name], name
         for name in ("attn.to_out.0", "ff.net.2"):
             assert hasattr(block.get_submodule(name).weight, "qdata"), name
     inputs = _inputs(cfg, torch.bfloat16)
@@ -137,8 +146,9 @@ def test_fuse_adaln_refusals_come_before_any_change(served):
     model = copy.deepcopy(bf16)
     last = cfg.model.num_layers - 1
     model.transformer_blocks[last].norm2 = nn.LayerNorm(cfg.model.hidden_size).to(torch.bfloat16)
-    with pytest.raises(TypeError, match=rf"fuse_adaln=True: transformer_blocks.{last}: norm2 is not an "
-                                        r"nn.RMSNorm .*fuse_adaln='auto' or False"):
+    with pytest.raises(TypeError, match=rf"fuse_adaln=True: transformer_blocks.{last}: norm2 is "
+                                        r"LayerNorm\(shape=\(\d+,\), eps=1e-05\), not an nn.RMSNorm "
+                                        r".*fuse_adaln='auto' or False"):
         quantize_linears(model, "fp8", emulate=True, fuse_adaln=True)
     assert type(model.transformer_blocks[0].attn.to_q) is nn.Linear  # nothing half-done
     assert "forward" not in vars(model.transformer_blocks[0])
@@ -152,3 +162,11 @@ def test_fuse_adaln_refusals_come_before_any_change(served):
     biased.transformer_blocks[0].attn.to_k = nn.Linear(lin.in_features, lin.out_features).to(torch.bfloat16)
     with pytest.raises(TypeError, match=r"transformer_blocks.0: attn.to_k has a bias"):
         quantize_linears(biased, "fp8", emulate=True, fuse_adaln=True)
+    # a forward already replaced on the instance (as diffusers' hooks do) is not overwritten
+    hooked = copy.deepcopy(bf16)
+    block = hooked.transformer_blocks[0]
+    block.forward = block.forward  # what a hook leaves: an instance attribute
+    with pytest.raises(TypeError, match=r"transformer_blocks.0: its forward is already replaced on "
+                                        r"the instance .*quantize before registering hooks"):
+        quantize_linears(hooked, "fp8", emulate=True, fuse_adaln=True)
+    assert type(block.attn.to_q) is nn.Linear

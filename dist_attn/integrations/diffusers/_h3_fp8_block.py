@@ -10,11 +10,16 @@ changes (see the kernel's docstring for its roundings). The forward is diffusers
 (``MiniMaxH3TransformerBlock.forward`` of diffusers 0.42) step for step otherwise; the attention
 processor is whatever the block has (diffusers', or dist_attn's Ulysses one): both call
 ``attn.to_q/to_k/to_v`` on what the block passes, which is all they do with it.
+
+The forward is set on each block instance (``block.forward``), as diffusers' own hooks do: fuse
+before registering such hooks (a block whose forward is already replaced is refused). The swapped
+projections hold ``weight_codes`` / ``weight_scales`` buffers, so a fused model's state dict does
+not load into an unfused one: quantize the checkpoint's bf16 weights instead.
 """
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 from torch import nn
@@ -54,10 +59,17 @@ def adaln_unfusable_reason(block: nn.Module, *, quantized: bool = True) -> str |
 
     if type(block) is not MiniMaxH3TransformerBlock:
         return f"{type(block).__name__} is not diffusers' MiniMaxH3TransformerBlock"
+    if "forward" in vars(block):
+        # a diffusers hook (context parallelism, offloading, caches) or an earlier fusion: the
+        # fused forward would replace it without a word, and removing the hook would undo it
+        return ("its forward is already replaced on the instance (a diffusers hook, or fused "
+                "before): quantize before registering hooks")
     for name in ("norm1", "norm2"):
         norm = getattr(block, name)
         if type(norm) is not nn.RMSNorm or len(norm.normalized_shape) != 1 or norm.eps is None:
-            return f"{name} is not an nn.RMSNorm over the last dim with an explicit eps"
+            return (f"{name} is {type(norm).__name__}"
+                    f"(shape={tuple(getattr(norm, 'normalized_shape', ()))}, eps={getattr(norm, 'eps', None)}), "
+                    "not an nn.RMSNorm over the last dim with an explicit eps")
         if norm.normalized_shape[0] > ADALN_MAX_HIDDEN:
             return f"{name} normalizes {norm.normalized_shape[0]} channels, over the kernel's {ADALN_MAX_HIDDEN}"
     if getattr(block.attn, "fused_projections", False):
@@ -110,5 +122,5 @@ def fuse_adaln_blocks(blocks: list[tuple[int, nn.Module]], fast_accum: bool) -> 
         proj, where = _ffn_proj(block.ff)
         owner = block.ff if where == "proj" else block.ff.net[0]
         owner.proj = _as_rows_linear(proj, fast_accum)
-        block.forward = types.MethodType(_forward, block)
+        block.forward = functools.partial(_forward, block)  # a partial pickles; a bound method does not
     return tuple(f"transformer_blocks.{i}" for i, _ in blocks)

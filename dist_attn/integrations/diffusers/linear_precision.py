@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dist_attn.fp8_linear import (LINEAR_PRECISIONS, SWIGLU_MAX_INNER, EmulatedFp8Linear,
-                                  Fp8SwiGLUFeedForward, LinearPrecision, fix_zero_rows,
+                                  Fp8Linear, Fp8SwiGLUFeedForward, LinearPrecision, fix_zero_rows,
                                   fp8_unsupported_reason, torchao_fp8_config)
 from dist_attn.integrations.diffusers._h3_fp8_block import adaln_unfusable_reason, fuse_adaln_blocks
 
@@ -99,7 +99,8 @@ class LinearQuantization:
                 + (f"; SwiGLU fused with its output's quantization in {len(self.fused_ffns)} FFNs"
                    if self.fused_ffns else "")
                 + (f"; norm + AdaLN modulation fused with their quantization in "
-                   f"{len(self.fused_adaln)} blocks" if self.fused_adaln else ""))
+                   f"{len(self.fused_adaln)} blocks (their q/k/v and FFN input projections run "
+                   "torch._scaled_mm on those codes and the same weights)" if self.fused_adaln else ""))
 
 
 def _size(n: int) -> str:
@@ -127,7 +128,7 @@ def fp8_linear_names(transformer: nn.Module) -> list[str]:
     for i, block in enumerate(transformer.transformer_blocks):
         for sub, module in block.named_modules():
             # an already swapped layer is listed too, so that a second call is refused by name
-            if isinstance(module, (nn.Linear, EmulatedFp8Linear)) and sub.startswith(_PLANS[cls]):
+            if isinstance(module, (nn.Linear, EmulatedFp8Linear, Fp8Linear)) and sub.startswith(_PLANS[cls]):
                 names.append(f"transformer_blocks.{i}.{sub}")
     return names
 
@@ -211,6 +212,11 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             False or "auto"; ``fuse_swiglu=True`` and a block's FFN is not a bias-free SwiGLU.
         ValueError: ``fuse_swiglu=True`` with ``emulate``, off CUDA, or an FFN wider than the
             kernel takes.
+        TypeError: ``fuse_adaln`` is not True, False or "auto"; ``fuse_adaln=True`` and a block
+            the fused forward does not apply to (another class, other norms, a fused ``to_qkv``,
+            another FFN, a biased projection, a norm wider than the kernel takes, or a forward
+            already replaced on the instance, e.g. by a diffusers hook).
+        ImportError: ``fuse_adaln=True`` (or ``fuse_swiglu=True``) without triton.
     """
     if precision not in LINEAR_PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of "
@@ -337,9 +343,18 @@ def _adaln_blocks(transformer: nn.Module, strict: bool, emulate: bool,
             import dist_attn.kernels.adaln_fp8  # noqa: F401
         except ImportError as exc:
             if strict:
-                raise
+                raise ImportError(f"fuse_adaln=True runs a Triton kernel and triton cannot be "
+                                  f"imported ({exc}); pass fuse_adaln='auto' or False") from exc
             logger.info("quantize_linears: AdaLN inputs not fused (fuse_adaln='auto'): %s", exc)
             return []
+        import diffusers
+
+        from dist_attn.integrations.diffusers import TESTED_DIFFUSERS
+
+        if diffusers.__version__ != TESTED_DIFFUSERS:
+            logger.warning("quantize_linears(fuse_adaln): the fused H3 block forward follows "
+                           "diffusers %s's MiniMaxH3TransformerBlock.forward; diffusers %s is "
+                           "installed", TESTED_DIFFUSERS, diffusers.__version__)
     return found
 
 
