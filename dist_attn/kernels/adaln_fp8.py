@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX
-from dist_attn.kernels.swiglu_fp8 import _bf16, _round_e4m3
+from dist_attn.kernels.swiglu_fp8 import _bf16, _quantize_row
 
 __all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference"]
 
@@ -61,20 +61,7 @@ def _adaln_e4m3_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, idx_ptr, codes_ptr, scales_
     sc = tl.load(sc_ptr + t * stride_sc + cols, mask=mask, other=0.0).to(tl.float32)
     sh = tl.load(sh_ptr + t * stride_sh + cols, mask=mask, other=0.0).to(tl.float32)
     y = _bf16(y * (1.0 + sc) + sh, INTERP)  # the linear's bf16 input
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor)  # tl.max skips NaN: put it back
-    amax = tl.where(tl.sum((y != y).to(tl.int32), axis=0) > 0, float("nan"), amax)
-    scale = _bf16(tl.math.div_rn(amax, FP8_MAX), INTERP)
-    if INTERP:
-        q = y / scale
-    else:
-        # y / scale correctly rounded: a correctly rounded reciprocal once a row, one residual step
-        inv = tl.math.div_rn(1.0, scale)
-        q0 = y * inv
-        q = tl.where(scale < float("inf"), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
-    if INTERP:
-        q = _round_e4m3(q)
+    q, scale = _quantize_row(y, amax_floor, FP8_MAX, INTERP)
     tl.store(codes_ptr + row * stride_codes + cols, q.to(tl.float8e4nv), mask=mask)
     tl.store(scales_ptr + row, scale)
 

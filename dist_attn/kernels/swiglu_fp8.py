@@ -68,16 +68,10 @@ def _bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_e4m3_kernel(h_ptr, codes_ptr, scales_ptr, n_inner, stride_h, stride_codes, amax_floor,
-                        BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, INTERP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_inner
-    src = h_ptr + row * stride_h
-    a = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(src + n_inner + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = _bf16(g / (1.0 + tl.exp(-g)), INTERP)
-    y = _bf16(a * silu, INTERP)  # the product of two bf16 values is exact in float32
+def _quantize_row(y, amax_floor, FP8_MAX: tl.constexpr, INTERP: tl.constexpr):
+    """The recipe's row quantization of ``y`` (float32 holding bf16 values, one row): returns
+    (codes as float32 e4m3 values, to cast; the row's scale). The amax is floored, a NaN in the
+    row makes the scale NaN, the scale is ``bf16(amax / FP8_MAX)``, the division by it is exact."""
     amax = tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor)  # tl.max skips NaN: put it back
     amax = tl.where(tl.sum((y != y).to(tl.int32), axis=0) > 0, float("nan"), amax)
     scale = _bf16(tl.math.div_rn(amax, FP8_MAX), INTERP)  # once a row: the IEEE division
@@ -94,6 +88,21 @@ def _swiglu_e4m3_kernel(h_ptr, codes_ptr, scales_ptr, n_inner, stride_h, stride_
                    propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as in the recipe
     if INTERP:
         q = _round_e4m3(q)
+    return q, scale
+
+
+@triton.jit
+def _swiglu_e4m3_kernel(h_ptr, codes_ptr, scales_ptr, n_inner, stride_h, stride_codes, amax_floor,
+                        BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, INTERP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_inner
+    src = h_ptr + row * stride_h
+    a = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(src + n_inner + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = _bf16(g / (1.0 + tl.exp(-g)), INTERP)
+    y = _bf16(a * silu, INTERP)  # the product of two bf16 values is exact in float32
+    q, scale = _quantize_row(y, amax_floor, FP8_MAX, INTERP)
     tl.store(codes_ptr + row * stride_codes + cols, q.to(tl.float8e4nv), mask=mask)
     tl.store(scales_ptr + row, scale)
 

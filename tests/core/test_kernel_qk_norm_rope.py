@@ -11,18 +11,15 @@ Without the interpreter the op computes the reference itself. The GPU test runs 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from tests.core._interp import run_interpreted
+
 __all__: list[str] = []
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SCRIPT = textwrap.dedent(
     """
@@ -59,26 +56,12 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _skip_without_interpreter(runtime_loop: bool) -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
-    import triton
-
-    if runtime_loop and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        # triton 3.6's interpreter cannot loop over a runtime bound (the pack's chunk width)
-        pytest.skip(f"the pack's interpreter runs need triton >= 3.9, found {triton.__version__}")
-
-
 def _interpreted(*argv: str, runtime_loop: bool = True) -> None:
     """Runs ``python -W ignore *argv`` under Triton's interpreter (no GPU); it must print OK last.
-    ``runtime_loop``: the script runs the pack, whose loop bound is a runtime value."""
-    _skip_without_interpreter(runtime_loop)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-W", "ignore", *argv], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-1] == "OK", proc.stdout
+    ``runtime_loop``: the script runs the pack, whose loop bound is a runtime value (triton 3.6's
+    interpreter cannot loop over one)."""
+    run_interpreted(*argv, min_triton=(3, 9) if runtime_loop else (0, 0),
+                    why="the pack's interpreter runs" if runtime_loop else "")
 
 
 def test_interp_qk_norm_rope_equals_its_reference():

@@ -10,18 +10,14 @@ with the GPU's libdevice ``expf`` is in tests/integrations/test_fp8_gpu.py.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-__all__: list[str] = []
+from tests.core._interp import run_interpreted
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+__all__: list[str] = []
 
 _SCRIPT = textwrap.dedent(
     """
@@ -89,20 +85,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_interp_swiglu_e4m3_is_the_recipe_bit_for_bit():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable: the interpreter tests need it (pip install triton)")
-    import triton
-
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"the interpreter run needs triton >= 3.9, found {triton.__version__}")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _SCRIPT], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[-1] == "OK", proc.stdout
-    # the subnormal rows must really reach e4m3's subnormal codes, or the test proves less
+    lines = run_interpreted("-c", _SCRIPT)
     assert all(int(line.split()[3]) > 0 for line in lines if line.startswith("inner=")), lines
 
 
