@@ -13,11 +13,11 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   activation quantization alone, per row (one pass) or per tensor (two). TFLOP/s, x bf16, rel-L2 vs float64 (1,024 rows of N(0,1) with two x20
   outlier channels; the layer's own init).
 * ``block`` (W = 1, 37,980 rows): ``bf16`` | ``fp8`` | ``fp8fast`` (fast accumulation) |
-  ``fp8fastunfused`` (the same with diffusers' SwiGLU, torchao's down projection and the block's
-  own AdaLN inputs, ``quantize_linears(fuse_swiglu=False, fuse_adaln=False)``; the FP8 rows fuse
-  the FFN's SwiGLU and its quantization on CUDA since 2026-12-06, ``fuse_swiglu="auto"``, and
-  each norm + AdaLN modulation with its quantization since 2026-12-07, ``fuse_adaln="auto"``) |
-  ``fp8fastnoadaln`` (``fuse_adaln=False`` alone) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
+  ``fp8fastunfused`` (the same with diffusers' SwiGLU and torchao's down projection,
+  ``quantize_linears(fuse_swiglu=False)``; the FP8 rows fuse the FFN's SwiGLU and its
+  quantization on CUDA since 2026-12-06, ``fuse_swiglu="auto"``) | ``fp8fastadaln`` (``fp8fast``
+  with each norm + AdaLN modulation and its quantization in one kernel, the opt-in
+  ``fuse_adaln="auto"``) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
   named in ``--compiled`` and one accuracy row) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
@@ -74,7 +74,7 @@ _SKIPPED = "skipped: the --budget-s wall-time budget was spent"
 _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
 #: ``--compiled`` suffixes: the same path compiled with other inductor options (benchmark-only)
 _VARIANTS: dict[str, dict | None] = {"": None, "mk": {"triton.multi_kernel": 1}}
-_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastnoadaln", "fp8fastunfused", "fp8tfast")
+_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastadaln", "fp8fastunfused", "fp8tfast")
 _COMPILED = ("fp8:sage8,fp8fast:sage8,bf16:sage8,fp8:none@w4,fp8fast:none@w4,bf16:none@w4,bf16:native,"
              "fp8:sdpa,bf16:sdpa,fp8:native")
 
@@ -185,16 +185,16 @@ def _recipe_unavailable(prec: str, emulate: bool) -> str | None:
 def _quantize(model, prec: str, emulate: bool) -> None:
     """The block linears of ``model`` in ``prec``: ``fp8`` / ``fp8fast``, the shipped recipe
     (``quantize_linears``, fused SwiGLU FFNs on CUDA), with float32 / fast accumulation;
-    ``fp8fastunfused``, the same as ``fp8fast`` with diffusers' FFN and AdaLN inputs
-    (``fuse_swiglu=False, fuse_adaln=False``); ``fp8fastnoadaln``, with the fused FFN but not the
-    fused AdaLN inputs (``fuse_adaln=False``: ``fp8fast`` until 2026-12-07); ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
+    ``fp8fastunfused``, the same as ``fp8fast`` with diffusers' FFN (``fuse_swiglu=False``);
+    ``fp8fastadaln``, ``fp8fast`` with the fused AdaLN inputs (``fuse_adaln="auto"``, opt-in);
+    ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
     activation tensor and per weight, fast accumulation (the other cuBLAS FP8 route)."""
     from dist_attn.integrations.diffusers import quantize_linears
 
     if prec != "fp8tfast":
         quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec.startswith("fp8fast"),
                          fuse_swiglu=False if prec == "fp8fastunfused" else "auto",
-                         fuse_adaln=False if prec in ("fp8fastunfused", "fp8fastnoadaln") else "auto")
+                         fuse_adaln="auto" if prec == "fp8fastadaln" else False)
         return
     from torchao.quantization import PerTensor, quantize_
 
@@ -596,7 +596,7 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
     if mode == "eager":
         paths = [(prec, backend) for prec, backend in (
             ("bf16", "sdpa"), ("bf16", "sage8"), ("fp8", "sdpa"), ("fp8", "sage8"), ("fp8fast", "sage8"),
-            ("fp8fastnoadaln", "sage8"), ("fp8fastunfused", "sage8"), ("fp8tfast", "sage8"))]
+            ("fp8fastadaln", "sage8"), ("fp8fastunfused", "sage8"), ("fp8tfast", "sage8"))]
         reserve = args.reserve_s / 2
     else:  # compile_blocks cannot be undone: each compiled path builds its own model
         paths = [tuple(path.split(":")) for path in _names(args.acc_compiled)]

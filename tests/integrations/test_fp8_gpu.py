@@ -252,11 +252,19 @@ def test_quantize_linears_fuses_the_h3_ffns_and_names_every_linear():
     cfg, model = _served("bf16")
     summary = quantize_linears(model, "fp8")
     assert len(summary.fused_ffns) == cfg.model.num_layers and summary.count == 6 * cfg.model.num_layers
-    assert len(summary.fused_adaln) == cfg.model.num_layers
+    assert summary.fused_adaln == ()  # opt-in
     for name in summary.layers:
         m = model.get_submodule(name)
+        assert isinstance(m, Fp8SwiGLUFeedForward) or hasattr(m.weight, "qdata"), name
+    assert "SwiGLU fused" in summary.describe()
+    # fuse_adaln="auto" on CUDA: every block, its q/k/v and FFN projection Fp8Linear
+    _, fused = _served("bf16")
+    summary = quantize_linears(fused, "fp8", fuse_adaln="auto")
+    assert len(summary.fused_adaln) == cfg.model.num_layers
+    for name in summary.layers:
+        m = fused.get_submodule(name)
         assert isinstance(m, (Fp8SwiGLUFeedForward, Fp8Linear)) or hasattr(m.weight, "qdata"), name
-    assert "SwiGLU fused" in summary.describe() and "AdaLN modulation fused" in summary.describe()
+    assert "AdaLN modulation fused" in summary.describe()
 
 
 def _inputs(cfg):
@@ -278,15 +286,13 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled():
 
     cfg, bf16 = _served("bf16")
     emulated = copy.deepcopy(bf16)
-    quantize_linears(emulated, "fp8", emulate=True, fuse_adaln=True)  # the same kernel before the GEMMs
+    quantize_linears(emulated, "fp8", emulate=True)
     _, fp8 = _served("fp8")
-    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
+    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward
 
-    # fuse_swiglu="auto": the FFN's down projection in the fused FFN; fuse_adaln="auto": q/k/v and
-    # the FFN's projection Fp8Linear (they take the kernel's rows); the output projection torchao's
+    # fuse_swiglu="auto": 5 torchao linears a block, and the FFN's down projection in the fused FFN
     assert sum(hasattr(m.weight, "qdata") for m in fp8.modules()
-               if isinstance(m, torch.nn.Linear)) == cfg.model.num_layers
-    assert sum(isinstance(m, Fp8Linear) for m in fp8.modules()) == 4 * cfg.model.num_layers
+               if isinstance(m, torch.nn.Linear)) == 5 * cfg.model.num_layers
     assert sum(isinstance(m, Fp8SwiGLUFeedForward) for m in fp8.modules()) == cfg.model.num_layers
     inputs = _inputs(cfg)
     with torch.no_grad():
@@ -298,6 +304,33 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled():
             eager = fp8(**inputs)
             compile_blocks(fp8)  # inductor, fullgraph: a graph break raises
             compiled = fp8(**inputs)
+    for a, b in zip(compiled, eager):
+        assert _rel(a, b) <= 5e-3, _rel(a, b)
+
+
+def test_fused_adaln_model_on_gpu_vs_emulated_and_compiled():
+    """quantize_linears(fuse_adaln="auto") on CUDA (the kernel, then torch._scaled_mm) against
+    the emulated fused model (the same kernel on CUDA, then float32 GEMMs), and compiled
+    fullgraph (inductor) against eager."""
+    from dist_attn.fp8_linear import Fp8Linear
+    from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
+    from dist_attn.serve.h3.model import compile_blocks
+
+    cfg, bf16 = _served("bf16")
+    emulated, fused = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    quantize_linears(emulated, "fp8", emulate=True, fuse_adaln=True)
+    quantize_linears(fused, "fp8", fuse_adaln="auto")
+    assert sum(isinstance(m, Fp8Linear) for m in fused.modules()) == 4 * cfg.model.num_layers
+    inputs = _inputs(cfg)
+    with torch.no_grad():
+        want = emulated(**inputs)
+        got = fused(**inputs)
+        for a, b in zip(got, want):
+            assert _rel(a, b) <= 2e-3, _rel(a, b)
+        with enable_ulysses(fused, backend="sdpa"):
+            eager = fused(**inputs)
+            compile_blocks(fused)  # inductor, fullgraph: a graph break raises
+            compiled = fused(**inputs)
     for a, b in zip(compiled, eager):
         assert _rel(a, b) <= 5e-3, _rel(a, b)
 

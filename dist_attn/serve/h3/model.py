@@ -125,8 +125,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     FP8 linears (torchao's ``Float8Tensor`` weights) trace too: inductor fuses the output
     projection's per-row amax, scale and e4m3 cast around ``torch._scaled_mm``; the other inputs
     arrive quantized by opaque custom ops (the fused SwiGLU kernel for the FFN's down projection,
-    the fused norm + AdaLN kernel for q/k/v and the FFN's projection, ``quantize_linears``'
-    defaults on CUDA). Call it after the quantization (build_h3 does that).
+    and, with ``quantize_linears(fuse_adaln=True)``, the fused norm + AdaLN kernel for q/k/v and
+    the FFN's projection). Call it after the quantization (build_h3 does that).
 
     ``dynamic=False`` (the benchmarks' setting; ``compile_kwargs`` may override it): each geometry
     gets kernels specialised to its shapes, where Dynamo's default would recompile the second
