@@ -247,6 +247,26 @@ def test_h3_fp8_smoke(tmp_path):
     assert data["targets"]["block_w1_target_ms"] == 80.0 and data["targets"]["w4_best_step_s"] > 0
 
 
+def test_h3_fp8_fused_adaln_precision_and_mk_variant_rows(tmp_path):
+    """fp8fastadaln runs the fused AdaLN forward (emulated on CPU: fuse_adaln=True, never a silent
+    plain fp8fast) beside fp8fast, in the eager accuracy rows only when named; a '+mk' row is its
+    own row and keeps its name in w4-seq, and never stands in for the W = 4 model's rest."""
+    from benchmarks import h3_fp8
+
+    h3_fp8.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--modes", "compiled",
+                 "--sections", "block,w4,accuracy", "--compiled",
+                 "fp8fastadaln:none@w4,fp8fast:none@w4,fp8fast:none+mk@w4", "--acc-compiled", "",
+                 "--overlap", "1", "--rounds", "1"])
+    rows = _check_result(tmp_path, "h3-fp8")["rows"]
+    ok = {(r["section"], r["path"]) for r in rows if r.get("status") == "ok"}
+    assert {("w4-rest", "fp8fastadaln:none@w4"), ("w4-rest", "fp8fast:none+mk@w4"),
+            ("accuracy", "fp8:sdpa"), ("w4-seq", "fp8fast:sdpa+mk")} <= ok, ok
+    acc = {r["path"]: r for r in rows if r["section"] == "accuracy"}
+    assert "fp8fastadaln:sage8" in acc  # named in --compiled: its eager accuracy row exists (sage8: CPU says why)
+    w4 = {r["path"] for r in rows if r["section"] == "w4"}
+    assert not any("+" in p for p in w4), w4
+
+
 def test_h3_fp8_accuracy_runs_the_compiled_paths_on_their_own_compiled_model(tmp_path, monkeypatch):
     """--acc-compiled: after the eager paths, each listed path builds its own model, compiles its
     blocks as the server does (aot_eager here: inductor on CPU costs ~30 s) and is compared with
@@ -517,13 +537,15 @@ def test_smoke_keeps_the_options_the_caller_gave():
     (["h3_fp8", "--smoke", "--compiled", "fp8tfst:sage8"], "--compiled entry 'fp8tfst:sage8' must be"),
     (["h3_fp8", "--smoke", "--compiled", "fp8:sage8@w4"], "--compiled entry 'fp8:sage8@w4' must be"),
     (["h3_fp8", "--smoke", "--acc-compiled", "fp8fast:native"], "--acc-compiled entry 'fp8fast:native' must be"),
+    (["h3_fp8", "--smoke", "--compiled", "fp8fast:none@w4+mk"], "'@w4' comes last"),
+    (["h3_fp8", "--smoke", "--compiled", "fp8fast:sage8+mkk"], "'+mkk' is not one of +mk"),
     (["job_model", "--budget-s", "5"], "--budget-s 5 would not be honoured"),
     (["job_model", "--steps", "-3"], "--steps=-3 must be >= 2"),
     (["job_model", "--paths", "foo"], "--paths entry 'foo' must be <linears>:<attention>:<mode>"),
     (["scaling", "--smoke", "--modeled", "--ranks", "0"],
      "argument --ranks: '0' must be comma-separated ints >= 1"),
 ], ids=["kernels_none", "kernels_typo", "h3_fp8_compiled_typo", "h3_fp8_compiled_w4_attention",
-        "h3_fp8_acc_compiled_attention", "job_model_budget", "job_model_steps", "job_model_paths",
+        "h3_fp8_acc_compiled_attention", "h3_fp8_variant_before_w4", "h3_fp8_variant_typo", "job_model_budget", "job_model_steps", "job_model_paths",
         "scaling_ranks"])
 def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
     """Each wrote rows of nonsense (negative forwards, zero rows with exit 0) or crashed with a

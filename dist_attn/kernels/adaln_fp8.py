@@ -40,7 +40,8 @@ from dist_attn.kernels.swiglu_fp8 import _bf16, _quantize_row
 
 __all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference"]
 
-#: warps of one program (one row) at H3's 5,376: 8 read 0.304 ms, 16 read 0.358 (one H100)
+#: warps of one program (one row) at H3's 5,376: 8 read 0.304 ms, 16 read 0.358 (the draft of
+#: this kernel, adaln-quant-probe_h100_2026-12-07.json; one H100)
 NUM_WARPS = 8
 
 

@@ -122,11 +122,12 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     refiner blocks stay eager: their rows are the prompt's tokens, so compiled they would compile
     for every prompt length, for ~0.1% of a step's work (2 blocks over a few hundred rows against
     50 over the sequence).
-    FP8 linears (torchao's ``Float8Tensor`` weights) trace too: inductor fuses the output
-    projection's per-row amax, scale and e4m3 cast around ``torch._scaled_mm``; the other inputs
-    arrive quantized by opaque custom ops (the fused SwiGLU kernel for the FFN's down projection,
-    and, with ``quantize_linears(fuse_adaln=True)``, the fused norm + AdaLN kernel for q/k/v and
-    the FFN's projection). Call it after the quantization (build_h3 does that).
+    FP8 linears (torchao's ``Float8Tensor`` weights) trace too: inductor fuses the activation
+    quantization of q/k/v, the output projection and the FFN's projection (per-row amax, scale,
+    e4m3 cast) around ``torch._scaled_mm``; the down projection's input comes quantized from the
+    fused SwiGLU custom op, and with ``quantize_linears(fuse_adaln=True)`` the q/k/v and FFN
+    projection inputs from the fused norm + AdaLN custom op. Call it after the quantization
+    (build_h3 does that).
 
     ``dynamic=False`` (the benchmarks' setting; ``compile_kwargs`` may override it): each geometry
     gets kernels specialised to its shapes, where Dynamo's default would recompile the second
