@@ -322,9 +322,8 @@ def run_blocks(args, cfg, dev, models, budget, rows, mode: str, rest: dict, on_l
     limits = {"recompile_limit": max(64, 2 * len(keys)), "fail_on_recompile_limit_hit": True}
     with torch._dynamo.config.patch(limits):
         for key in keys:
-            prec, attn = key.split(":")
-            where = "w4" if attn.endswith("@w4") else "w1"
-            attn, _, variant = attn.removesuffix("@w4").partition("+")
+            prec, attn, variant, at_w4 = _split_key(key)
+            where = "w4" if at_w4 else "w1"
             row = {"section": "block" if where == "w1" else "w4-rest", "path": key, "mode": mode,
                    "rows": inputs[where][0].shape[1]}
             reason = _unavailable(attn, dev, cfg) or _recipe_unavailable(prec, args.emulate)
@@ -523,7 +522,7 @@ def run_w4_sequence(args, parts: dict, live, dev, budget, rows) -> None:
                 pack()
                 kern()
                 unpack()
-            variant = row["path"].removesuffix("@w4").partition("+")[2]
+            variant = _split_key(row["path"])[2]
             seqs.append(({"section": "w4-seq",
                           "path": f"{row['path'].split(':')[0]}:{backend}" + (f"+{variant}" if variant else ""),
                           "mode": row["mode"], "rows": parts["s_local"], "heads": parts["heads"],
@@ -673,6 +672,14 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
     return state
 
 
+def _split_key(key: str) -> tuple[str, str, str, bool]:
+    """``<linears>:<attention>[+<variant>][@w4]`` -> (linears, attention, variant or "", whether
+    it is the rest at W = 4's rows)."""
+    prec, _, rest = key.partition(":")
+    attn, _, variant = rest.removesuffix("@w4").partition("+")
+    return prec, attn, variant, rest.endswith("@w4")
+
+
 def _names(arg: str) -> list[str]:
     return [n for n in arg.split(",") if n]
 
@@ -708,15 +715,13 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(p, iters=10, warmup=2, budget_s=270)
     args = p.parse_args(argv)
     for key in _names(args.compiled):
-        prec, _, attn = key.partition(":")
         if "@w4" in key and not key.endswith("@w4"):
             p.error(f"--compiled entry {key!r}: '@w4' comes last (e.g. fp8fast:none+mk@w4)")
-        attn, _, variant = attn.replace("@w4", "").partition("+")
-        attn += "@w4" if key.endswith("@w4") else ""
+        prec, attn, variant, at_w4 = _split_key(key)
         if variant not in _VARIANTS:
             p.error(f"--compiled entry {key!r}: '+{variant}' is not one of "
                     f"{', '.join('+' + v for v in _VARIANTS if v)}")
-        if prec not in _PRECISIONS or (attn not in _ATTN and attn != "none@w4"):
+        if prec not in _PRECISIONS or attn not in _ATTN or (at_w4 and attn != "none"):
             p.error(f"--compiled entry {key!r} must be <linears>:<attention> with linears one of "
                     f"{', '.join(_PRECISIONS)} and attention one of {', '.join(_ATTN)}, or "
                     "<linears>:none@w4 (the block's rest at W = 4's rows)")

@@ -29,14 +29,14 @@ the reference and on the GPU, numbers under the interpreter, whose fp8 cast has 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX
-from dist_attn.kernels.swiglu_fp8 import _bf16, _quantize_row
+from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX, quantize_rows_e4m3
+from dist_attn.kernels.qk_norm_rope import launchable
+from dist_attn.kernels.swiglu_fp8 import _FLOOR_BF16, _bf16, _quantize_row
 
 __all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference"]
 
@@ -67,22 +67,12 @@ def _adaln_e4m3_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, idx_ptr, codes_ptr, scales_
     tl.store(scales_ptr + row, scale)
 
 
-#: the recipe's amax floor as a bf16 value (y is bf16), computed once
-_FLOOR_BF16 = torch.tensor(ACTIVATION_AMAX_FLOOR, dtype=torch.bfloat16).item()
-
-
-def _launchable(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def adaln_e4m3_rows_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                               scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's arithmetic in torch (float32, one bf16 rounding; see the module docstring).
     Arguments as :func:`adaln_e4m3_rows` with ``x`` 2-D ``[M, K]``; ``M`` a multiple of
     ``index.numel()``. Returns ``codes [M, K]`` and ``scales [M, 1]``."""
-    from dist_attn.fp8_linear import quantize_rows_e4m3
-
     m, k = x.shape
     xf = x.to(torch.float32)
     y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
@@ -96,7 +86,7 @@ def adaln_e4m3_rows_reference(x: torch.Tensor, weight: torch.Tensor | None, eps:
 @torch.library.custom_op("dist_attn::adaln_e4m3_rows", mutates_args=())
 def _adaln_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
               shift: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _launchable(x):  # the CPU without Triton's interpreter: the same arithmetic in torch
+    if not launchable(x):  # the CPU without Triton's interpreter: the same arithmetic in torch
         return adaln_e4m3_rows_reference(x, weight, eps, scale, shift, index)
     m, k = x.shape
     codes = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)

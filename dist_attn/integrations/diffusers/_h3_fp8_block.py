@@ -24,7 +24,8 @@ import functools
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import ADALN_MAX_HIDDEN, EmulatedFp8Linear, Fp8Linear, Fp8Rows
+from dist_attn.fp8_linear import (ADALN_MAX_HIDDEN, EmulatedFp8Linear, Fp8Linear, Fp8Rows,
+                                  Fp8SwiGLUFeedForward)
 
 __all__ = ["adaln_unfusable_reason", "fuse_adaln_blocks"]
 
@@ -36,8 +37,6 @@ def _takes_rows(module: nn.Module) -> bool:
 def _ffn_proj(ff: nn.Module) -> tuple[nn.Module, str] | None:
     """(the FFN's input projection, its name under ``ff``), for a fused FFN or diffusers' SwiGLU
     ``FeedForward``; None for anything else."""
-    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward
-
     if isinstance(ff, Fp8SwiGLUFeedForward):
         return ff.proj, "proj"
     net = getattr(ff, "net", None)
