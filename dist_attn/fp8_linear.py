@@ -187,7 +187,23 @@ def fp8_linear_emulated(x: torch.Tensor, weight_codes: torch.Tensor, weight_scal
                            emulate=True)
 
 
-class EmulatedFp8Linear(nn.Module):
+class _QuantizedBuffers(nn.Module):
+    """A module whose e4m3 codes and float32 scales keep their dtype through ``.to(dtype)``,
+    ``.half()`` or ``.bfloat16()``: those casts move them to the new device but never re-round
+    them (float8 counts as floating point, so ``nn.Module.to`` would cast the codes to bf16, and
+    bf16 scales would lose bits). Other parameters (a bias) follow the cast as usual."""
+
+    def _apply(self, fn, recurse=True):
+        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+
+class EmulatedFp8Linear(_QuantizedBuffers):
     """An ``nn.Linear`` replaced by the FP8 recipe in float32 emulation (tests and CPU checks).
 
     Holds the weight's e4m3 codes (``weight_codes [N, K]``) and scales (``weight_scales [N, 1]``)
@@ -221,7 +237,7 @@ class EmulatedFp8Linear(nn.Module):
                 f"bias={self.bias is not None}, fp8=e4m3 per-row (float32 emulation)")
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(_QuantizedBuffers):
     """A bias-free FP8 linear of the recipe on CUDA that also takes :class:`Fp8Rows`.
 
     torchao's FP8 ``nn.Linear`` quantizes its bf16 input itself; this one holds the same e4m3
@@ -252,7 +268,7 @@ class Fp8Linear(nn.Module):
                 f"fast_accum={self.fast_accum}, fp8=e4m3 per-row, takes Fp8Rows")
 
 
-class Fp8SwiGLUFeedForward(nn.Module):
+class Fp8SwiGLUFeedForward(_QuantizedBuffers):
     """A SwiGLU feed-forward whose two linears are FP8 (the recipe above), with the SwiGLU and the
     quantization of its output in one kernel (:func:`dist_attn.kernels.swiglu_fp8.swiglu_e4m3_rows`).
 

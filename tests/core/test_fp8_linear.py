@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, E4M3_MAX, FP8_EXTRA, EmulatedFp8Linear,
+from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, E4M3_MAX, FP8_EXTRA, EmulatedFp8Linear, Fp8Linear,
+                                  Fp8SwiGLUFeedForward,
                                   fp8_linear_emulated, fp8_unsupported_reason, quantize_rows_e4m3,
                                   quantize_weight_e4m3, require_torchao)
 
@@ -140,6 +141,29 @@ def test_bias_leading_dims_and_dtype():
     no_bias = fp8_linear_emulated(x, fp8.weight_codes, fp8.weight_scales, **f32)
     assert torch.allclose(with_bias - no_bias, lin.bias.float().expand(12, 32), atol=1e-6)
     assert E4M3_MAX == 448.0
+
+
+def test_dtype_casts_keep_the_codes_and_scales():
+    """``model.to(torch.float16)`` / ``.bfloat16()`` (diffusers users cast whole pipelines) moves
+    the e4m3 codes and float32 scales but never re-rounds them; a bias follows the cast."""
+    x, w = _operands(m=8, k=64, n=32)
+    lin = nn.Linear(64, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    emulated = EmulatedFp8Linear.from_linear(lin)
+    codes, scales = quantize_weight_e4m3(w)
+    fused = Fp8Linear(codes, scales, fast_accum=False)
+    ffn = Fp8SwiGLUFeedForward(Fp8Linear(codes, scales, fast_accum=False), codes[:, :16].clone(),
+                               scales, fast_accum=False)
+    y = emulated(x)
+    for module in (emulated, fused, ffn):
+        saved = {name: buf.clone() for name, buf in module.named_buffers()}
+        module.to(torch.float16).bfloat16().to("cpu", torch.float64)
+        for name, buf in module.named_buffers():
+            assert buf.dtype == saved[name].dtype, name
+            assert torch.equal(buf.float(), saved[name].float()), name  # e4m3 -> float32 is exact
+    assert emulated.bias.dtype == torch.float64
+    assert torch.equal(emulated.to(torch.bfloat16)(x), y)
 
 
 def test_cpu_is_refused_by_name():
