@@ -12,6 +12,12 @@ stayed at 0.724: ``h3-fp8-mk_h100_2026-12-07.md``). Alone, at 38,016 rows: induc
 registers, 0.304 ms (``benchmarks/results/adaln-quant-probe_h100_2026-12-07.json``): one read of
 ``x`` and one write of the codes.
 
+Before the FFN's norm the block first takes its attention residual step,
+``h = x + gate[idx] * attn_output``; compiled, inductor folded that sum into the same reduction,
+which a custom op would prevent (a separate pass over ``h``: write it, read it back).
+:func:`residual_adaln_e4m3_rows` does the step in the same pass, rounded as diffusers' bf16 ops
+round it (after the product and after the sum), and writes ``h`` beside the codes.
+
 Arithmetic: float32 from the inputs (the norm, its weight, ``1 + scale``, the product and the
 shift), one rounding of ``y`` to bfloat16 (the dtype the linear's input has), then the recipe on
 that bf16 row: ``amax`` floored at ``ACTIVATION_AMAX_FLOOR``, ``scale = bf16(amax / 448)``, codes
@@ -38,7 +44,8 @@ from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_M
 from dist_attn.kernels.qk_norm_rope import launchable
 from dist_attn.kernels.swiglu_fp8 import _FLOOR_BF16, _bf16, _quantize_row
 
-__all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference"]
+__all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference", "residual_adaln_e4m3_rows",
+           "residual_adaln_e4m3_rows_reference"]
 
 #: warps of one program (one row) at H3's 5,376: 8 read 0.304 ms, 16 read 0.358 (the draft of
 #: this kernel, adaln-quant-probe_h100_2026-12-07.json; one H100)
@@ -46,19 +53,24 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _adaln_e4m3_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, idx_ptr, codes_ptr, scales_ptr, K, seq,
-                       stride_x, stride_sc, stride_sh, stride_codes, eps, amax_floor,
-                       BLOCK: tl.constexpr, HAS_W: tl.constexpr, FP8_MAX: tl.constexpr,
-                       INTERP: tl.constexpr):
+def _adaln_e4m3_kernel(x_ptr, g_ptr, u_ptr, h_ptr, w_ptr, sc_ptr, sh_ptr, idx_ptr, codes_ptr, scales_ptr,
+                       K, seq, stride_x, stride_g, stride_u, stride_h, stride_sc, stride_sh, stride_codes,
+                       eps, amax_floor, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+                       FP8_MAX: tl.constexpr, INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
+    t = tl.load(idx_ptr + row % seq).to(tl.int64)  # the row's (timestep, modality) entry
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # x + gate[t] * update, rounded to bf16 after the product and after the sum
+        g = tl.load(g_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _bf16(x + _bf16(g * u, INTERP), INTERP)
+        tl.store(h_ptr + row * stride_h + cols, x.to(tl.bfloat16), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
     y = x * rstd
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    t = tl.load(idx_ptr + row % seq).to(tl.int64)  # the row's (timestep, modality) entry
     sc = tl.load(sc_ptr + t * stride_sc + cols, mask=mask, other=0.0).to(tl.float32)
     sh = tl.load(sh_ptr + t * stride_sh + cols, mask=mask, other=0.0).to(tl.float32)
     y = _bf16(y * (1.0 + sc) + sh, INTERP)  # the linear's bf16 input
@@ -83,22 +95,43 @@ def adaln_e4m3_rows_reference(x: torch.Tensor, weight: torch.Tensor | None, eps:
     return quantize_rows_e4m3(y.to(torch.bfloat16), amax_floor=ACTIVATION_AMAX_FLOOR)
 
 
+def residual_adaln_e4m3_rows_reference(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                                       weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
+                                       shift: torch.Tensor, index: torch.Tensor
+                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`residual_adaln_e4m3_rows` in torch: ``h = x + gate[rows] * update`` in bf16 ops (as
+    diffusers' block computes it), then :func:`adaln_e4m3_rows_reference` of ``h``. 2-D
+    arguments; returns ``(h, codes, scales)``."""
+    rows = index.repeat(x.shape[0] // index.numel())
+    h = x + gate.index_select(0, rows) * update
+    return (h, *adaln_e4m3_rows_reference(h, weight, eps, scale, shift, index))
+
+
+def _launch(x, gate, update, weight, eps, scale, shift, index):
+    """Runs the kernel on 2-D ``x [M, K]`` (and ``update [M, K]`` when ``gate`` is given);
+    returns ``(h or None, codes, scales)``."""
+    m, k = x.shape
+    codes = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    h = torch.empty_like(x, memory_format=torch.contiguous_format) if gate is not None else None
+    res = (gate, update, h) if gate is not None else (x, x, x)  # unread without HAS_RES
+    block = triton.next_power_of_2(k)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _adaln_e4m3_kernel[(m,)](x, *res, weight if weight is not None else x, scale, shift, index, codes,
+                                 scales, k, index.numel(), x.stride(0), res[0].stride(0), res[1].stride(0),
+                                 res[2].stride(0), scale.stride(0), shift.stride(0), codes.stride(0),
+                                 eps, _FLOOR_BF16, BLOCK=block, HAS_RES=gate is not None,
+                                 HAS_W=weight is not None, FP8_MAX=E4M3_MAX, INTERP=not x.is_cuda,
+                                 num_warps=NUM_WARPS if block <= 8192 else 16)
+    return h, codes, scales
+
+
 @torch.library.custom_op("dist_attn::adaln_e4m3_rows", mutates_args=())
 def _adaln_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
               shift: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not launchable(x):  # the CPU without Triton's interpreter: the same arithmetic in torch
         return adaln_e4m3_rows_reference(x, weight, eps, scale, shift, index)
-    m, k = x.shape
-    codes = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(m, 1, device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(k)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _adaln_e4m3_kernel[(m,)](x, weight if weight is not None else x, scale, shift, index, codes,
-                                 scales, k, index.numel(), x.stride(0), scale.stride(0), shift.stride(0),
-                                 codes.stride(0),
-                                 eps, _FLOOR_BF16, BLOCK=block, HAS_W=weight is not None,
-                                 FP8_MAX=E4M3_MAX, INTERP=not x.is_cuda,
-                                 num_warps=NUM_WARPS if block <= 8192 else 16)
+    _, codes, scales = _launch(x, None, None, weight, eps, scale, shift, index)
     return codes, scales
 
 
@@ -106,6 +139,22 @@ def _adaln_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: t
 def _(x, weight, eps, scale, shift, index):
     m, k = x.shape
     return x.new_empty(m, k, dtype=torch.float8_e4m3fn), x.new_empty(m, 1, dtype=torch.float32)
+
+
+@torch.library.custom_op("dist_attn::residual_adaln_e4m3_rows", mutates_args=())
+def _residual_adaln_op(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, weight: torch.Tensor | None,
+                       eps: float, scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not launchable(x):
+        return residual_adaln_e4m3_rows_reference(x, gate, update, weight, eps, scale, shift, index)
+    return _launch(x, gate, update, weight, eps, scale, shift, index)
+
+
+@_residual_adaln_op.register_fake
+def _(x, gate, update, weight, eps, scale, shift, index):
+    m, k = x.shape
+    return (x.new_empty(m, k), x.new_empty(m, k, dtype=torch.float8_e4m3fn),
+            x.new_empty(m, 1, dtype=torch.float32))
 
 
 def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
@@ -130,6 +179,59 @@ def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, sc
         ValueError: a dtype, shape, stride or ``eps`` outside the rules above. An index outside
             ``[0, T)`` is not checked (it would cost a device sync): the caller's tables decide.
     """
+    _check(x, weight, eps, scale, shift, index)
+    k = x.shape[-1]
+    codes, scales = _adaln_op(x.reshape(-1, k), weight, float(eps), scale, shift, index.contiguous())
+    return codes.view(x.shape), scales.view(*x.shape[:-1], 1)
+
+
+def residual_adaln_e4m3_rows(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                             weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
+                             shift: torch.Tensor, index: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual step before a block's second norm and that norm's quantized AdaLN input, in
+    one pass: ``h = x + gate[index] * update``, then :func:`adaln_e4m3_rows` of ``h``.
+
+    ``h`` is rounded as diffusers' bf16 ops round it (to bf16 after the product, and after the
+    sum), so the residual stream is theirs bit for bit; the pass reads ``x`` and ``update`` once
+    and writes ``h`` and the codes, where separately the sum is written and read back.
+
+    Args:
+        x: ``[..., S, K]`` bfloat16, the residual stream. Not modified.
+        gate: ``[T, K]`` bfloat16 table (the block's attention gate), last dim contiguous, rows
+            as ``scale``'s.
+        update: x's shape, bfloat16, last dim contiguous (the attention's output).
+        weight, eps, scale, shift, index: as :func:`adaln_e4m3_rows`.
+
+    Returns:
+        ``h`` (x's shape, bfloat16), ``codes`` and ``scales`` of ``RMSNorm(h) * (1 + scale[index])
+        + shift[index]`` as :func:`adaln_e4m3_rows` returns them.
+
+    Raises:
+        ValueError: as :func:`adaln_e4m3_rows`, and for a ``gate`` or ``update`` outside the rules
+            above.
+    """
+    _check(x, weight, eps, scale, shift, index)
+    k = x.shape[-1]
+    if gate.dtype != torch.bfloat16 or tuple(gate.shape) != tuple(scale.shape) or gate.stride(1) != 1:
+        raise ValueError(f"gate has shape {tuple(gate.shape)}, dtype {gate.dtype} and strides "
+                         f"{gate.stride()}; it must be bfloat16 [{scale.shape[0]}, {k}] (scale's rows) "
+                         "with its last dim contiguous")
+    if update.dtype != torch.bfloat16 or update.shape != x.shape or update.stride(-1) != 1:
+        raise ValueError(f"update has shape {tuple(update.shape)}, dtype {update.dtype} and strides "
+                         f"{update.stride()}; it must be bfloat16 of x's shape {tuple(x.shape)} with "
+                         "its last dim contiguous")
+    for name, t in (("gate", gate), ("update", update)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} and x on {x.device}; they must share a device")
+    h, codes, scales = _residual_adaln_op(x.reshape(-1, k), gate, update.reshape(-1, k), weight, float(eps),
+                                          scale, shift, index.contiguous())
+    return h.view(x.shape), codes.view(x.shape), scales.view(*x.shape[:-1], 1)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,
+           shift: torch.Tensor, index: torch.Tensor) -> None:
+    """The argument rules of :func:`adaln_e4m3_rows` (ValueError naming the broken one)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x.dtype={x.dtype}: the fused AdaLN quantization takes bfloat16")
     if x.dim() < 2 or x.shape[-1] > ADALN_MAX_HIDDEN or x.stride(-1) != 1:
@@ -154,5 +256,3 @@ def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, sc
                          f"({s},) integers (one table row per sequence position of x)")
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps={eps!r} must be a positive number")
-    codes, scales = _adaln_op(x.reshape(-1, k), weight, float(eps), scale, shift, index.contiguous())
-    return codes.view(x.shape), scales.view(*x.shape[:-1], 1)

@@ -23,7 +23,8 @@ __all__: list[str] = []
 _SCRIPT = textwrap.dedent(
     """
     import torch
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows, adaln_e4m3_rows_reference
+    from dist_attn.kernels.adaln_fp8 import (adaln_e4m3_rows, adaln_e4m3_rows_reference,
+                                             residual_adaln_e4m3_rows)
 
     g = torch.Generator().manual_seed(0)
     for k, with_weight in ((96, True), (100, False)):
@@ -53,6 +54,19 @@ _SCRIPT = textwrap.dedent(
         assert bad == 0, f"{bad} codes differ at k={k}"
         sub = (codes.float().abs() < 2 ** -6) & (codes.float() != 0)
         print(f"k={k} codes equal, {int(sub.sum())} subnormal codes")
+        # the residual step fused in front: h bit for bit diffusers' bf16 ops, then the same pass
+        gate = table.chunk(6, dim=-1)[2]
+        update = (torch.randn(2, 20, k, generator=torch.Generator().manual_seed(k)) * 3).to(torch.bfloat16)
+        update[1, 5] = (-x[1, 5].float() / gate[index[5]].float()).to(torch.bfloat16)  # x + g * u ~ 0
+        h_want = x + gate.index_select(0, index) * update
+        before_u = update.clone()
+        h, codes, scales = residual_adaln_e4m3_rows(x, gate, update, weight, 1e-5, scale, shift, index)
+        assert torch.equal(update.view(torch.int16), before_u.view(torch.int16)), "update was modified"
+        assert h.dtype == torch.bfloat16 and h.shape == x.shape
+        assert torch.equal(h.view(torch.int16), h_want.view(torch.int16)), (h.float() - h_want.float()).abs().max()
+        c2, s2 = adaln_e4m3_rows(h_want, weight, 1e-5, scale, shift, index)
+        assert torch.equal(scales, s2) and torch.equal(codes.view(torch.uint8), c2.view(torch.uint8))
+        print(f"residual at k={k}: h and codes equal")
     print("OK")
     """
 )
@@ -124,3 +138,23 @@ def test_adaln_e4m3_names_the_bad_argument(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         adaln_e4m3_rows(**args)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(gate=torch.zeros(3, 64)), r"gate has shape \(3, 64\), dtype torch.float32.*bfloat16 \[3, 64\]"),
+    (dict(gate=torch.zeros(2, 64, dtype=torch.bfloat16)), r"gate has shape \(2, 64\)"),
+    (dict(update=torch.zeros(2, 4, 64)), r"update has shape \(2, 4, 64\), dtype torch.float32"),
+    (dict(update=torch.zeros(1, 4, 64, dtype=torch.bfloat16)), r"of x's shape \(2, 4, 64\)"),
+    (dict(update=torch.zeros(2, 4, 64, dtype=torch.bfloat16, device="meta")), r"update is on meta"),
+    (dict(eps=-1.0), r"eps=-1.0 must be a positive number"),
+])
+def test_residual_adaln_names_the_bad_argument(change, match):
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    from dist_attn.kernels.adaln_fp8 import residual_adaln_e4m3_rows
+
+    args = dict(x=torch.zeros(2, 4, 64, dtype=torch.bfloat16), gate=torch.zeros(3, 64, dtype=torch.bfloat16),
+                update=torch.zeros(2, 4, 64, dtype=torch.bfloat16), weight=torch.ones(64), eps=1e-5,
+                scale=torch.zeros(3, 64), shift=torch.zeros(3, 64), index=torch.zeros(4, dtype=torch.long))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        residual_adaln_e4m3_rows(**args)

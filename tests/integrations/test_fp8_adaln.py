@@ -34,12 +34,14 @@ def served():
 
 
 def _counting(monkeypatch):
-    """Counts the fused kernel's calls (the blocks import it at call time)."""
+    """Records the fused kernels' calls (the blocks import them at call time): (name, x's shape)."""
     import dist_attn.kernels.adaln_fp8 as mod
 
     calls = []
-    real = mod.adaln_e4m3_rows
-    monkeypatch.setattr(mod, "adaln_e4m3_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    for name in ("adaln_e4m3_rows", "residual_adaln_e4m3_rows"):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, name=name, real=real: calls.append((name, a[0].shape))
+                            or real(*a))
     return calls
 
 
@@ -47,7 +49,8 @@ def test_fused_adaln_blocks_against_unfused_and_float64(served, monkeypatch):
     """Same weights, same GEMMs: the fused blocks differ from the unfused FP8 model only by the
     roundings before the quantization (one here, four in diffusers' eager ops), so both sit at
     the same distance from float64 (measured 5.10e-3 / 4.65e-3 fused, 5.13e-3 / 4.80e-3 unfused)
-    and ~2.5e-3 apart; every block ran the kernel twice, and nothing else changed."""
+    and ~2.5e-3 apart; every block ran the one-pass kernel, then the residual one, and nothing
+    else changed."""
     cfg, bf16, f64 = served
     plain, fused = copy.deepcopy(bf16), copy.deepcopy(bf16)
     quantize_linears(plain, "fp8", emulate=True)
@@ -72,7 +75,9 @@ def test_fused_adaln_blocks_against_unfused_and_float64(served, monkeypatch):
     inputs = _inputs(cfg, torch.bfloat16)
     calls = _counting(monkeypatch)
     got = _forward(fused, inputs)
-    assert len(calls) == 2 * n, calls
+    shape = calls[0][1]  # [B, S, hidden] of the packed sequence
+    assert shape[-1] == cfg.model.hidden_size, shape
+    assert calls == [("adaln_e4m3_rows", shape), ("residual_adaln_e4m3_rows", shape)] * n, calls
     want = _forward(plain, inputs)
     ref = _forward(f64, _inputs(cfg, torch.float64))
     for a, b, r in zip(got, want, ref):

@@ -4,7 +4,9 @@ An H3 block feeds each of its two GEMM groups (``attn.to_q/to_k/to_v``, then the
 projection) ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]``; with FP8 linears the recipe then
 quantizes that bf16 tensor per row. :func:`fuse_adaln_blocks` gives each such block a forward
 that computes the modulated input and its e4m3 codes in one pass
-(:func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`) and hands the linears the codes
+(:func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`; before the FFN the same pass also does the
+attention's residual step, :func:`~dist_attn.kernels.adaln_fp8.residual_adaln_e4m3_rows`, which
+rounds it as diffusers' bf16 ops do) and hands the linears the codes
 (:class:`dist_attn.fp8_linear.Fp8Rows`): the GEMMs are the recipe's, only the pass before them
 changes (see the kernel's docstring for its roundings). The forward is diffusers' block
 (``MiniMaxH3TransformerBlock.forward`` of diffusers 0.42) step for step otherwise; the attention
@@ -98,17 +100,17 @@ def _as_rows_linear(linear: nn.Module, fast_accum: bool) -> nn.Module:
 def _forward(self: nn.Module, hidden_states: torch.Tensor, temb: torch.Tensor,
              adaln_indices: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor],
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """diffusers' H3 block, the two AdaLN inputs quantized as they are computed."""
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows
+    """diffusers' H3 block, the two AdaLN inputs quantized as they are computed (the second with
+    the attention's residual step in the same pass)."""
+    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows, residual_adaln_e4m3_rows
 
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(temb)
     rows = Fp8Rows(*adaln_e4m3_rows(hidden_states, self.norm1.weight, self.norm1.eps, scale_msa,
                                     shift_msa, adaln_indices))
     attn_output = self.attn(rows, rotary_emb, attention_mask)
-    hidden_states = hidden_states + gate_msa.index_select(0, adaln_indices) * attn_output
-    rows = Fp8Rows(*adaln_e4m3_rows(hidden_states, self.norm2.weight, self.norm2.eps, scale_mlp,
-                                    shift_mlp, adaln_indices))
-    return hidden_states + gate_mlp.index_select(0, adaln_indices) * self.ff(rows)
+    hidden_states, *rows = residual_adaln_e4m3_rows(hidden_states, gate_msa, attn_output, self.norm2.weight,
+                                                    self.norm2.eps, scale_mlp, shift_mlp, adaln_indices)
+    return hidden_states + gate_mlp.index_select(0, adaln_indices) * self.ff(Fp8Rows(*rows))
 
 
 def fuse_adaln_blocks(blocks: list[tuple[int, nn.Module]], fast_accum: bool) -> tuple[str, ...]:
