@@ -90,7 +90,7 @@ def adaln_e4m3_rows_reference(x: torch.Tensor, weight: torch.Tensor | None, eps:
     y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(torch.float32)
-    rows = index.repeat(m // index.numel())
+    rows = index.repeat(m // index.numel()) if index.numel() else index
     y = y * (1.0 + scale.index_select(0, rows).to(torch.float32)) + shift.index_select(0, rows).to(torch.float32)
     return quantize_rows_e4m3(y.to(torch.bfloat16), amax_floor=ACTIVATION_AMAX_FLOOR)
 
@@ -102,7 +102,7 @@ def residual_adaln_e4m3_rows_reference(x: torch.Tensor, gate: torch.Tensor, upda
     """:func:`residual_adaln_e4m3_rows` in torch: ``h = x + gate[rows] * update`` in bf16 ops (as
     diffusers' block computes it), then :func:`adaln_e4m3_rows_reference` of ``h``. 2-D
     arguments; returns ``(h, codes, scales)``."""
-    rows = index.repeat(x.shape[0] // index.numel())
+    rows = index.repeat(x.shape[0] // index.numel()) if index.numel() else index
     h = x + gate.index_select(0, rows) * update
     return (h, *adaln_e4m3_rows_reference(h, weight, eps, scale, shift, index))
 
@@ -254,5 +254,5 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torc
     if tuple(index.shape) != (s,) or index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"index has shape {tuple(index.shape)} and dtype {index.dtype}; it must be "
                          f"({s},) integers (one table row per sequence position of x)")
-    if not (isinstance(eps, (int, float)) and eps > 0):
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps={eps!r} must be a positive number")

@@ -55,8 +55,12 @@ _SCRIPT = textwrap.dedent(
         sub = (codes.float().abs() < 2 ** -6) & (codes.float() != 0)
         print(f"k={k} codes equal, {int(sub.sum())} subnormal codes")
         # the residual step fused in front: h bit for bit diffusers' bf16 ops, then the same pass
-        gate = table.chunk(6, dim=-1)[2]
-        update = (torch.randn(2, 20, k, generator=torch.Generator().manual_seed(k)) * 3).to(torch.bfloat16)
+        # strides apart: the gate from a table of another width than scale's, x a slice of wider rows
+        g2 = torch.Generator().manual_seed(k)
+        gate = (torch.randn(6, 3 * k, generator=g2) * 0.3).to(torch.bfloat16)[:, k:2 * k]
+        update = (torch.randn(2, 20, k, generator=g2) * 3).to(torch.bfloat16)
+        x = torch.cat([x, torch.ones(2, 20, 8, dtype=torch.bfloat16)], dim=-1)[..., :k]
+        assert gate.stride(0) != scale.stride(0) and x.stride(1) != update.stride(1)
         update[1, 5] = (-x[1, 5].float() / gate[index[5]].float()).to(torch.bfloat16)  # x + g * u ~ 0
         h_want = x + gate.index_select(0, index) * update
         before_u = update.clone()
@@ -147,6 +151,7 @@ def test_adaln_e4m3_names_the_bad_argument(change, match):
     (dict(update=torch.zeros(1, 4, 64, dtype=torch.bfloat16)), r"of x's shape \(2, 4, 64\)"),
     (dict(update=torch.zeros(2, 4, 64, dtype=torch.bfloat16, device="meta")), r"update is on meta"),
     (dict(eps=-1.0), r"eps=-1.0 must be a positive number"),
+    (dict(eps=True), r"eps=True must be a positive number"),
 ])
 def test_residual_adaln_names_the_bad_argument(change, match):
     pytest.importorskip("triton", reason="the kernel module imports triton")

@@ -234,8 +234,9 @@ def test_adaln_kernel_is_its_reference_at_h3_width():
     # bit, and its codes are the one-pass kernel's on h
     from dist_attn.kernels.adaln_fp8 import residual_adaln_e4m3_rows
 
-    gate = table.chunk(6, dim=-1)[2]
-    update = (torch.randn(2, s, k, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    gate = (torch.randn(t, 3 * k, device="cuda", generator=g) * 0.3).to(torch.bfloat16)[:, k:2 * k]
+    update = (torch.randn(2, s, k + 64, device="cuda", generator=g) * 3).to(torch.bfloat16)[..., :k]
+    assert gate.stride(0) != scale.stride(0) and update.stride(1) != x.stride(1)  # strides apart
     h, r_codes, r_scales = residual_adaln_e4m3_rows(x, gate, update, weight, 1e-5, scale, shift, index)
     h_want = x + gate.index_select(0, index) * update
     rows = lambda t: t.reshape(-1, t.shape[-1])[keep]  # noqa: E731
@@ -254,6 +255,7 @@ def test_adaln_kernel_is_its_reference_at_h3_width():
                                                                        shift, index)
     torch._dynamo.reset()
     assert torch.equal(rows(compiled[0]).view(torch.int16), rows(h).view(torch.int16))
+    assert torch.equal(rows(compiled[1]).view(torch.uint8), rows(r_codes).view(torch.uint8))
     assert torch.equal(rows(compiled[2]), rows(r_scales))
 
 
