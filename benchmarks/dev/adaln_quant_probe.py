@@ -16,21 +16,16 @@ Writes ``adaln-quant-probe.json``.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from torch import nn
 
-from benchmarks.dev import write_probe_json
+from benchmarks.dev import probe_parser, write_probe_json
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--iters", type=int, default=30)
-    args = p.parse_args(argv)
+    args = probe_parser(__doc__).parse_args(argv)
     from benchmarks.harness import time_fn
     from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
     from dist_attn.kernels import adaln_fp8 as kernel_mod

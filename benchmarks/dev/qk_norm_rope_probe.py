@@ -12,21 +12,16 @@ route's rel-L2 against float64. Writes ``qk-norm-rope-probe.json``.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from torch import nn
 
-from benchmarks.dev import write_probe_json
+from benchmarks.dev import probe_parser, write_probe_json
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--iters", type=int, default=30)
-    args = p.parse_args(argv)
+    args = probe_parser(__doc__).parse_args(argv)
     from benchmarks.harness import time_fn
     from dist_attn.integrations.diffusers._minimax_h3 import _rotate
     from dist_attn.kernels import qk_norm_rope as mod

@@ -11,11 +11,9 @@ kernel were free to start while the previous one drains). Writes ``tail-probe.js
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from benchmarks.dev import write_probe_json
+from benchmarks.dev import probe_parser, write_probe_json
 
 __all__ = ["main"]
 
@@ -23,10 +21,7 @@ _CUTS = {"C1": (14,), "C2 even": (7, 7), "C2 waves": (6, 8), "C4 even": (4, 4, 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--iters", type=int, default=20)
-    args = p.parse_args(argv)
+    args = probe_parser(__doc__, iters=20).parse_args(argv)
     from benchmarks.h3_block import h3_ref_layout, padded_total
     from benchmarks.harness import time_fn
     from dist_attn import backends

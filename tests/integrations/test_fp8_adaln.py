@@ -16,12 +16,13 @@ pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 pytest.importorskip("triton", reason="the kernel module imports triton")
 
 from dist_attn.fp8_linear import EmulatedFp8Linear, Fp8Linear  # noqa: E402
-from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears  # noqa: E402
+from dist_attn.integrations.diffusers import quantize_linears  # noqa: E402
 from dist_attn.serve.config import load_config  # noqa: E402
-from dist_attn.serve.h3.model import build_h3, compile_blocks  # noqa: E402
+from dist_attn.serve.h3.model import build_h3  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
-from tests.integrations.test_fp8_h3 import OUTPUT_FP8, _forward, _inputs, _rel  # noqa: E402
+from tests.integrations.test_fp8_h3 import (OUTPUT_FP8, _forward, _inputs, _rel,  # noqa: E402
+                                            assert_ulysses_and_compiled_equal, two_rank_worker)
 
 CPU = torch.device("cpu")
 
@@ -86,30 +87,13 @@ def test_fused_adaln_blocks_against_unfused_and_float64(served, monkeypatch):
         assert _rel(a, r) <= OUTPUT_FP8 and _rel(a, r) <= 1.1 * _rel(b, r), (_rel(a, r), _rel(b, r))
 
     # enable_ulysses (one rank): the same result bit for bit; compiled fullgraph, again
-    with enable_ulysses(fused, backend="sdpa"):
-        ours = _forward(fused, inputs)
-        compile_blocks(fused, backend="aot_eager")
-        compiled = _forward(fused, inputs)
-    for a, b, c in zip(got, ours, compiled):
-        assert torch.equal(a, b)
-        assert _rel(c, a) <= 1e-6, _rel(c, a)
-
-
-def _two_rank_worker(rank, world):
-    cfg = load_config(None)
-    model = build_h3(cfg.model, device=CPU, dtype=torch.bfloat16)
-    quantize_linears(model, "fp8", emulate=True, fuse_adaln=True)
-    inputs = _inputs(cfg, torch.bfloat16)
-    one = _forward(model, inputs)
-    with enable_ulysses(model, backend="sdpa"):
-        two = _forward(model, inputs)
-    return [float((a.double() - b.double()).abs().max() / b.double().abs().max()) for a, b in zip(two, one)]
+    assert_ulysses_and_compiled_equal(fused, inputs, got)
 
 
 def test_fused_adaln_on_two_ranks_equals_one(tmp_path):
     """Each rank's blocks see their own rows and their own adaln_indices (cut by the hooks): the
     kernel's per-row work is what one process does (measured: identical)."""
-    for diffs in run_ranks(_two_rank_worker, 2, tmp_path, timeout=240):
+    for diffs in run_ranks(two_rank_worker, 2, tmp_path, True, timeout=240):
         assert max(diffs) <= 1e-6, diffs
 
 

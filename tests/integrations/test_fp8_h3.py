@@ -126,21 +126,28 @@ def test_fp8_through_enable_ulysses_and_compiled(served):
     fp8 = copy.deepcopy(bf16)
     quantize_linears(fp8, "fp8", emulate=True)
     inputs = _inputs(cfg, torch.bfloat16)
-    plain = _forward(fp8, inputs)
-    with enable_ulysses(fp8, backend="sdpa"):
-        ours = _forward(fp8, inputs)
+    assert_ulysses_and_compiled_equal(fp8, inputs, _forward(fp8, inputs))
+
+
+def assert_ulysses_and_compiled_equal(model, inputs, plain) -> None:
+    """Under enable_ulysses (one rank, sdpa) ``model`` gives ``plain`` bit for bit; with its
+    blocks compiled (fullgraph: a graph break would raise), again up to float32 rounding."""
+    with enable_ulysses(model, backend="sdpa"):
+        ours = _forward(model, inputs)
         # aot_eager: the graph is traced fullgraph; inductor's C++ builds cost ~40 s on 2 cores
-        compile_blocks(fp8, backend="aot_eager")
-        compiled = _forward(fp8, inputs)
+        compile_blocks(model, backend="aot_eager")
+        compiled = _forward(model, inputs)
     for a, b, c in zip(plain, ours, compiled):
         assert torch.equal(a, b)
         assert _rel(c, a) <= 1e-6, _rel(c, a)
 
 
-def _two_rank_worker(rank, world):
+def two_rank_worker(rank, world, fuse_adaln=False):
+    """The served tiny FP8 model (emulated) on two gloo ranks against one process: the largest
+    difference of each output, relative to its largest value."""
     cfg = load_config(None)
     model = build_h3(cfg.model, device=CPU, dtype=torch.bfloat16)
-    quantize_linears(model, "fp8", emulate=True)
+    quantize_linears(model, "fp8", emulate=True, fuse_adaln=fuse_adaln)
     inputs = _inputs(cfg, torch.bfloat16)
     one = _forward(model, inputs)
     with enable_ulysses(model, backend="sdpa"):
@@ -152,7 +159,7 @@ def test_fp8_on_two_ranks_equals_one(tmp_path):
     """Activation scales are per row, so each rank quantizes its rows exactly as one process
     does: 2 gloo ranks (137 rows each) give the single-process FP8 output (measured: identical;
     float32 GEMMs over fewer rows may reorder sums, hence the 1e-6 allowance)."""
-    for diffs in run_ranks(_two_rank_worker, 2, tmp_path, timeout=240):
+    for diffs in run_ranks(two_rank_worker, 2, tmp_path, timeout=240):
         assert max(diffs) <= 1e-6, diffs
 
 
@@ -211,12 +218,7 @@ def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
     want, got = _forward(emulated, inputs), _forward(tao, inputs)
     for a, b in zip(got, want):
         assert _rel(a, b) <= 2e-3, _rel(a, b)
-    with enable_ulysses(tao, backend="sdpa"):
-        ours = _forward(tao, inputs)
-        compile_blocks(tao, backend="aot_eager")
-        compiled = _forward(tao, inputs)
-    for a, b, c in zip(got, ours, compiled):
-        assert torch.equal(a, b) and _rel(c, a) <= 1e-6
+    assert_ulysses_and_compiled_equal(tao, inputs, got)
 
 
 def test_fuse_swiglu_refuses_another_ffn_before_changing_anything(served, monkeypatch):
