@@ -264,7 +264,7 @@ def _prologue_packs(plan, q4) -> bool:
     """Whether every pack call of ``plan`` can apply the prologue itself (one strided run each,
     and a device its kernel runs on)."""
     from dist_attn.comm import strided_run
-    from dist_attn.kernels.qk_norm_rope import launchable
+    from dist_attn.kernels._op_support import launchable
     return launchable(q4) and all(strided_run(q4.shape, [c.head_ranges for c in plan.chunks[a:b]])
                                   is not None for a, b in plan.pack_runs)
 

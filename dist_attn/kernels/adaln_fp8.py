@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX, quantize_rows_e4m3
-from dist_attn.kernels.qk_norm_rope import launchable
+from dist_attn.kernels._op_support import forward_only, launchable
 from dist_attn.kernels.swiglu_fp8 import _FLOOR_BF16, _bf16, _quantize_row
 
 __all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference", "residual_adaln_e4m3_rows",
@@ -155,6 +155,10 @@ def _(x, gate, update, weight, eps, scale, shift, index):
     m, k = x.shape
     return (x.new_empty(m, k), x.new_empty(m, k, dtype=torch.float8_e4m3fn),
             x.new_empty(m, 1, dtype=torch.float32))
+
+
+for _op in (_adaln_op, _residual_adaln_op):
+    forward_only(_op, "quantize_linears(fuse_adaln=False)")
 
 
 def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,

@@ -19,15 +19,15 @@ float64 than the eager path, and a few bf16 ulps from it. The "lossless" tier ne
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from dist_attn.kernels._op_support import launchable
 from dist_attn.qk_prologue import qk_fields_rule
 
-__all__ = ["launchable", "pack_qkv_prologue", "qk_norm_rope", "qk_norm_rope_reference"]
+__all__ = ["pack_qkv_prologue", "qk_norm_rope", "qk_norm_rope_reference"]
 
 #: rows a program holds tables for, and heads it walks (measured on an H100, benchmarks/README.md)
 ROWS, HEADS = 16, 8
@@ -155,11 +155,6 @@ def pack_qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, send: t
             world, hw, base, width, len(chunk_ranges),
             D=d, ROT=cos.shape[-1], ROWS=ROWS, INTERP=not q.is_cuda, num_warps=4)
     return True
-
-
-def launchable(x: torch.Tensor) -> bool:
-    """Whether the kernels run on ``x``'s device: a GPU, or the CPU under Triton's interpreter."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @torch.library.custom_op("dist_attn::qk_norm_rope", mutates_args=())

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, E4M3_MAX, SWIGLU_MAX_INNER
+from dist_attn.kernels._op_support import forward_only
 
 __all__ = ["NUM_WARPS", "swiglu_e4m3_rows"]
 
@@ -132,6 +133,9 @@ def _(h):
     m, two_i = h.shape
     return (h.new_empty(m, two_i // 2, dtype=torch.float8_e4m3fn),
             h.new_empty(m, 1, dtype=torch.float32))
+
+
+forward_only(_swiglu_op, "quantize_linears(fuse_swiglu=False)")
 
 
 def swiglu_e4m3_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,6 +79,16 @@ _SCRIPT = textwrap.dedent(
     # torch._scaled_mm runs threaded), so the outputs agree to a bf16 rounding
     err = (got.float() - want.float()).abs()
     assert bool((err <= want.float().abs() * 2 ** -7 + 1e-6).all()), err.max()
+
+    # inference only: the forward runs with grad on, a backward names the option to turn off
+    h = torch.randn(6, 192, generator=g).bfloat16().requires_grad_()
+    codes, scales = swiglu_e4m3_rows(h)
+    assert torch.equal(codes.view(torch.uint8), swiglu_e4m3_rows(h.detach())[0].view(torch.uint8))
+    try:
+        scales.sum().backward()
+        raise AssertionError("the backward ran")
+    except RuntimeError as exc:
+        assert "has no backward" in str(exc) and "fuse_swiglu=False" in str(exc), exc
     print("OK")
     """
 )

@@ -160,3 +160,31 @@ def test_fuse_adaln_refusals_come_before_any_change(served):
                                         r"the instance .*quantize before registering hooks"):
         quantize_linears(hooked, "fp8", emulate=True, fuse_adaln=True)
     assert type(block.attn.to_q) is nn.Linear
+
+
+def test_fused_blocks_run_forward_only_and_in_bfloat16(served):
+    """With grad on and parameters that require it (a model as diffusers builds it; the served
+    one turns that off) the fused blocks give the no-grad
+    output; a backward raises naming the option to turn off, not torch's "no autograd formula".
+    A model cast after quantizing is refused at its first fused block, naming the fusion; the
+    unfused FP8 path still trains (its emulated linears have a backward)."""
+    cfg, bf16, _ = served
+    fused, plain = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    quantize_linears(fused, "fp8", emulate=True, fuse_adaln=True)
+    quantize_linears(plain, "fp8", emulate=True)
+    fused.requires_grad_(True), plain.requires_grad_(True)
+    inputs = _inputs(cfg, torch.bfloat16)
+    out = fused(**inputs)[0]
+    assert out.requires_grad and torch.equal(out, _forward(fused, inputs)[0])
+    with pytest.raises(RuntimeError, match=r"dist_attn::(residual_)?adaln_e4m3_rows has no backward: the "
+                                           r"fused kernels are for inference.*fuse_adaln=False"):
+        out.float().square().sum().backward()
+    plain(**inputs)[0].float().square().sum().backward()
+    assert plain.transformer_blocks[0].norm1.weight.grad is not None
+
+    cast = copy.deepcopy(fused).half()
+    half = {k: v.half() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    with pytest.raises(ValueError, match=r"hidden_states.dtype=torch.float16: an H3 block fused by "
+                                         r"quantize_linears\(fuse_adaln=True or 'auto'\) takes bfloat16.*"
+                                         r"cast after quantize_linears"):
+        _forward(cast, half)

@@ -7,6 +7,7 @@ fullgraph; the refusals."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -86,7 +87,7 @@ def test_fp8_h3_against_float64(served):
     assert "GB" in summary.describe() or "MB" in summary.describe()
 
     # the float32 modules and the other linears are untouched: same tensors, same dtypes
-    assert list(summary.kept_fp32) == fp32_module_names(bf16)
+    assert list(summary.kept_fp32) == fp32_module_names(bf16) and summary.cast_fp32 == ()
     after = fp8.state_dict()
     for key, value in before.items():
         if not any(key.startswith(n + ".") for n in want):
@@ -191,6 +192,23 @@ def test_refusals_and_bf16_noop(served):
     with pytest.raises(TypeError, match=r"no FP8 plan for WanTransformer3DModel; supported: "
                                         r"MiniMaxH3Transformer3DModel"):
         quantize_linears(tiny_wan(2), "fp8", emulate=True)
+
+
+def test_summary_says_what_the_model_holds(caplog):
+    """A model cast whole to bf16 (diffusers warns) has no float32 modules left: the summary names
+    them as cast instead of calling them float32; fast_accum under emulation is marked as having
+    no effect; at bf16 the options passed as True are named as unused."""
+    from tests.integrations._tiny_models import tiny_h3
+
+    summary = quantize_linears(tiny_h3(2).to(torch.bfloat16), "fp8", emulate=True, fast_accum=True,
+                               fuse_adaln=True)
+    assert summary.kept_fp32 == () and "proj_in (bfloat16)" in summary.cast_fp32
+    text = summary.describe()
+    assert "kept float32: none; the class's float32 modules found cast (never quantized): proj_in (bfloat16)" in text
+    assert "fast_accum=True (no effect: emulated)" in text and "run the emulated GEMM on those codes" in text
+    with caplog.at_level(logging.INFO, logger="dist_attn.integrations.diffusers.linear_precision"):
+        quantize_linears(tiny_h3(2).to(torch.bfloat16), "bf16", fuse_swiglu=True, fuse_adaln=True)
+    assert "(fuse_swiglu=True, fuse_adaln=True: no effect without FP8)" in caplog.text
 
 
 def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):

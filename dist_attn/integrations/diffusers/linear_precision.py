@@ -67,12 +67,17 @@ class LinearQuantization:
     fast_accum: bool
     """``use_fast_accum`` of the FP8 GEMMs (False: float32 accumulation)."""
     kept_fp32: tuple[str, ...]
-    """The class's float32 modules, never quantized."""
+    """The class's float32 modules (``_keep_in_fp32_modules``) whose tensors are float32, never
+    quantized."""
     kept_other: str
     """Other linears left in the blocks' dtype on purpose, in words."""
     fused_ffns: tuple[str, ...] = ()
     """Dotted names of the SwiGLU FFNs now :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`
     (in ``layers`` their projection is ``<ff>.proj`` and their down projection ``<ff>`` itself)."""
+    cast_fp32: tuple[str, ...] = ()
+    """The class's float32 modules found in another dtype (a model cast after loading, e.g. by
+    ``.to(torch.bfloat16)``, which diffusers warns about), as ``"name (dtype)"``: never quantized,
+    left as they are."""
     fused_adaln: tuple[str, ...] = ()
     """Dotted names of the blocks whose two AdaLN inputs are quantized by the pass computing them
     (``fuse_adaln``; their q/k/v and FFN input projections are
@@ -91,16 +96,22 @@ class LinearQuantization:
         """One log line."""
         if self.precision != "fp8":
             return f"linear_precision={self.precision!r}: no linear quantized"
+        emulated = self.kernel == "emulated"
+        accum = f"fast_accum={self.fast_accum}" + (" (no effect: emulated)" if emulated and self.fast_accum else "")
+        gemm = "the emulated GEMM" if emulated else "torch._scaled_mm"
         return (f"linear_precision='fp8': {self.count} linears in FP8 ({self.kernel}, e4m3, per-row "
-                f"activation and per-channel weight scales, fast_accum={self.fast_accum}); weights "
+                f"activation and per-channel weight scales, {accum}); weights "
                 f"{_size(self.bytes_before)} -> {_size(self.bytes_after)} "
                 f"({_size(self.bytes_saved)} saved); kept float32: "
-                f"{', '.join(self.kept_fp32) or 'none'}; kept in the blocks' dtype: {self.kept_other}"
+                f"{', '.join(self.kept_fp32) or 'none'}"
+                + (f"; the class's float32 modules found cast (never quantized): {', '.join(self.cast_fp32)}"
+                   if self.cast_fp32 else "")
+                + f"; kept in the blocks' dtype: {self.kept_other}"
                 + (f"; SwiGLU fused with its output's quantization in {len(self.fused_ffns)} FFNs"
                    if self.fused_ffns else "")
                 + (f"; norm + AdaLN modulation fused with their quantization in "
                    f"{len(self.fused_adaln)} blocks (their q/k/v and FFN input projections run "
-                   "torch._scaled_mm on those codes and the same weights)" if self.fused_adaln else ""))
+                   f"{gemm} on those codes and the same weights)" if self.fused_adaln else ""))
 
 
 def _size(n: int) -> str:
@@ -115,6 +126,21 @@ def _fp32_names(transformer: nn.Module) -> list[str]:
     matches them)."""
     keep = set(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
     return [name for name, _ in transformer.named_modules() if name and name.split(".")[-1] in keep]
+
+
+def _fp32_dtypes(transformer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The class's float32 modules split by what they hold now: (float32 ones, ``"name (dtype)"``
+    of the others; a module without floating tensors is in neither)."""
+    kept, cast = [], []
+    for name in _fp32_names(transformer):
+        module = transformer.get_submodule(name)
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in (*module.parameters(), *module.buffers())
+                         if t.is_floating_point()})
+        if dtypes == ["float32"]:
+            kept.append(name)
+        elif dtypes:
+            cast.append(f"{name} ({', '.join(dtypes)})")
+    return tuple(kept), tuple(cast)
 
 
 def fp8_linear_names(transformer: nn.Module) -> list[str]:
@@ -172,12 +198,14 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         transformer: a diffusers transformer with a plan (``MiniMaxH3Transformer3DModel``), its
             blocks in bfloat16 on a CUDA device of compute capability >= 8.9.
         precision: "fp8" quantizes; "bf16" changes nothing and says so (so a caller can pass a
-            config value straight through).
+            config value straight through; ``fast_accum``, ``fuse_swiglu`` and ``fuse_adaln``
+            are then not checked against the blocks, and the log names those passed as True).
         emulate: for tests only: replace each linear by :class:`dist_attn.fp8_linear.
             EmulatedFp8Linear` (the same recipe in float32, on any device, slow). Never chosen
             automatically.
         fast_accum: ``use_fast_accum`` of ``torch._scaled_mm``: Hopper's FP8 accumulator without
-            periodic float32 promotion (faster, fewer bits kept over K = 5,376-14,336).
+            periodic float32 promotion (faster, fewer bits kept over K = 5,376-14,336). No effect
+            with ``emulate`` (the emulation accumulates in float32; the summary says so).
         fuse_swiglu: with torchao on CUDA, a block's SwiGLU FFN becomes
             :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
             projection's activation quantization run as one kernel (one read of the FFN's
@@ -231,12 +259,16 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             raise TypeError(f"{name}={flag!r} must be True, False or 'auto'")
     names = fp8_linear_names(transformer)
     kept = _KEPT[type(transformer).__name__]
-    fp32 = tuple(_fp32_names(transformer))
+    fp32, cast = _fp32_dtypes(transformer)
     if precision == "bf16":
         summary = LinearQuantization(precision=precision, kernel="none", layers=(), bytes_before=0,
                                      bytes_after=0, fast_accum=fast_accum, kept_fp32=fp32,
-                                     kept_other=kept)
-        logger.info("quantize_linears: %s", summary.describe())
+                                     kept_other=kept, cast_fp32=cast)
+        # a config passes these straight through; at bf16 they have nothing to act on
+        unused = [f"{k}={v!r}" for k, v in (("fast_accum", fast_accum), ("fuse_swiglu", fuse_swiglu),
+                                           ("fuse_adaln", fuse_adaln)) if v is True]
+        logger.info("quantize_linears: %s%s", summary.describe(),
+                    f" ({', '.join(unused)}: no effect without FP8)" if unused else "")
         return summary
     _check_targets(transformer, names)
     device = transformer.get_submodule(names[0]).weight.device
@@ -274,7 +306,7 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
     summary = LinearQuantization(
         precision=precision, kernel="emulated" if emulate else "torchao", layers=tuple(names),
         bytes_before=before, bytes_after=after, fast_accum=fast_accum, kept_fp32=fp32,
-        kept_other=kept, fused_ffns=fused, fused_adaln=adaln_names)
+        kept_other=kept, cast_fp32=cast, fused_ffns=fused, fused_adaln=adaln_names)
     logger.info("quantize_linears: %s", summary.describe())
     return summary
 
