@@ -93,8 +93,13 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype,
     return comps, built_s
 
 
+#: calls of :func:`_identity_block` in this process (the result's config records them)
+_IDENTITY_CALLS = [0]
+
+
 def _identity_block(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A transformer block's forward that returns its input (``--blocks identity``)."""
+    _IDENTITY_CALLS[0] += 1
     return hidden_states
 
 
@@ -265,6 +270,8 @@ def main() -> None:
               "built_s": built_s, "real_configs": cuda, "backend": args.backend,
               "compile": compiled, "linear_precision": args.linear_precision,
               "fp8_fast_accum": args.fp8_fast_accum, "blocks": args.blocks,
+              "transformer_blocks": len(comps.transformer.transformer_blocks),
+              "identity_block_calls": _IDENTITY_CALLS[0],
               "video_vae_dtype": str(comps.vae.dtype),
               "diffusers_t2va": diffusers_row}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,
