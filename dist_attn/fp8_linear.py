@@ -302,7 +302,13 @@ class Fp8SwiGLUFeedForward(_QuantizedBuffers):
         from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
 
         lead = (x.codes if isinstance(x, Fp8Rows) else x).shape[:-1]
-        codes, scales = swiglu_e4m3_rows(self.proj(x))  # [M, I] e4m3, [M, 1] float32
+        h = self.proj(x)
+        if h.dtype != torch.bfloat16:  # the kernel's own error would not name the fusion
+            raise ValueError(f"the FFN's projection gave {h.dtype}: an FFN fused by "
+                             "quantize_linears(fuse_swiglu=True or 'auto') takes bfloat16; was the "
+                             "model cast after quantize_linears? Keep the blocks in bfloat16, or "
+                             "quantize a fresh model with fuse_swiglu=False")
+        codes, scales = swiglu_e4m3_rows(h)  # [M, I] e4m3, [M, 1] float32
         y = torch._scaled_mm(codes, self.down_codes.t(), scale_a=scales, scale_b=self.down_scales,
                              out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum)
         return y.reshape(*lead, y.shape[-1])

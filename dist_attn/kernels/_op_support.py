@@ -19,11 +19,16 @@ def forward_only(op, setting: str) -> None:
     are inference-only, and torch's own message (no autograd formula registered) names neither
     the option that put the kernel there nor the way back. ``setting``: that option, as the
     caller turns it off (e.g. ``"quantize_linears(fuse_adaln=False)"``). The forward is
-    unchanged, with grad on too; nothing is saved for the backward."""
+    unchanged, with grad on too; nothing is saved for the backward. torch.compile traces the
+    backward at the first forward when an input requires grad (a diffusers model's parameters
+    do, by default), so the message says first how to run inference."""
     name = op._qualname
 
     def backward(ctx, *grads):
-        raise RuntimeError(f"{name} has no backward: the fused kernels are for inference. To "
-                           f"train through this layer, build it with {setting}")
+        raise RuntimeError(f"{name} has no backward: the fused kernels are for inference. Run "
+                           "inference under torch.no_grad() or torch.inference_mode(), or after "
+                           "model.requires_grad_(False) (torch.compile traces the backward "
+                           "whenever an input requires grad); to train through this layer, build "
+                           f"it with {setting}")
 
-    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+    op.register_autograd(backward)

@@ -157,8 +157,8 @@ def _(x, gate, update, weight, eps, scale, shift, index):
             x.new_empty(m, 1, dtype=torch.float32))
 
 
-for _op in (_adaln_op, _residual_adaln_op):
-    forward_only(_op, "quantize_linears(fuse_adaln=False)")
+forward_only(_adaln_op, "quantize_linears(fuse_adaln=False)")
+forward_only(_residual_adaln_op, "quantize_linears(fuse_adaln=False)")
 
 
 def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor,

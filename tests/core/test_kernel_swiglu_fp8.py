@@ -88,7 +88,8 @@ _SCRIPT = textwrap.dedent(
         scales.sum().backward()
         raise AssertionError("the backward ran")
     except RuntimeError as exc:
-        assert "has no backward" in str(exc) and "fuse_swiglu=False" in str(exc), exc
+        assert "has no backward" in str(exc) and "torch.no_grad()" in str(exc), exc
+        assert "fuse_swiglu=False" in str(exc), exc
     print("OK")
     """
 )
@@ -118,3 +119,18 @@ def test_swiglu_e4m3_rejects_a_strided_last_dim():
 
     with pytest.raises(ValueError, match="contiguous"):
         swiglu_e4m3_rows(torch.zeros(96, 4, dtype=torch.bfloat16).t())
+
+
+def test_fused_ffn_cast_after_quantizing_names_the_fusion():
+    """A model cast after quantize_linears hands the fused FFN another dtype: the error names the
+    fusion and the cast, raised before the kernel (whose own message names neither)."""
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward, quantize_weight_e4m3
+
+    down = torch.nn.Linear(96, 48, bias=False).bfloat16()
+    ff = Fp8SwiGLUFeedForward(torch.nn.Linear(64, 192, bias=False).bfloat16(),
+                              *quantize_weight_e4m3(down.weight.detach()), fast_accum=False).half()
+    with pytest.raises(ValueError, match=r"the FFN's projection gave torch.float16: an FFN fused by "
+                                         r"quantize_linears\(fuse_swiglu=True or 'auto'\) takes "
+                                         r"bfloat16; was the model cast after quantize_linears"):
+        ff(torch.zeros(2, 64, dtype=torch.float16))

@@ -177,7 +177,8 @@ def test_fused_blocks_run_forward_only_and_in_bfloat16(served):
     out = fused(**inputs)[0]
     assert out.requires_grad and torch.equal(out, _forward(fused, inputs)[0])
     with pytest.raises(RuntimeError, match=r"dist_attn::(residual_)?adaln_e4m3_rows has no backward: the "
-                                           r"fused kernels are for inference.*fuse_adaln=False"):
+                                           r"fused kernels are for inference. Run inference under "
+                                           r"torch.no_grad\(\).*fuse_adaln=False"):
         out.float().square().sum().backward()
     plain(**inputs)[0].float().square().sum().backward()
     assert plain.transformer_blocks[0].norm1.weight.grad is not None

@@ -207,8 +207,9 @@ def test_summary_says_what_the_model_holds(caplog):
     assert "kept float32: none; the class's float32 modules found cast (never quantized): proj_in (bfloat16)" in text
     assert "fast_accum=True (no effect: emulated)" in text and "run the emulated GEMM on those codes" in text
     with caplog.at_level(logging.INFO, logger="dist_attn.integrations.diffusers.linear_precision"):
-        quantize_linears(tiny_h3(2).to(torch.bfloat16), "bf16", fuse_swiglu=True, fuse_adaln=True)
-    assert "(fuse_swiglu=True, fuse_adaln=True: no effect without FP8)" in caplog.text
+        quantize_linears(tiny_h3(2).to(torch.bfloat16), "bf16", fast_accum=True, fuse_swiglu=True,
+                         fuse_adaln=True)
+    assert "(fast_accum=True, fuse_swiglu=True, fuse_adaln=True: no effect without FP8)" in caplog.text
 
 
 def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
