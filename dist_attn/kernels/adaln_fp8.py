@@ -24,9 +24,13 @@ that bf16 row: ``amax`` floored at ``ACTIVATION_AMAX_FLOOR``, ``scale = bf16(ama
 ``e4m3(clamp(y / scale))`` with the division exact (as in :mod:`dist_attn.kernels.swiglu_fp8`).
 diffusers' eager path rounds to bf16 after the norm, after ``1 + scale``, after the product and
 after the sum; inductor's compiled path keeps float32 between them, as here. On the GPU the
-row's sum runs in another order, ``rsqrt`` is the hardware's and ``y * (1 + scale) + shift`` may be
-contracted into one FMA: a float32 ulp or two that rarely moves the bf16 rounding (a code one e4m3
-step off; tests/integrations/test_fp8_gpu.py bounds how often). Under Triton's interpreter (CPU
+row's sum runs in another order and ``rsqrt`` is the hardware's: a float32 ulp or two that rarely
+moves the bf16 rounding (a code one e4m3 step off; tests/integrations/test_fp8_gpu.py bounds how
+often). The kernel is compiled without floating-point contraction (``enable_fp_fusion=False``):
+with it, LLVM narrowed the residual step's float32 ops on bf16 values to bf16 ones (exact so far)
+and the backend then fused them into one ``fma.rn.bf16x2``, which rounds ``x + gate * update``
+once where diffusers' ops round twice (one bf16 step off on an H100, 2026-12-07; the PTX test in
+tests/core/test_kernel_adaln_fp8.py checks that no contracted FMA is left). Under Triton's interpreter (CPU
 tests) the roundings are done on the bits and the kernel is :func:`adaln_e4m3_rows_reference` bit
 for bit on finite rows (a row with a NaN or an inf has a NaN scale either way; its codes are NaN in
 the reference and on the GPU, numbers under the interpreter, whose fp8 cast has no NaN).
@@ -122,7 +126,7 @@ def _launch(x, gate, update, weight, eps, scale, shift, index):
                                  res[2].stride(0), scale.stride(0), shift.stride(0), codes.stride(0),
                                  eps, _FLOOR_BF16, BLOCK=block, HAS_RES=gate is not None,
                                  HAS_W=weight is not None, FP8_MAX=E4M3_MAX, INTERP=not x.is_cuda,
-                                 num_warps=NUM_WARPS if block <= 8192 else 16)
+                                 num_warps=NUM_WARPS if block <= 8192 else 16, enable_fp_fusion=False)
     return h, codes, scales
 
 

@@ -163,3 +163,56 @@ def test_residual_adaln_names_the_bad_argument(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         residual_adaln_e4m3_rows(**args)
+
+
+@pytest.mark.parametrize("has_res", [True, False])
+def test_kernel_is_compiled_without_fma(has_res):
+    """The kernel compiled for an H100 (sm_90; triton's own compiler, no GPU needed) holds no
+    contracted FMA (only the exact division's own).
+    With contraction on, LLVM narrowed the residual step's float32 ops on bf16 values to bf16 ones
+    and the backend fused them into ``fma.rn.bf16x2``: ``x + gate * update`` rounded once, where
+    diffusers' ops round twice (one bf16 step off in the GPU test, 2026-12-07). The options are the
+    ones the launch passes, read from it, so dropping ``enable_fp_fusion=False`` fails here."""
+    pytest.importorskip("triton", reason="the kernel module imports triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dist_attn.kernels.adaln_fp8 as mod
+
+    seen = {}
+
+    class Grab:  # stands in for the kernel: records what the launch passes
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    table = torch.zeros(2, 64, dtype=torch.bfloat16)
+    real = mod._adaln_e4m3_kernel
+    mod._adaln_e4m3_kernel = Grab()
+    try:
+        mod._launch(x, table if has_res else None, x if has_res else None, table[0], 1e-6, table, table,
+                    torch.zeros(4, dtype=torch.int64))
+    finally:
+        mod._adaln_e4m3_kernel = real
+    assert seen["enable_fp_fusion"] is False, seen
+    ptrs = ("x", "g", "u", "h", "w", "sc", "sh")
+    signature = {**{f"{p}_ptr": "*bf16" for p in ptrs}, "idx_ptr": "*i64", "codes_ptr": "*fp8e4nv",
+                 "scales_ptr": "*fp32", **{n: "i32" for n in ("K", "seq", "stride_x", "stride_g", "stride_u",
+                                                             "stride_h", "stride_sc", "stride_sh", "stride_codes")},
+                 "eps": "fp32", "amax_floor": "fp32",
+                 **{n: "constexpr" for n in ("BLOCK", "HAS_RES", "HAS_W", "FP8_MAX", "INTERP")}}
+    constexprs = {n: seen[n] for n in ("HAS_RES", "HAS_W", "FP8_MAX", "INTERP")}
+    constexprs.update(BLOCK=8192, INTERP=False)  # H3's width, compiled for the GPU
+    options = {"num_warps": seen["num_warps"], "enable_fp_fusion": seen["enable_fp_fusion"]}
+    try:
+        compiled = triton.compile(ASTSource(fn=real, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as exc:  # a triton build without the CUDA backend's tools
+        pytest.skip(f"triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:300])
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.bf16" in ptx  # the roundings are there
+    assert "fma.rn.bf16" not in ptx, [line.strip() for line in ptx.splitlines() if "fma.rn.bf16" in line][:4]
+    # float32: only the exact division's two explicit tl.fma a value (swiglu_fp8._quantize_row)
+    per_thread = 8192 // (32 * seen["num_warps"])
+    assert ptx.count("fma.rn.f32") == 2 * per_thread, ptx.count("fma.rn.f32")

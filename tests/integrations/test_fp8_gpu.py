@@ -242,7 +242,10 @@ def test_adaln_kernel_is_its_reference_at_h3_width():
     h, r_codes, r_scales = residual_adaln_e4m3_rows(x, gate, update, weight, 1e-5, scale, shift, index)
     h_want = x + gate.index_select(0, index) * update
     rows = lambda t: t.reshape(-1, t.shape[-1])[keep]  # noqa: E731
-    assert torch.equal(rows(h).view(torch.int16), rows(h_want).view(torch.int16))
+    ulps = (rows(h).view(torch.int16).int() - rows(h_want).view(torch.int16).int()).abs()
+    # until 2026-12-07 the kernel compiled with contraction: one fma.rn.bf16x2, one step off here
+    assert int((ulps > 0).sum()) == 0, (f"{int((ulps > 0).sum())} of {ulps.numel()} h values differ, "
+                                        f"by at most {int(ulps.max())} bf16 steps")
     assert torch.isnan(r_scales.reshape(-1)[nan_row])
     h_codes, h_scales = adaln_e4m3_rows(h_want, weight, 1e-5, scale, shift, index)
     # the same arithmetic on the same values; bounded as above, in case the two compilations of
