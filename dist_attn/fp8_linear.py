@@ -47,6 +47,7 @@ __all__ = [
     "SWIGLU_MAX_INNER",
     "LinearPrecision",
     "fix_zero_rows",
+    "fused_input_dtype_error",
     "fp8_linear_emulated",
     "fp8_rows_matmul",
     "fp8_unsupported_reason",
@@ -187,6 +188,15 @@ def fp8_linear_emulated(x: torch.Tensor, weight_codes: torch.Tensor, weight_scal
                            emulate=True)
 
 
+def fused_input_dtype_error(got: str, fused: str, option: str) -> ValueError:
+    """The error of a module fused by ``quantize_linears(option=...)`` handed a non-bf16 input,
+    which a model cast after quantizing does (the kernel's own message names neither): ``got``
+    says what came in, ``fused`` what was fused (e.g. "an FFN")."""
+    return ValueError(f"{got}: {fused} fused by quantize_linears({option}=True or 'auto') takes "
+                      "bfloat16; was the model cast after quantize_linears? Keep the blocks in "
+                      f"bfloat16, or quantize a fresh model with {option}=False")
+
+
 class _QuantizedBuffers(nn.Module):
     """A module whose e4m3 codes and float32 scales keep their dtype through ``.to(dtype)``,
     ``.half()`` or ``.bfloat16()``: those casts move them to the new device but never re-round
@@ -303,11 +313,8 @@ class Fp8SwiGLUFeedForward(_QuantizedBuffers):
 
         lead = (x.codes if isinstance(x, Fp8Rows) else x).shape[:-1]
         h = self.proj(x)
-        if h.dtype != torch.bfloat16:  # the kernel's own error would not name the fusion
-            raise ValueError(f"the FFN's projection gave {h.dtype}: an FFN fused by "
-                             "quantize_linears(fuse_swiglu=True or 'auto') takes bfloat16; was the "
-                             "model cast after quantize_linears? Keep the blocks in bfloat16, or "
-                             "quantize a fresh model with fuse_swiglu=False")
+        if h.dtype != torch.bfloat16:
+            raise fused_input_dtype_error(f"the FFN's projection gave {h.dtype}", "an FFN", "fuse_swiglu")
         codes, scales = swiglu_e4m3_rows(h)  # [M, I] e4m3, [M, 1] float32
         y = torch._scaled_mm(codes, self.down_codes.t(), scale_a=scales, scale_b=self.down_scales,
                              out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum)

@@ -94,7 +94,7 @@ def adaln_e4m3_rows_reference(x: torch.Tensor, weight: torch.Tensor | None, eps:
     y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(torch.float32)
-    rows = index.repeat(m // index.numel()) if index.numel() else index
+    rows = _table_rows(index, m)
     y = y * (1.0 + scale.index_select(0, rows).to(torch.float32)) + shift.index_select(0, rows).to(torch.float32)
     return quantize_rows_e4m3(y.to(torch.bfloat16), amax_floor=ACTIVATION_AMAX_FLOOR)
 
@@ -106,9 +106,13 @@ def residual_adaln_e4m3_rows_reference(x: torch.Tensor, gate: torch.Tensor, upda
     """:func:`residual_adaln_e4m3_rows` in torch: ``h = x + gate[rows] * update`` in bf16 ops (as
     diffusers' block computes it), then :func:`adaln_e4m3_rows_reference` of ``h``. 2-D
     arguments; returns ``(h, codes, scales)``."""
-    rows = index.repeat(x.shape[0] // index.numel()) if index.numel() else index
-    h = x + gate.index_select(0, rows) * update
+    h = x + gate.index_select(0, _table_rows(index, x.shape[0])) * update
     return (h, *adaln_e4m3_rows_reference(h, weight, eps, scale, shift, index))
+
+
+def _table_rows(index: torch.Tensor, m: int) -> torch.Tensor:
+    """The table row of each of ``m`` rows of x (``index`` repeated over x's leading dims)."""
+    return index.repeat(m // index.numel()) if index.numel() else index
 
 
 def _launch(x, gate, update, weight, eps, scale, shift, index):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dist_attn.fp8_linear import (ADALN_MAX_HIDDEN, EmulatedFp8Linear, Fp8Linear, Fp8Rows,
-                                  Fp8SwiGLUFeedForward)
+                                  Fp8SwiGLUFeedForward, fused_input_dtype_error)
 
 __all__ = ["adaln_unfusable_reason", "fuse_adaln_blocks"]
 
@@ -104,12 +104,9 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, temb: torch.Tensor,
     the attention's residual step in the same pass)."""
     from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows, residual_adaln_e4m3_rows
 
-    if hidden_states.dtype != torch.bfloat16:  # the kernel's own error would not name the fusion
-        raise ValueError(f"hidden_states.dtype={hidden_states.dtype}: an H3 block fused by "
-                         "quantize_linears(fuse_adaln=True or 'auto') takes bfloat16 (its kernel "
-                         "rounds to bf16 and writes bf16); was the model cast after "
-                         "quantize_linears? Keep the blocks in bfloat16, or quantize a fresh "
-                         "model with fuse_adaln=False")
+    if hidden_states.dtype != torch.bfloat16:
+        raise fused_input_dtype_error(f"hidden_states.dtype={hidden_states.dtype}", "an H3 block",
+                                      "fuse_adaln")
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(temb)
     rows = Fp8Rows(*adaln_e4m3_rows(hidden_states, self.norm1.weight, self.norm1.eps, scale_msa,
                                     shift_msa, adaln_indices))
