@@ -143,7 +143,7 @@ def test_fuse_adaln_refusals_come_before_any_change(served):
     assert "forward" not in vars(model.transformer_blocks[0])
     with pytest.raises(TypeError, match=r"fuse_adaln='yes' must be True, False or 'auto'"):
         quantize_linears(model, "fp8", emulate=True, fuse_adaln="yes")
-    # opt-in (the default fuses nothing), and "auto" fuses on CUDA with torchao only: emulated, nothing
+    # the default ("auto") fuses on CUDA with torchao only: emulated, nothing
     assert quantize_linears(copy.deepcopy(bf16), "fp8", emulate=True).fused_adaln == ()
     assert quantize_linears(copy.deepcopy(bf16), "fp8", emulate=True, fuse_adaln="auto").fused_adaln == ()
     # a bias on a projection the fused forward feeds

@@ -279,16 +279,16 @@ def test_quantize_linears_fuses_the_h3_ffns_and_names_every_linear():
     from dist_attn.integrations.diffusers import quantize_linears
 
     cfg, model = _served("bf16")
-    summary = quantize_linears(model, "fp8")
+    summary = quantize_linears(model, "fp8", fuse_adaln=False)
     assert len(summary.fused_ffns) == cfg.model.num_layers and summary.count == 6 * cfg.model.num_layers
-    assert summary.fused_adaln == ()  # opt-in
+    assert summary.fused_adaln == ()
     for name in summary.layers:
         m = model.get_submodule(name)
         assert isinstance(m, Fp8SwiGLUFeedForward) or hasattr(m.weight, "qdata"), name
     assert "SwiGLU fused" in summary.describe()
-    # fuse_adaln="auto" on CUDA: every block, its q/k/v and FFN projection Fp8Linear
+    # the default (fuse_adaln="auto") on CUDA: every block, its q/k/v and FFN projection Fp8Linear
     _, fused = _served("bf16")
-    summary = quantize_linears(fused, "fp8", fuse_adaln="auto")
+    summary = quantize_linears(fused, "fp8")
     assert len(summary.fused_adaln) == cfg.model.num_layers
     for name in summary.layers:
         m = fused.get_submodule(name)
@@ -309,10 +309,10 @@ def _inputs(cfg):
 
 @pytest.mark.parametrize("fuse_adaln", [False, "auto"])
 def test_served_fp8_model_torchao_vs_emulated_and_compiled(fuse_adaln):
-    """build_h3(linear_precision='fp8') on CUDA: torchao weights in the 12 block linears; its
+    """quantize_linears(fuse_adaln=False) on CUDA: torchao weights in the 12 block linears; its
     output vs the emulated model (same bf16 weights) and compiled fullgraph (inductor) vs eager.
-    With quantize_linears(fuse_adaln="auto") instead: the fused kernel, then torch._scaled_mm,
-    against the emulated fused model (the same kernel, then float32 GEMMs)."""
+    With the default fuse_adaln="auto" (what build_h3 serves): the fused kernel, then
+    torch._scaled_mm, against the emulated fused model (the same kernel, then float32 GEMMs)."""
     from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
     from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
     from dist_attn.serve.h3.model import compile_blocks
@@ -320,11 +320,8 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled(fuse_adaln):
     cfg, bf16 = _served("bf16")
     emulated = copy.deepcopy(bf16)
     quantize_linears(emulated, "fp8", emulate=True, fuse_adaln=bool(fuse_adaln))
-    if fuse_adaln:
-        fp8 = copy.deepcopy(bf16)
-        quantize_linears(fp8, "fp8", fuse_adaln=fuse_adaln)
-    else:
-        _, fp8 = _served("fp8")
+    fp8 = copy.deepcopy(bf16)
+    quantize_linears(fp8, "fp8", fuse_adaln=fuse_adaln)
     n = cfg.model.num_layers
     # fuse_swiglu="auto": the FFN's down projection in the fused FFN; the other 5 linears a block
     # torchao's, or with fuse_adaln q/k/v and the FFN's projection Fp8Linear (they take the codes)

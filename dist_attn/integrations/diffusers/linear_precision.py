@@ -191,7 +191,7 @@ def _check_targets(transformer: nn.Module, names: list[str]) -> None:
 def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8", *,
                      emulate: bool = False, fast_accum: bool = False,
                      fuse_swiglu: bool | str = "auto",
-                     fuse_adaln: bool | str = False) -> LinearQuantization:
+                     fuse_adaln: bool | str = "auto") -> LinearQuantization:
     """Puts the transformer's block linears (:func:`fp8_linear_names`) in ``precision``, in place.
 
     Args:
@@ -222,9 +222,9 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             (:mod:`dist_attn.kernels.adaln_fp8`: a draft of it took 0.304 ms against inductor's
             0.565 at H3's 38,016 x 5,376 on an H100; float32 with one bf16 rounding where
             diffusers' eager path rounds four times); the block gets a forward of its own
-            (:mod:`~dist_attn.integrations.diffusers._h3_fp8_block`). Opt-in (default False):
-            the shipped kernel has been checked only under Triton's interpreter so far, never
-            timed or tested on a GPU. "auto": every ``MiniMaxH3TransformerBlock`` it applies to,
+            (:mod:`~dist_attn.integrations.diffusers._h3_fp8_block`). Every h value equal to
+            diffusers' ops at H3's width on an H100. "auto" (the default): every
+            ``MiniMaxH3TransformerBlock`` it applies to,
             with torchao on CUDA (not ``emulate``); True: every block or an error naming the
             first that cannot (with ``emulate`` too: the kernel's torch reference on CPU, or the
             kernel under Triton's interpreter); False: none.
