@@ -18,7 +18,9 @@ import sys
 
 import pytest
 
+from tests._torch_caps import cpu_rowwise_scaled_mm_refusal
 from tests.conftest import ROOT as REPO, subprocess_env
+
 # A hung collective must fail the test, not the CI job.
 TIMEOUT_S = 120
 
@@ -210,7 +212,11 @@ def test_h3_fp8_smoke(tmp_path):
     ok = {(r["section"], r["path"]) for r in rows if r.get("status") == "ok"}
     gemm = {(r["shape"], r["rows"], r["path"]): r for r in rows if r["section"] == "gemm"}
     assert {s for s, _, _ in gemm} == {"qkv", "out", "ff_in", "ff_out"} and len(gemm) == 4 * 2 * 9
+    refusal = cpu_rowwise_scaled_mm_refusal()  # torch 2.11's CPU kernel takes per-tensor scales only
     for (shape, n, path), r in gemm.items():
+        if refusal and path.startswith("scaled_mm") and "tensor" not in path:
+            assert r["status"] == "unavailable" and refusal[:80] in r["reason"], r
+            continue
         assert r["status"] == "ok", r
         if path == "bf16":
             assert r["rel_l2"] < 4e-3, r

@@ -22,7 +22,8 @@ from dist_attn.serve.h3.model import build_h3  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
 from tests.integrations.test_fp8_h3 import (OUTPUT_FP8, _forward, _inputs, _rel,  # noqa: E402
-                                            assert_ulysses_and_compiled_equal, two_rank_worker)
+                                            assert_ulysses_and_compiled_equal,
+                                            require_cpu_rowwise_scaled_mm, two_rank_worker)
 
 CPU = torch.device("cpu")
 
@@ -103,6 +104,7 @@ def test_torchao_weights_are_shared_by_the_swapped_linears(served, monkeypatch):
     the output projection and the FFN's down projection stay torchao's; the model's output is the
     emulated fused model's up to float32 summation order."""
     pytest.importorskip("torchao", reason="torchao is not installed (the fp8 extra)")
+    require_cpu_rowwise_scaled_mm()
     import dist_attn.integrations.diffusers.linear_precision as lp
 
     monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda g: None)

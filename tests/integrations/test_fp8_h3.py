@@ -22,6 +22,7 @@ from dist_attn.serve.h3.engine import initial_state  # noqa: E402
 from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
+from tests._torch_caps import cpu_rowwise_scaled_mm_refusal  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -212,6 +213,13 @@ def test_summary_says_what_the_model_holds(caplog):
     assert "(fast_accum=True, fuse_swiglu=True, fuse_adaln=True: no effect without FP8)" in caplog.text
 
 
+def require_cpu_rowwise_scaled_mm() -> None:
+    """Skips unless this torch's CPU ``torch._scaled_mm`` takes per-row scales."""
+    refusal = cpu_rowwise_scaled_mm_refusal()
+    if refusal:
+        pytest.skip(f"torch {torch.__version__}: CPU torch._scaled_mm refuses per-row scales ({refusal})")
+
+
 def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
     """The GPU code path itself, run on CPU: torchao refuses a CPU (its hardware assertion, and
     our device rule), so both are lifted here; CPU's torch._scaled_mm then runs torchao's
@@ -219,6 +227,7 @@ def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
     agree up to the order of float32 roundings (CPU dequantizes before its GEMM; measured 5.7e-4),
     enable_ulysses gives the same result, and compile_blocks traces the tensor subclass fullgraph."""
     pytest.importorskip("torchao", reason="torchao is not installed (the fp8 extra)")
+    require_cpu_rowwise_scaled_mm()
     import dist_attn.integrations.diffusers.linear_precision as lp
 
     monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda g: None)

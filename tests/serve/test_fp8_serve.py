@@ -108,9 +108,11 @@ def test_build_h3_fp8_on_cpu_names_the_device():
 
 @pytest.fixture
 def launcher(monkeypatch):
-    """launch/serve.py's main() in this process as world 1, logging restored afterwards."""
+    """launch/serve.py's main() in this process as world 1 on the CPU (also where a GPU is
+    visible: these tests pin the CPU launch), logging restored afterwards."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     from dist_attn.serve.launch import cli
 
     root = logging.getLogger()
