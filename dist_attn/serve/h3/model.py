@@ -80,7 +80,9 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
 
     With ``cfg.linear_precision = "fp8"`` the blocks' q/k/v/out and FFN linears are then quantized
     (with fast accumulation when ``cfg.fp8_fast_accum``) in place (:func:`dist_attn.integrations.diffusers.quantize_linears`, which logs the layer
-    count and the bytes saved); on a device without FP8 GEMMs that raises, naming the device.
+    count and the bytes saved; with its defaults, so on CUDA the FFNs' SwiGLU and the norms +
+    AdaLN run fused with their quantization); on a device without FP8 GEMMs that raises, naming
+    the device.
 
     Args:
         cfg: the architecture (``[model]``); a checkpoint must have the same (checked).
@@ -125,8 +127,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     FP8 linears (torchao's ``Float8Tensor`` weights) trace too: inductor fuses the activation
     quantization of q/k/v, the output projection and the FFN's projection (per-row amax, scale,
     e4m3 cast) around ``torch._scaled_mm``; the down projection's input comes quantized from the
-    fused SwiGLU custom op, and with ``quantize_linears(fuse_adaln=True)`` the q/k/v and FFN
-    projection inputs from the fused norm + AdaLN custom op. Call it after the quantization
+    fused SwiGLU custom op, and (``quantize_linears``' default ``fuse_adaln="auto"`` on CUDA) the
+    q/k/v and FFN projection inputs from the fused norm + AdaLN custom op. Call it after the quantization
     (build_h3 does that).
 
     ``dynamic=False`` (the benchmarks' setting; ``compile_kwargs`` may override it): each geometry
