@@ -176,6 +176,7 @@ def main() -> None:
         p.error("--blocks identity measures the served step outside the blocks: not with "
                 "--diffusers on (diffusers' own pipeline would run the real blocks)")
     from dist_attn.distributed import DistEnv
+    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
     from dist_attn.serve.h3.components import load_components
     from dist_attn.serve.config.sections import COMPILED_SEQUENCE_BUCKET
     from dist_attn.serve.h3.model import compile_blocks, parallelize
@@ -271,6 +272,11 @@ def main() -> None:
               "compile": compiled, "linear_precision": args.linear_precision,
               "fp8_fast_accum": args.fp8_fast_accum, "blocks": args.blocks,
               "transformer_blocks": len(comps.transformer.transformer_blocks),
+              # what quantize_linears fused in the served blocks (its defaults: on CUDA, both)
+              "fused_swiglu_ffns": sum(isinstance(m, Fp8SwiGLUFeedForward)
+                                       for m in comps.transformer.transformer_blocks.modules()),
+              "fused_adaln_blocks": sum(isinstance(b.attn.to_q, Fp8Linear)
+                                        for b in comps.transformer.transformer_blocks),
               "identity_block_calls": _IDENTITY_CALLS[0],
               "video_vae_dtype": str(comps.vae.dtype),
               "diffusers_t2va": diffusers_row}

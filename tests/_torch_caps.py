@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -16,3 +17,10 @@ def cpu_rowwise_scaled_mm_refusal() -> str | None:
     except RuntimeError as exc:
         return str(exc).splitlines()[0][:200]
     return None
+
+
+def require_cpu_rowwise_scaled_mm() -> None:
+    """Skips the calling test unless this torch's CPU ``torch._scaled_mm`` takes per-row scales."""
+    refusal = cpu_rowwise_scaled_mm_refusal()
+    if refusal:
+        pytest.skip(f"torch {torch.__version__}: CPU torch._scaled_mm refuses per-row scales ({refusal})")

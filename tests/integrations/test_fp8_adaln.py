@@ -21,9 +21,9 @@ from dist_attn.serve.config import load_config  # noqa: E402
 from dist_attn.serve.h3.model import build_h3  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
+from tests._torch_caps import require_cpu_rowwise_scaled_mm  # noqa: E402
 from tests.integrations.test_fp8_h3 import (OUTPUT_FP8, _forward, _inputs, _rel,  # noqa: E402
-                                            assert_ulysses_and_compiled_equal,
-                                            require_cpu_rowwise_scaled_mm, two_rank_worker)
+                                            assert_ulysses_and_compiled_equal, two_rank_worker)
 
 CPU = torch.device("cpu")
 
@@ -169,7 +169,7 @@ def test_fused_blocks_run_forward_only_and_in_bfloat16(served):
     one turns that off) the fused blocks give the no-grad
     output; a backward raises naming the option to turn off, not torch's "no autograd formula".
     A model cast after quantizing is refused at its first fused block, naming the fusion; the
-    unfused FP8 path still trains (its emulated linears have a backward)."""
+    emulated unfused path has a backward (emulation only: torchao's FP8 linears have none)."""
     cfg, bf16, _ = served
     fused, plain = copy.deepcopy(bf16), copy.deepcopy(bf16)
     quantize_linears(fused, "fp8", emulate=True, fuse_adaln=True)
@@ -180,7 +180,8 @@ def test_fused_blocks_run_forward_only_and_in_bfloat16(served):
     assert out.requires_grad and torch.equal(out, _forward(fused, inputs)[0])
     with pytest.raises(RuntimeError, match=r"dist_attn::(residual_)?adaln_e4m3_rows has no backward: the "
                                            r"fused kernels are for inference. Run inference under "
-                                           r"torch.no_grad\(\).*fuse_adaln=False"):
+                                           r"torch.no_grad\(\).*train the bf16 model and quantize "
+                                           r"it after; quantize_linears\(fuse_adaln=False\) removes"):
         out.float().square().sum().backward()
     plain(**inputs)[0].float().square().sum().backward()
     assert plain.transformer_blocks[0].norm1.weight.grad is not None

@@ -281,7 +281,7 @@ def test_quantize_linears_fuses_the_h3_ffns_and_names_every_linear():
     cfg, model = _served("bf16")
     summary = quantize_linears(model, "fp8", fuse_adaln=False)
     assert len(summary.fused_ffns) == cfg.model.num_layers and summary.count == 6 * cfg.model.num_layers
-    assert summary.fused_adaln == ()
+    assert summary.fused_adaln == () and not any(isinstance(m, Fp8Linear) for m in model.modules())
     for name in summary.layers:
         m = model.get_submodule(name)
         assert isinstance(m, Fp8SwiGLUFeedForward) or hasattr(m.weight, "qdata"), name
@@ -345,6 +345,7 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled(fuse_adaln):
 
 def test_served_engine_and_launch_check_with_fp8():
     from dist_attn import PhaseTimer
+    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
     from dist_attn.distributed import DistEnv
     from dist_attn.serve.h3.engine import Engine
     from dist_attn.serve.h3.model import parallelize
@@ -352,6 +353,10 @@ def test_served_engine_and_launch_check_with_fp8():
     from dist_attn.serve.launch.checks import linear_precision_failures
 
     cfg, model = _served("fp8")
+    # the server's builder takes quantize_linears' defaults: every block's FFN and AdaLN fused
+    n = cfg.model.num_layers
+    assert sum(isinstance(m, Fp8SwiGLUFeedForward) for m in model.modules()) == n
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 4 * n
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend=None,
                   shared_gpu=False)
     assert linear_precision_failures(cfg, env) == []

@@ -22,7 +22,7 @@ from dist_attn.serve.h3.engine import initial_state  # noqa: E402
 from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
-from tests._torch_caps import cpu_rowwise_scaled_mm_refusal  # noqa: E402
+from tests._torch_caps import require_cpu_rowwise_scaled_mm  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -211,13 +211,6 @@ def test_summary_says_what_the_model_holds(caplog):
         quantize_linears(tiny_h3(2).to(torch.bfloat16), "bf16", fast_accum=True, fuse_swiglu=True,
                          fuse_adaln=True)
     assert "(fast_accum=True, fuse_swiglu=True, fuse_adaln=True: no effect without FP8)" in caplog.text
-
-
-def require_cpu_rowwise_scaled_mm() -> None:
-    """Skips unless this torch's CPU ``torch._scaled_mm`` takes per-row scales."""
-    refusal = cpu_rowwise_scaled_mm_refusal()
-    if refusal:
-        pytest.skip(f"torch {torch.__version__}: CPU torch._scaled_mm refuses per-row scales ({refusal})")
 
 
 def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):

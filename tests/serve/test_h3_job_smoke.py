@@ -36,6 +36,8 @@ def test_h3_job_benchmark_smoke(tmp_path):
     assert after <= phases["after_denoise"]["s"] * 1.01
     assert [len(r["step_s"]) for r in data["rows"]] == [3, 3]  # warm-up + 1 job, 3 steps
     assert data["config"]["backend"] == "sdpa" and data["config"]["diffusers_t2va"] is None
+    # bf16 linears on CPU: nothing fused (the counts come from the model's modules)
+    assert data["config"]["fused_swiglu_ffns"] == data["config"]["fused_adaln_blocks"] == 0
 
 
 def test_h3_job_benchmark_identity_blocks_measure_the_step_outside_them(tmp_path):
