@@ -261,14 +261,15 @@ def test_adaln_kernel_is_its_reference_at_h3_width():
     assert torch.equal(rows(compiled[2]), rows(r_scales))
 
 
-def _served(precision: str):
+def _served(precision: str, **model):
     import dataclasses
 
     from dist_attn.serve.config import load_config
     from dist_attn.serve.h3.model import build_h3
 
     cfg = load_config(None)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, linear_precision=precision))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, linear_precision=precision,
+                                                             **model))
     return cfg, build_h3(cfg.model, device=torch.device("cuda"), dtype=torch.bfloat16)
 
 
@@ -357,6 +358,13 @@ def test_served_engine_and_launch_check_with_fp8():
     n = cfg.model.num_layers
     assert sum(isinstance(m, Fp8SwiGLUFeedForward) for m in model.modules()) == n
     assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 4 * n
+    # model.fp8_fused_kernels=false: torchao's six linears a block, diffusers' FFN and forward
+    _, plain = _served("fp8", fp8_fused_kernels=False)
+    assert not any(isinstance(m, (Fp8Linear, Fp8SwiGLUFeedForward)) for m in plain.modules())
+    assert sum(hasattr(m.weight, "qdata") for m in plain.modules()
+               if isinstance(m, torch.nn.Linear)) == 6 * n
+    assert not any("forward" in vars(b) for b in plain.transformer_blocks)
+    del plain
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend=None,
                   shared_gpu=False)
     assert linear_precision_failures(cfg, env) == []

@@ -27,7 +27,7 @@ def test_linear_precision_field():
         apply_overrides(load_config(None), {"model.linear_precision": "fp8", "runtime.dtype": "float32"})
 
 
-def test_fp8_fast_accum_field_is_explicit_and_needs_fp8(monkeypatch):
+def test_fp8_fast_accum_and_fused_kernels_fields(monkeypatch):
     assert ModelConfig().fp8_fast_accum is False
     cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8",
                                               "model.fp8_fast_accum": True})
@@ -52,7 +52,14 @@ def test_fp8_fast_accum_field_is_explicit_and_needs_fp8(monkeypatch):
                                time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4,
                                num_refiner_layers=0)
     build_h3(tiny, device=torch.device("cpu"), dtype=torch.bfloat16)
-    assert calls == [("fp8", {"fast_accum": True})]
+    # fp8_fused_kernels (default true): quantize_linears' "auto" fusions, or none
+    build_h3(dataclasses.replace(tiny, fp8_fused_kernels=False), device=torch.device("cpu"),
+             dtype=torch.bfloat16)
+    assert calls == [("fp8", {"fast_accum": True, "fuse_swiglu": "auto", "fuse_adaln": "auto"}),
+                     ("fp8", {"fast_accum": True, "fuse_swiglu": False, "fuse_adaln": False})]
+    assert ModelConfig().fp8_fused_kernels is True
+    with pytest.raises(ValueError, match=r"model.fp8_fused_kernels='no' must be true or false"):
+        ModelConfig(linear_precision="fp8", fp8_fused_kernels="no")
 
 
 def test_lossless_refuses_fp8_and_high_admits_it():

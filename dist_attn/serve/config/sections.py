@@ -102,6 +102,12 @@ class ModelConfig:
     accumulator without periodic float32 promotion (faster GEMMs, fewer bits kept over
     K = 5,376-14,336; docs/serving.md gives the measured time and latents error). Never implied
     by "fp8"; true with "bf16" linears is an error."""
+    fp8_fused_kernels: bool = True
+    """With ``linear_precision = "fp8"`` on CUDA: each block's SwiGLU and its two norm + AdaLN
+    steps run fused with their FP8 quantization (``quantize_linears``' defaults, ``fuse_swiglu``
+    and ``fuse_adaln`` "auto": the same recipe in fewer passes; docs/serving.md gives the
+    measured time and latents). false: diffusers' FFN and block forward around the FP8 GEMMs,
+    for comparison or should a fused kernel misbehave on a GPU. No effect with "bf16" linears."""
 
     def __post_init__(self) -> None:
         if self.linear_precision not in LINEAR_PRECISIONS:
@@ -109,6 +115,9 @@ class ModelConfig:
                               f"must be one of {', '.join(map(repr, LINEAR_PRECISIONS))}")
         if not isinstance(self.fp8_fast_accum, bool):
             raise field_error("ModelConfig", "fp8_fast_accum", self.fp8_fast_accum, "must be true or false")
+        if not isinstance(self.fp8_fused_kernels, bool):
+            raise field_error("ModelConfig", "fp8_fused_kernels", self.fp8_fused_kernels,
+                              "must be true or false")
         if self.fp8_fast_accum and self.linear_precision != "fp8":
             raise field_error("ModelConfig", "fp8_fast_accum", self.fp8_fast_accum,
                               f"needs linear_precision='fp8', not {self.linear_precision!r}")

@@ -80,9 +80,9 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
 
     With ``cfg.linear_precision = "fp8"`` the blocks' q/k/v/out and FFN linears are then quantized
     (with fast accumulation when ``cfg.fp8_fast_accum``) in place (:func:`dist_attn.integrations.diffusers.quantize_linears`, which logs the layer
-    count and the bytes saved; with its defaults, so on CUDA the FFNs' SwiGLU and the norms +
-    AdaLN run fused with their quantization); on a device without FP8 GEMMs that raises, naming
-    the device.
+    count and the bytes saved; with ``cfg.fp8_fused_kernels``, its default, on CUDA the FFNs'
+    SwiGLU and the norms + AdaLN run fused with their quantization); on a device without FP8
+    GEMMs that raises, naming the device.
 
     Args:
         cfg: the architecture (``[model]``); a checkpoint must have the same (checked).
@@ -100,7 +100,9 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
     if cfg.linear_precision != "bf16":
         from dist_attn.integrations.diffusers import quantize_linears
 
-        quantize_linears(model, cfg.linear_precision, fast_accum=cfg.fp8_fast_accum)
+        fused = "auto" if cfg.fp8_fused_kernels else False
+        quantize_linears(model, cfg.linear_precision, fast_accum=cfg.fp8_fast_accum,
+                         fuse_swiglu=fused, fuse_adaln=fused)
     return model
 
 

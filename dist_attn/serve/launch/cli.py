@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 "linear_precision": cfg.model.linear_precision,
                 "block_linears": _block_linears(cfg, dtype),
                 "fp8_fast_accum": cfg.model.fp8_fast_accum,
+                "fp8_fused_kernels": (cfg.model.linear_precision == "fp8"
+                                      and cfg.model.fp8_fused_kernels),
                 "overlap_chunks": cfg.parallel.overlap_chunks,
                 "sequence_bucket": cfg.runtime.bucket(env.device.type),
                 "compiled": cfg.runtime.compiled(env.device.type),
