@@ -346,15 +346,15 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled(fuse_adaln):
 
 def test_served_engine_and_launch_check_with_fp8():
     from dist_attn import PhaseTimer
-    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
     from dist_attn.distributed import DistEnv
+    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
     from dist_attn.serve.h3.engine import Engine
     from dist_attn.serve.h3.model import parallelize
     from dist_attn.serve.jobs.requests import parse_request
     from dist_attn.serve.launch.checks import linear_precision_failures
 
     cfg, model = _served("fp8")
-    # the server's builder takes quantize_linears' defaults: every block's FFN and AdaLN fused
+    # model.fp8_fused_kernels (default true): every block's FFN and AdaLN fused
     n = cfg.model.num_layers
     assert sum(isinstance(m, Fp8SwiGLUFeedForward) for m in model.modules()) == n
     assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 4 * n
