@@ -167,7 +167,8 @@ def test_fuse_adaln_refusals_come_before_any_change(served):
 def test_fused_blocks_run_forward_only_and_in_bfloat16(served):
     """With grad on and parameters that require it (a model as diffusers builds it; the served
     one turns that off) the fused blocks give the no-grad
-    output; a backward raises naming the option to turn off, not torch's "no autograd formula".
+    output; a backward raises saying what to do instead (run under no_grad, train the bf16 model),
+    not torch's "no autograd formula".
     A model cast after quantizing is refused at its first fused block, naming the fusion; the
     emulated unfused path has a backward (emulation only: torchao's FP8 linears have none)."""
     cfg, bf16, _ = served
