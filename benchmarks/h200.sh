@@ -26,9 +26,20 @@
 #   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears                 (~2 min)
 #   job-full-fp8fast    serve_h3_gpu: the same, FP8 linears with fast accumulation              (~2 min)
 #   job-outside         serve_h3_gpu: the served step with every block the identity (job_model) (~2 min)
-#   all                 every subcommand above, in this order (~67 min: several device calls)
+#   cute-a              CuTe DSL, call 1 of 2: copy its wheels and the first half of the cu13 library
+#                       wheel (carry .whl: split -b 46000000, see below) to /tmp/cute-wheels       (~5 s)
+#   cute-b              CuTe DSL, call 2 of 2 (at once, carry .whl2): join the halves, install into
+#                       /tmp/site; later steps then see cutlass (PYTHONPATH adds its dsl_packages) (~20 s)
+#   cute-check          dev/sage8_cute_check: the CuTe loop against the Triton loop, float64, cuDNN (~3 min)
+#   all                 every subcommand above but cute-*, in this order (~67 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
+# CuTe DSL (the cute extra): its cu13 library wheel (~92 MB) is more than one call carries (64 MiB),
+# so it travels in two halves: here, `split -b 46000000 nvidia_cutlass_dsl_libs_cu13-*.whl
+# .whl/cu13part.` puts part .aa with nvidia-cutlass-dsl, -libs-base and -libs-core in .whl and part
+# .ab in .whl2 (move it there; both git-ignored). Call 1 (carry .whl): `bash benchmarks/h200.sh
+# cute-a`; call 2 at once, before the machine is released (carry .whl2):
+# `WHEELS=.whl2 bash benchmarks/h200.sh cute-b cute-check`. The machine keeps /tmp/site between warm calls.
 # Needs: ${WHEELS:-.whl}/*.whl, the wheels the image lacks (installed into /tmp/site; the machine
 # reaches no package index): diffusers 0.42.1, av, starlette, uvicorn, torchao 0.18.0 (fp8),
 # sageattention 1.0.6 and fa3-fwd 0.0.3 (their rows), importlib_metadata. kernels-side and
@@ -55,6 +66,7 @@ HW=${HW:-gpu}
 ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-variants ncu sage8-dev
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
      job-full-compiled job-full-fp8 job-full-fp8fast job-outside)
+CUTE=(cute-a cute-b cute-check)  # named only, never by "all"
 DRY=0
 
 say() { echo "[h200 $(date -u +%T)] $*" | tee -a "$LOG"; }
@@ -85,13 +97,13 @@ run() {
 
 setup() {
     if [ "$DRY" = 1 ]; then
-        echo "setup: install ${WHEELS:-.whl}/*.whl into /tmp/site; PYTHONPATH=/tmp/site:$PWD"
+        echo "setup: install ${WHEELS:-.whl}/*.whl into /tmp/site; PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD"
         return 0
     fi
     mkdir -p "$RES"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "${WHEELS:-.whl}"/*.whl 2>&1 | tail -2 | tee -a "$LOG"
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD  # a --target install: no .pth
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$LOG"
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
         2>&1 | tee -a "$LOG"
@@ -135,6 +147,12 @@ ncu_stalls() {  # the largest stall ratios of one ncu --csv log
 step() {
     local c i=0 mode
     case $1 in
+    cute-a)
+        run 30 cute-a bash -c 'mkdir -p /tmp/cute-wheels && cp "${WHEELS:-.whl}"/* /tmp/cute-wheels/ && ls /tmp/cute-wheels' ;;
+    cute-b)
+        run 90 cute-b bash -c 'cat /tmp/cute-wheels/cu13part.aa "${WHEELS:-.whl2}"/cu13part.ab > /tmp/cute-wheels/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/cute-wheels/cu13part.aa && "$0" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/cute-wheels/*.whl && "$0" -c "import cutlass.cute; print(cutlass.__version__)"' "$PY" ;;
+    cute-check)
+        run 400 cute-check "$PY" -m benchmarks.dev.sage8_cute_check --out "$RES" ;;
     tests)
         run 330 tests --log "$RES/gpu-tests_${HW}_$TODAY.log" "$PY" -m pytest tests/core/test_gpu_core.py \
             tests/core/test_gpu_fa3.py tests/core/test_gpu_harness.py tests/core/test_kernel_sage8.py \
@@ -234,7 +252,7 @@ for a in "$@"; do
     --dry-run) DRY=1 ;;
     -h | --help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     all) todo+=("${ALL[@]}") ;;
-    *) if [[ " ${ALL[*]} " == *" $a "* ]]; then todo+=("$a"); else
+    *) if [[ " ${ALL[*]} ${CUTE[*]} " == *" $a "* ]]; then todo+=("$a"); else
            echo "h200.sh: unknown subcommand '$a' (bash benchmarks/h200.sh --help lists them)" >&2; exit 2; fi ;;
     esac
 done

@@ -32,6 +32,9 @@ def _steps(out: str) -> list[str]:
 
 
 SUBCOMMANDS = _header_subcommands()
+#: the two calls that carry CuTe DSL's wheels over (a setup, no result): named only, never by "all"
+CUTE_SETUP = ("cute-a", "cute-b")
+NAMED_ONLY = ("cute-a", "cute-b", "cute-check")
 
 
 def test_header_lists_the_runs_by_what_they_measure():
@@ -53,6 +56,9 @@ def test_each_subcommand_expands_to_commands_that_exist(sub):
     assert steps, res.stdout
     for line in steps:
         cmd = line.split("): ", 1)[1]
+        if sub in CUTE_SETUP:  # a copy and an install: the wheels' halves, nothing written to $OUT
+            assert "/tmp/cute-wheels" in cmd, line
+            continue
         assert "/nonexistent/out" in cmd, line  # every step writes where $OUT says
         targets = re.findall(r"-m (benchmarks(?:\.\w+)+)", cmd)
         tests = re.findall(r"-m pytest ((?:tests/\S+\.py ?)+)", cmd)
@@ -66,8 +72,16 @@ def test_each_subcommand_expands_to_commands_that_exist(sub):
 
 def test_all_runs_every_subcommand_once_in_the_header_order():
     every = _steps(_dry("all").stdout)
-    one_by_one = [s for sub in SUBCOMMANDS if sub != "all" for s in _steps(_dry(sub).stdout)]
+    one_by_one = [s for sub in SUBCOMMANDS if sub not in ("all", *NAMED_ONLY) for s in _steps(_dry(sub).stdout)]
     assert every == one_by_one
+
+
+def test_cute_dsl_arrives_in_two_halves_joined_before_install():
+    cmd = " ".join(_steps(_dry("cute-b").stdout))
+    assert "cu13part.aa" in cmd and "cu13part.ab" in cmd and "--target /tmp/site" in cmd
+    assert cmd.index("cat ") < cmd.index("pip install")
+    # a --target install reads no .pth file: CuTe DSL's packages must be on PYTHONPATH themselves
+    assert "PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:" in _dry("cute-check").stdout
 
 
 @pytest.mark.parametrize("args", [("bogus",), ("decode", "bogus"), ()])

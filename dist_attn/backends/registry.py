@@ -32,7 +32,7 @@ _REGISTRY: dict[str, AttentionBackend] = {}
 # 6.46 and "sage8_gluon" 13.90 / 55.11 / 6.97 in the same run, at the same accuracy (within 1.2x of
 # SageAttention 2's error everywhere measured); then the exact ones, FA3 before torch SDPA (1.12x
 # cuDNN). "sage" (the sageattention package) declares no verified accuracy, so auto passes it over.
-_AUTO_ORDER = ("sage8", "sage8_gluon", "sage", "fa3", "sdpa")
+_AUTO_ORDER = ("sage8", "sage8_gluon", "sage8_cute", "sage", "fa3", "sdpa")
 _AUTO_LOGGED: set[tuple] = set()
 
 

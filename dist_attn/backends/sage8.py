@@ -57,15 +57,27 @@ class Sage8Backend(AttentionBackend):
         return out
 
     def dense_lse(self, q, k, v, *, softmax_scale):
-        return ops.dense_lse(q, k, v, softmax_scale, self.impl)
+        if q.shape[1] == k.shape[1]:
+            return ops.dense_lse(q, k, v, softmax_scale, self.impl)
+        if not self.supports_lse:
+            raise ValueError(f"backend {self.name!r} returns a log-sum-exp only for q and k of one "
+                             f"length, got {q.shape[1]} and {k.shape[1]} rows: use backend 'sage8_cute'")
+        # A ring piece: pad the shorter side with zero rows to one length T; the kernel attends
+        # keys [0, Lk) only, and query rows past Lq are dropped (zero rows change neither K's
+        # smoothing, which the LSE undoes with the same mean, nor V's channel scales).
+        lq, lk = q.shape[1], k.shape[1]
+        T = max(lq, lk)
+        pad = lambda t: t if t.shape[1] == T else torch.cat([t, t.new_zeros((t.shape[0], T - t.shape[1], *t.shape[2:]))], 1)
+        out, lse = ops.dense_lse_kv(pad(q), pad(k), pad(v), softmax_scale, self.impl, lk)
+        return out[:, :lq], lse[:, :, :lq]
 
     @property
     def supports_lse(self) -> bool:
-        # The kernels return a log-sum-exp only when q and k have the same length; ring steps
-        # pair chunks of different lengths (19,008 query rows against 18,972 key rows at h3-ref
-        # with ring 2), which would fail on some ranks only. "auto" under a ring therefore
-        # skips sage8, and an explicit sage8 is refused before any collective.
-        return False
+        # The Triton and Gluon loops return a log-sum-exp only when q and k have the same length;
+        # ring steps pair chunks of different lengths (19,008 query rows against 18,972 key rows
+        # at h3-ref with ring 2), which would fail on some ranks only, so "auto" under a ring
+        # skips them. The CuTe loop attends a key prefix of a padded chunk (kv_len).
+        return self.impl == "cute"
 
     def kernel_waves(self, layout, q):
         # The Triton loop's programs are BM query rows of one head each, with a register cap that

@@ -10,9 +10,11 @@ to itself, with the SageAttention-2 recipe (ideas from the papers; the code is t
 * online softmax in exp2 with fp32 statistics; P and V in FP8 e4m3 (V with one scale per channel),
   P V accumulated in fp32.
 
-Two implementations of the attention loop share the quantization pre-pass (:mod:`.quant`):
-``impl="gluon"``, warp-specialized (:mod:`.attn_gluon`, compute capability 9.0 only), and
-``impl="triton"`` (:mod:`.attn_triton`, also runs under Triton's CPU interpreter).
+Three implementations of the attention loop share the quantization pre-pass (:mod:`.quant`):
+``impl="triton"`` (:mod:`.attn_triton`, also runs under Triton's CPU interpreter),
+``impl="gluon"``, warp-specialized in Gluon (:mod:`.attn_gluon`), and ``impl="cute"``,
+warp-specialized in CuTe DSL (:mod:`.attn_cute`, extra ``cute``); the last two need compute
+capability 9.0.
 
 Importing this module never imports triton: the kernels load on their first call.
 """
@@ -42,8 +44,8 @@ __all__ = [
 SUPPORTED_HEAD_DIMS = (64, 128)
 #: input/output dtypes; the output has q's dtype.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-#: the attention loops; both read the same quantized operands.
-IMPLS = ("gluon", "triton")
+#: the attention loops; all read the same quantized operands.
+IMPLS = ("gluon", "triton", "cute")
 #: what the entry points run when ``impl`` is not given.
 DEFAULT_IMPL = "triton"
 
@@ -59,12 +61,23 @@ def _gluon_missing() -> str | None:
     return None
 
 
+#: the pip command that installs CuTe DSL for the CUDA 13 builds of torch (the ``cute`` extra)
+CUTE_INSTALL = "pip install -e '.[cute]'  (nvidia-cutlass-dsl[cu13])"
+
+
+def _cute_missing() -> str | None:
+    if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None:
+        return (f"the CuTe DSL loop (backend 'sage8_cute') needs CuTe DSL (nvidia-cutlass-dsl): "
+                f"{CUTE_INSTALL}")
+    return None
+
+
 def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
     """Why the Sage8 kernel ``impl`` cannot run on tensors like ``q``, or None if it can.
 
     Args:
         q: a query tensor whose device, dtype and last dimension (head_dim) are checked.
-        impl: ``"gluon"`` or ``"triton"``.
+        impl: ``"gluon"``, ``"triton"`` or ``"cute"``.
 
     Returns:
         None when triton imports, q is fp16/bf16 with head_dim 64 or 128, and q lives on a CUDA
@@ -85,6 +98,10 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
                 "specialization, TMA and wgmma have no CPU emulation). Without a GPU use backend "
                 "'sage8' (impl='triton' for the kernel entry points) on CPU tensors, with "
                 "TRITON_INTERPRET=1 set before triton is imported.")
+    if impl == "cute" and q.device.type != "cuda":
+        return (f"the CuTe DSL loop (backend 'sage8_cute') needs a CUDA GPU of compute capability 9.0 "
+                f"(q is on {q.device}); it has no CPU emulation: without a GPU use backend 'sage8' "
+                "under TRITON_INTERPRET=1, or 'sdpa'.")
     if q.device.type == "cuda":
         cc = torch.cuda.get_device_capability(q.device)
         if cc != (9, 0):
@@ -93,10 +110,9 @@ def unsupported_reason(q: torch.Tensor, impl: str = DEFAULT_IMPL) -> str | None:
     elif not (q.device.type == "cpu" and interpreting()):
         return (f"sage8 needs a CUDA GPU of compute capability 9.0 (q is on {q.device}); on the CPU its "
                 "Triton loop runs only under Triton's interpreter: set TRITON_INTERPRET=1 before importing triton.")
-    if impl == "gluon":
-        missing = _gluon_missing()
-        if missing is not None:
-            return missing
+    missing = _gluon_missing() if impl == "gluon" else _cute_missing() if impl == "cute" else None
+    if missing is not None:
+        return missing
     if q.dtype not in SUPPORTED_DTYPES:
         return (f"sage8 takes float16 or bfloat16 inputs, got {q.dtype}: cast q, k and v (a "
                 "diffusers model: load or .to() it in torch.bfloat16).")
@@ -148,7 +164,8 @@ def _scale(softmax_scale: float | None, head_dim: int) -> float:
 
 def sage8_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                return_lse: bool = False, impl: str = DEFAULT_IMPL, config=None, quant_config=None):
+                return_lse: bool = False, impl: str = DEFAULT_IMPL, config=None, quant_config=None,
+                kv_len: int | None = None):
     """Non-causal 8-bit attention on batched inputs.
 
     Args:
@@ -158,10 +175,12 @@ def sage8_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         out: optional ``[B, T, H, D]`` destination of q's dtype (strided views allowed, last dim
             contiguous), e.g. the Ulysses output send buffer: saves a copy of the result.
         return_lse: also return the log-sum-exp of each row's scaled scores.
-        impl: ``"gluon"`` (warp-specialized) or ``"triton"``.
-        config: the implementation's launch config (``attn_gluon.GluonConfig`` /
-            ``attn_triton.TritonConfig``); None = the measured defaults.
+        impl: ``"triton"``, ``"gluon"`` or ``"cute"`` (see the module docstring).
+        config: the implementation's launch config (``attn_triton.TritonConfig`` /
+            ``attn_gluon.GluonConfig`` / ``attn_cute.CuteConfig``); None = the defaults.
         quant_config: the pre-pass options (``quant.QuantConfig``); None = the defaults.
+        kv_len: attend only keys ``[0, kv_len)`` (``impl="cute"`` only; 1 <= kv_len <= T): how
+            a query chunk meets a shorter key chunk (the ring), both padded to T rows by the caller.
 
     Returns:
         ``out`` (or a fresh contiguous ``[B, T, H, D]`` tensor of q's dtype); with ``return_lse``
@@ -169,6 +188,8 @@ def sage8_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     _check_inputs(q, k, v, batched=True, impl=impl)
     B, T, H, D = q.shape
+    if kv_len is not None and (impl != "cute" or not 1 <= int(kv_len) <= T):
+        raise ValueError(f"kv_len={kv_len!r} needs impl='cute' (got {impl!r}) and 1 <= kv_len <= T={T}")
     if out is None:
         out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
     else:
@@ -176,7 +197,7 @@ def sage8_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device) if return_lse else None
     if B and T and H:
         from dist_attn.kernels.sage8 import launch
-        layout = launch.dense_layout(B, T)
+        layout = launch.dense_layout(B, T, kv_len=kv_len)
         launch.forward(q, k, v, out, lse, layout=layout, softmax_scale=_scale(softmax_scale, D), impl=impl,
                        config=config, quant_config=quant_config, interpret=interpreting())
     return (out, lse) if return_lse else out

@@ -12,9 +12,11 @@ __all__ = ["attention_loop", "dense_layout", "varlen_layout", "forward", "defaul
            "v_order"]
 
 
-def dense_layout(batch: int, rows: int) -> PackedLayout:
-    """``batch`` independent sequences of ``rows`` rows each."""
-    return PackedLayout(dense=True, nseg=batch, total=rows, used=rows, max_seqlen=rows, cu=None)
+def dense_layout(batch: int, rows: int, kv_len: int | None = None) -> PackedLayout:
+    """``batch`` independent sequences of ``rows`` rows each; with ``kv_len``, only keys
+    ``[0, kv_len)`` are attended (``used`` carries it; only the CuTe loop reads it when dense)."""
+    return PackedLayout(dense=True, nseg=batch, total=rows, used=rows if kv_len is None else int(kv_len),
+                        max_seqlen=rows, cu=None)
 
 
 def varlen_layout(cu_seqlens: torch.Tensor, total: int, used: int, max_seqlen: int) -> PackedLayout:
@@ -28,19 +30,25 @@ def _loop(impl: str):
     if impl == "gluon":
         from dist_attn.kernels.sage8 import attn_gluon
         return attn_gluon
+    if impl == "cute":
+        from dist_attn.kernels.sage8 import attn_cute
+        return attn_cute
     from dist_attn.kernels.sage8 import attn_triton
     return attn_triton
 
 
+#: each loop's launch-config class, in its module
+_CONFIG_CLASS = {"triton": "TritonConfig", "gluon": "GluonConfig", "cute": "CuteConfig"}
+
+
 def default_config(impl: str):
     """The measured default launch config of ``impl``."""
-    mod = _loop(impl)
-    return mod.GluonConfig() if impl == "gluon" else mod.TritonConfig()
+    return getattr(_loop(impl), _CONFIG_CLASS[impl])()
 
 
 def key_block(impl: str, config) -> int:
     """Keys per block of the attention loop: the granularity of K's quantization scales."""
-    return _loop(impl).BLOCK_N if impl == "gluon" else config.block_n
+    return _loop(impl).BLOCK_N if impl in ("gluon", "cute") else config.block_n
 
 
 def v_order(impl: str) -> str:
@@ -52,7 +60,7 @@ def attention_loop(impl: str, *, interpret: bool = False):
     """``impl``'s attention launch: ``fn(qz, q, out, lse, softmax_scale, config)`` on operands that
     :func:`prepare` made for it; ``interpret``: the Triton loop under Triton's interpreter."""
     attention = _loop(impl).attention
-    return attention if impl == "gluon" else functools.partial(attention, interpret=interpret)
+    return functools.partial(attention, interpret=interpret) if impl == "triton" else attention
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: PackedLayout, softmax_scale: float,

@@ -1,0 +1,514 @@
+"""The Sage8 attention loop in CuTe DSL for sm_90a (``impl="cute"``; imports cutlass).
+
+Reads the operands of :func:`quant.quantize` (``v_order="mma"``, 128-key blocks) and computes what
+:mod:`attn_triton` computes, rounding for rounding, on a warp-specialized schedule:
+
+* one CTA = 128 query rows of one (segment, head), three warpgroups: warpgroup 0 loads (one warp
+  issues TMA copies of the Q tile and of every key block's K and V^T tiles into a ring of
+  ``stages`` shared-memory slots), warpgroups 1 and 2 each own 64 query rows;
+* per key block: INT8 Q K^T into an int32 wgmma accumulator pre-set to ``MAGIC_I`` (so its bits
+  read as the float ``MAGIC_F + s``), online softmax in exp2 with one FFMA per score, P -> e4m3
+  renamed inside each thread into the wgmma A-operand order (V's keys are stored in the same
+  order, ``numerics.V_KEY_ORDERS``), FP8 P V into a fresh accumulator added into fp32 registers
+  (the FP8 MMA never sums over more than one key block);
+* ``overlap``: the QK wgmma of block j + 1 is issued before the softmax of block j, and the two
+  consumer warpgroups take turns at the tensor cores (named barriers), so the softmax of one
+  warpgroup runs while the other's MMAs do.
+
+Kernels are compiled once per configuration (:func:`compiled`) and cached for the process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+import cuda.bindings.driver as cuda
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import from_dlpack
+
+from dist_attn.kernels.sage8 import numerics
+
+if TYPE_CHECKING:  # the pre-pass imports triton; this loop does not need it
+    from dist_attn.kernels.sage8.quant import Quantized
+
+__all__ = ["CuteConfig", "V_ORDER", "BLOCK_N", "attention", "compiled", "compile_seconds"]
+
+#: the order of V's keys this loop reads (numerics.V_KEY_ORDERS)
+V_ORDER = "mma"
+#: keys per block (the granularity of K's scales and of the P V promotion)
+BLOCK_N = 128
+#: query rows per CTA: two consumer warpgroups of 64 rows
+BLOCK_M = 128
+_LN2 = math.log(2.0)
+_DEBUG = False
+
+
+@dataclass(frozen=True)
+class CuteConfig:
+    """Launch parameters of the CuTe loop.
+
+    ``stages``: shared-memory slots of the K and V^T ring. ``overlap``: issue the next block's
+    QK wgmma before this block's softmax and alternate the two warpgroups at the tensor cores
+    (False: each warpgroup waits on every wgmma, the two interleave only by chance).
+    ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
+    the two roles (their sum over 384 threads must fit 64K registers).
+    """
+
+    stages: int = 2
+    overlap: bool = True
+    consumer_regs: int = 240
+    producer_regs: int = 24
+
+    def __post_init__(self):
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"CuteConfig.stages={self.stages!r} must be 2, 3 or 4")
+        for name in ("consumer_regs", "producer_regs"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val % 8 or not 24 <= val <= 256:
+                raise ValueError(f"CuteConfig.{name}={val!r} must be a multiple of 8 in [24, 256]")
+        if 2 * 128 * self.consumer_regs + 128 * self.producer_regs > 65536:
+            raise ValueError(f"CuteConfig: 256 x consumer_regs={self.consumer_regs} + 128 x "
+                             f"producer_regs={self.producer_regs} exceeds the SM's 65,536 registers")
+
+
+def _a_shape_of_acc(acc_shape, a_value_shape):
+    """The wgmma A-operand register shape that holds an accumulator of shape ((2, 2, N / 8), M, 1):
+    each 32-column k-step becomes one ``a_value_shape`` (4, 2, 2) group, k-steps in the last mode.
+    A compact tensor of this shape stores bytes (k % 4) + 4 (row half) + 8 ((k // 16) % 2) +
+    16 (k // 32); the same storage viewed with the accumulator's compact layout holds element
+    (e, r, i) at e + 2 r + 4 i."""
+    return (a_value_shape, acc_shape[1], cute.size(acc_shape[0]) // cute.size(a_value_shape))
+
+
+class _Sage8Cute:
+    """One compiled configuration: head_dim ``D``, dense or varlen, with or without the LSE."""
+
+    def __init__(self, head_dim: int, dense: bool, with_lse: bool, cfg: CuteConfig):
+        self.D = head_dim
+        self.dense = dense
+        self.with_lse = with_lse
+        self.cfg = cfg
+        self.stages = cfg.stages
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mQs: cute.Tensor,
+                 mKs: cute.Tensor, mVs: cute.Tensor, mKsum: cute.Tensor, mO: cute.Tensor,
+                 mQin: cute.Tensor, mLse: cute.Tensor, mCu: cute.Tensor, used: Int32, total: Int32,
+                 rows: Int32, qk_scale: Float32, grid_m: Int32, nseg: Int32, nheads: Int32,
+                 stream: cuda.CUstream):
+        D = self.D
+        row_major = utils.LayoutEnum.ROW_MAJOR
+        # S = Q K^T: A = Q tile (M=128 rows, K=D), B = K tile (N=128 keys, K=D), int32 accumulator
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            cutlass.Int8, cutlass.Int8, row_major.sm90_mma_major_mode(), row_major.sm90_mma_major_mode(),
+            Int32, (2, 1, 1), (64, BLOCK_N))
+        # O += P V: A = P from registers (M=128, K=128 keys), B = V^T tile (N=D, K=128 keys)
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, row_major.sm90_mma_major_mode(),
+            row_major.sm90_mma_major_mode(), Float32, (2, 1, 1), (64, D), warpgroup.OperandSource.RMEM)
+        tile_qk = (BLOCK_M, BLOCK_N, D)
+        tile_pv = (BLOCK_M, D, BLOCK_N)
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, tile_qk, cutlass.Int8, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(row_major, tile_qk, cutlass.Int8, self.stages)
+        sV_layout = sm90_utils.make_smem_layout_b(row_major, tile_pv, cutlass.Float8E4M3FN, self.stages)
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(sQ_layout, (None, None, 0)), (BLOCK_M, D))
+        tma_k, tK = cpasync.make_tiled_tma_atom(op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLOCK_N, D))
+        tma_v, tV = cpasync.make_tiled_tma_atom(op, mVt, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK_N))
+        self.q_bytes = cute.size_in_bytes(cutlass.Int8, cute.slice_(sQ_layout, (None, None, 0)))
+        self.k_bytes = cute.size_in_bytes(cutlass.Int8, cute.slice_(sK_layout, (None, None, 0)))
+        self.v_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(sV_layout, (None, None, 0)))
+
+        @cute.struct
+        class Storage:
+            bar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            bar_k: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            bar_v: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sV_layout)], 1024]
+
+        self.storage = Storage
+        self.kernel(mma_qk, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+                    mQs, mKs, mVs, mKsum, mO, mQin, mLse, mCu, used, total, rows, qk_scale).launch(
+            grid=[grid_m, nseg, nheads], block=[384, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tma_q: cute.CopyAtom, tQ: cute.Tensor,
+               tma_k: cute.CopyAtom, tK: cute.Tensor, tma_v: cute.CopyAtom, tV: cute.Tensor,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               mQs: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor, mKsum: cute.Tensor, mO: cute.Tensor,
+               mQin: cute.Tensor, mLse: cute.Tensor, mCu: cute.Tensor, used: Int32, total: Int32,
+               rows: Int32, qk_scale: Float32):
+        D = self.D
+        tidx, _, _ = cute.arch.thread_idx()
+        mb, seg, h = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # the segment's source rows [lo, lo + L) and its first row in the padded row space
+        lo = Int32(0)
+        L = total
+        Lk = cutlass.min(total, used)  # dense: keys [used, T) are not attended (ring pieces)
+        pst = ((total + numerics.PAD - 1) // numerics.PAD) * numerics.PAD * seg
+        if const_expr(not self.dense):
+            lo = Int32(mCu[seg])
+            hi = cutlass.min(Int32(mCu[seg + 1]), used)
+            lo = cutlass.min(lo, hi)
+            L = hi - lo
+            Lk = L
+            pst = ((lo + numerics.PAD - 1) // numerics.PAD) * numerics.PAD + numerics.PAD * seg
+        if mb * BLOCK_M < L:
+            self._tile(mma_qk, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+                       mQs, mKs, mVs, mKsum, mO, mQin, mLse, tidx, warp_idx, mb, seg, h, lo, L, Lk, pst,
+                       rows, qk_scale)
+
+    @cute.jit
+    def _tile(self, mma_qk, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+              mQs, mKs, mVs, mKsum, mO, mQin, mLse, tidx, warp_idx, mb, seg, h, lo, L, Lk, pst, rows,
+              qk_scale):
+        D = self.D
+        smem = utils.SmemAllocator()
+        st = smem.allocate(self.storage)
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)  # the 8 consumer warps
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bar_q.data_ptr(), num_stages=1, producer_group=one,
+            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bar_k.data_ptr(), num_stages=self.stages, producer_group=one,
+            consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bar_v.data_ptr(), num_stages=self.stages, producer_group=one,
+            consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (128, D, 1)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, D, stages)
+        sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (D, 128, stages)
+
+        n_full = Lk // BLOCK_N
+        lim = Lk - n_full * BLOCK_N
+        n_blocks = n_full + (1 if lim > 0 else 0)
+        blk0 = (h * rows + pst) // BLOCK_N  # the segment's first 128-row block in [H * R, D]
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_q)
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+                gQ = cute.local_tile(tQ, (BLOCK_M, D), (None, 0))  # (128, D, H * R / 128)
+                gK = cute.local_tile(tK, (BLOCK_N, D), (None, 0))  # (128, D, H * R / 128)
+                gV = cute.local_tile(tV, (D, BLOCK_N), (None, None))  # (D, 128, H, R / 128)
+                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                 cute.group_modes(gQ, 0, 2))
+                tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                 cute.group_modes(gK, 0, 2))
+                tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                 cute.group_modes(gV, 0, 2))
+                state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                pipe_q.producer_acquire(state_q)
+                cute.copy(tma_q, tQg[None, blk0 + mb], tQs[None, 0],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                for j in cutlass.range(n_blocks, unroll=1):
+                    pipe_k.producer_acquire(state)
+                    cute.copy(tma_k, tKg[None, blk0 + j], tKs[None, state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                    pipe_v.producer_acquire(state)
+                    cute.copy(tma_v, tVg[None, h, pst // BLOCK_N + j], tVs[None, state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                    state.advance()
+                pipe_k.producer_tail(state)
+                pipe_v.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            self._consume(mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO,
+                          mQin, mLse, tidx - 128, mb, seg, h, lo, L, pst, rows, n_full, lim, n_blocks,
+                          qk_scale)
+
+    @cute.jit
+    def _consume(self, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO, mQin,
+                 mLse, tidx, mb, seg, h, lo, L, pst, rows, n_full, lim, n_blocks, qk_scale):
+        D = self.D
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, D / 32, 1)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, D / 32, stages)
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, 1, 128 / 32, stages)
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BLOCK_N)))  # int32
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))  # fp32
+        acc_b = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))  # one block's P V
+        p8 = cute.make_rmem_tensor(_a_shape_of_acc(acc_s.shape, mma_pv.tv_layout_A.shape[1]),
+                                   cutlass.Float8E4M3FN)
+        p8_as_acc = cute.make_tensor(p8.iterator, acc_s.layout)
+        p8_words = cute.recast_tensor(p8, Uint32)
+        if const_expr(_DEBUG):
+            print("acc_s", acc_s.layout, "p8", p8.layout, "words", p8_words.layout, "tOrV", tOrV.layout,
+                  "tSrQ", tSrQ.layout, "acc_o", acc_o.layout, "tvA", mma_pv.tv_layout_A)
+        f_s = cute.recast_tensor(acc_s, Float32)
+        # (row, column) of each accumulator element within the CTA tile
+        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
+
+        # per row (two per thread: values v with (v // 2) % 2 == r): Q's scale, running max, sum
+        qs = cute.make_rmem_tensor((2,), Float32)
+        m_i = cute.make_rmem_tensor((2,), Float32)
+        l_i = cute.make_rmem_tensor((2,), Float32)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        qrow0 = h * rows + pst + mb * BLOCK_M
+        for r in cutlass.range_constexpr(2):
+            qs[r] = Float32(mQs[qrow0 + cS[2 * r][0]])
+            m_i[r] = -Float32.inf
+            l_i[r] = Float32(0.0)
+        acc_o.fill(0.0)
+        ks_row = (h * rows + pst) // BLOCK_N
+
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(state_q)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        mma = (mma_qk, mma_pv, tSrQ, tSrK, tOrV, acc_s, acc_b, p8)
+        if const_expr(self.cfg.overlap):
+            alpha_prev = cute.make_rmem_tensor((2,), Float32)
+            self._turn_init()
+            # block 0: S, softmax, P (its P V is issued with the next block's S)
+            self._issue_qk(pipe_k, state, mma, sync_turn=False)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            self._softmax(f_s, cS, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, 0 == n_full, lim)
+            self._to_p8(f_s, p8_as_acc, p8_words)
+            for j in cutlass.range(1, n_blocks, unroll=1):
+                state_v = state.clone()
+                state = _advanced(state)
+                self._issue_qk(pipe_k, state, mma, sync_turn=True)
+                self._issue_pv(pipe_v, state_v, mma)
+                self._turn_pass()
+                warpgroup.wait_group(1)  # S of block j is in
+                pipe_k.consumer_release(state)
+                self._softmax(f_s, cS, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, j == n_full, lim)
+                warpgroup.wait_group(0)  # P V of block j - 1 is in: its P registers are free
+                pipe_v.consumer_release(state_v)
+                for v in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[v] = acc_o[v] * alpha_prev[(v // 2) % 2] + acc_b[v]
+                alpha_prev[0] = alpha[0]
+                alpha_prev[1] = alpha[1]
+                self._to_p8(f_s, p8_as_acc, p8_words)
+            self._issue_pv(pipe_v, state, mma)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+            for v in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[v] = acc_o[v] * alpha_prev[(v // 2) % 2] + acc_b[v]
+        else:
+            for j in cutlass.range(n_blocks, unroll=1):
+                self._issue_qk(pipe_k, state, mma, sync_turn=False)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                self._softmax(f_s, cS, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, j == n_full, lim)
+                self._to_p8(f_s, p8_as_acc, p8_words)
+                self._issue_pv(pipe_v, state, mma)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state)
+                for v in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[v] = acc_o[v] * alpha[(v // 2) % 2] + acc_b[v]
+                state = _advanced(state)
+        self._epilogue(acc_o, cO, m_i, l_i, mVs, mKsum, mO, mQin, mLse, seg, h, lo, L, mb, qk_scale)
+
+    @cute.jit
+    def _issue_qk(self, pipe_k, state, mma, sync_turn: cutlass.Constexpr):
+        """Waits for K's slot and issues S = Q K^T on top of MAGIC_I (the accumulator's bits then
+        read as the float MAGIC_F + s); does not wait for the result."""
+        mma_qk, _, tSrQ, tSrK, _, acc_s, _, _ = mma
+        pipe_k.consumer_wait(state)
+        if const_expr(sync_turn):
+            self._turn_wait()
+        acc_s.fill(numerics.MAGIC_I)
+        warpgroup.fence()
+        atom = cute.make_mma_atom(mma_qk.op)  # a fresh atom per call: its fields never outlive a loop body
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(atom, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, state.index], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_pv(self, pipe_v, state, mma):
+        """Waits for V^T's slot and issues acc_b = P V (a fresh accumulator); does not wait."""
+        _, mma_pv, _, _, tOrV, _, acc_b, p8 = mma
+        pipe_v.consumer_wait(state)
+        warpgroup.fence()
+        atom = cute.make_mma_atom(mma_pv.op)
+        for k in cutlass.range_constexpr(cute.size(p8, mode=[2])):
+            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom, acc_b, p8[None, None, k], tOrV[None, None, k, state.index], acc_b)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _to_p8(self, f_s, p8_as_acc, p8_words):
+        """P -> e4m3 in the accumulator's order, then each pair of words renamed into the A
+        operand's bytes (V's keys are stored in the matching order: no shuffles)."""
+        p8_as_acc.store(f_s.load().to(cutlass.Float8E4M3FN))
+        for w in cutlass.range_constexpr(0, cute.size(p8_words), 2):
+            w0 = p8_words[w]
+            w1 = p8_words[w + 1]
+            p8_words[w] = cute.arch.prmt(w0, w1, 0x5410)
+            p8_words[w + 1] = cute.arch.prmt(w0, w1, 0x7632)
+
+    # The two consumer warpgroups take turns issuing their MMAs: named barrier 1 + g is
+    # warpgroup g's turn (g = 0, 1); each waits on its own and, once its MMAs are issued, arrives
+    # on the other's. Warpgroup 0 opens by arriving on its own.
+    @cute.jit
+    def _wg(self):
+        tidx, _, _ = cute.arch.thread_idx()
+        return cute.arch.make_warp_uniform(tidx // 128 - 1)
+
+    @cute.jit
+    def _turn_init(self):
+        if self._wg() == 0:
+            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def _turn_wait(self):
+        cute.arch.barrier(barrier_id=1 + self._wg(), number_of_threads=256)
+
+    @cute.jit
+    def _turn_pass(self):
+        cute.arch.barrier_arrive(barrier_id=2 - self._wg(), number_of_threads=256)
+
+    @cute.jit
+    def _softmax(self, f_s, cS, qs, ks, m_i, l_i, alpha, masked, lim):
+        """Online softmax of one block in place: f_s (floats MAGIC_F + s) becomes
+        p = 2 ** (s * rs - m + LOG2_PSCALE); updates m_i, l_i (per-thread partial sums), alpha."""
+        n = cute.size(f_s)
+        if masked:
+            for v in cutlass.range_constexpr(n):
+                if cS[v][1] >= lim:
+                    f_s[v] = -Float32.inf
+        for r in cutlass.range_constexpr(2):
+            rs = qs[r] * ks
+            mx = f_s[2 * r]
+            for i in cutlass.range_constexpr(n // 4):
+                for e in cutlass.range_constexpr(2):
+                    mx = cute.arch.fmax(mx, f_s[e + 2 * r + 4 * i])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            m_new = cute.arch.fmax(m_i[r], (mx - numerics.MAGIC_F) * rs)
+            bias = numerics.MAGIC_F * rs + m_new - numerics.LOG2_PSCALE
+            alpha[r] = cute.math.exp2(m_i[r] - m_new, fastmath=True)
+            s = Float32(0.0)
+            for i in cutlass.range_constexpr(n // 4):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * i
+                    p = cute.math.exp2(f_s[v] * rs - bias, fastmath=True)
+                    f_s[v] = p
+                    s = s + p
+            l_i[r] = l_i[r] * alpha[r] + s
+            m_i[r] = m_new
+
+    @cute.jit
+    def _epilogue(self, acc_o, cO, m_i, l_i, mVs, mKsum, mO, mQin, mLse, seg, h, lo, L, mb, qk_scale):
+        """out = acc / l * vscale (rows < L); with the LSE, the natural log of each row's sum with
+        K's smoothing undone (+ qk_scale * q . mean(K))."""
+        D = self.D
+        b = seg if const_expr(self.dense) else 0
+        for r in cutlass.range_constexpr(2):
+            l_i[r] = l_i[r] + cute.arch.shuffle_sync_bfly(l_i[r], offset=1)
+            l_i[r] = l_i[r] + cute.arch.shuffle_sync_bfly(l_i[r], offset=2)
+        for v in cutlass.range_constexpr(cute.size(acc_o)):
+            row = mb * BLOCK_M + cO[v][0]
+            col = cO[v][1]
+            if row < L:
+                o = acc_o[v] / l_i[(v // 2) % 2] * Float32(mVs[seg, h, col])
+                mO[b, lo + row, h, col] = o.to(mO.element_type)
+        if const_expr(self.with_lse):
+            inv_len = Float32(1.0) / Float32(cutlass.max(L, 1))
+            for r in cutlass.range_constexpr(2):
+                row = mb * BLOCK_M + cO[2 * r][0]
+                # this thread's quarter of q . mean(K): columns of its accumulator values
+                part = Float32(0.0)
+                if row < L:
+                    for v in cutlass.range_constexpr(cute.size(acc_o)):
+                        if (v // 2) % 2 == r:
+                            col = cO[v][1]
+                            part = part + Float32(mQin[b, lo + row, h, col]) * Float32(mKsum[seg, h, col])
+                part = part + cute.arch.shuffle_sync_bfly(part, offset=1)
+                part = part + cute.arch.shuffle_sync_bfly(part, offset=2)
+                if row < L:
+                    if tidx_in_quad() == 0:
+                        lse = (m_i[r] + cute.math.log2(l_i[r], fastmath=False) - numerics.LOG2_PSCALE) * _LN2
+                        mLse[b, h, lo + row] = lse + part * inv_len * qk_scale
+
+
+@cute.jit
+def _advanced(state):
+    """A copy of the pipeline ``state`` one slot on (rebound by callers, so loops carry it)."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
+
+
+@cute.jit
+def tidx_in_quad():
+    tidx, _, _ = cute.arch.thread_idx()
+    return tidx % 4
+
+
+_CACHE: dict = {}
+_COMPILE_SECONDS: dict = {}
+
+
+def _dyn(t: torch.Tensor, align: int = 16):
+    """``t`` as a CuTe tensor with dynamic shape and strides (fp8 through a uint8 view)."""
+    if t.dtype == torch.float8_e4m3fn:
+        ct = from_dlpack(t.view(torch.uint8), assumed_align=align)
+        ct.element_type = cutlass.Float8E4M3FN
+    else:
+        ct = from_dlpack(t, assumed_align=align)
+    return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def compile_seconds() -> dict:
+    """Seconds each configuration took to JIT-compile in this process, keyed as the cache is."""
+    return dict(_COMPILE_SECONDS)
+
+
+def compiled(key, args):
+    """The compiled kernel for ``key`` = (head_dim, dense, with_lse, out dtype, config), compiling
+    it on first use with ``args`` (CuTe tensors and scalars of a real call)."""
+    fn = _CACHE.get(key)
+    if fn is None:
+        D, dense, with_lse, _, cfg = key
+        t0 = time.perf_counter()
+        fn = cute.compile(_Sage8Cute(D, dense, with_lse, cfg), *args)
+        _COMPILE_SECONDS[key] = time.perf_counter() - t0
+        _CACHE[key] = fn
+    return fn
+
+
+def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+              softmax_scale: float, cfg: CuteConfig) -> None:
+    """Launches the CuTe loop on ``qz``; writes ``out`` ([B, T, H, D] view) and, when given,
+    ``lse`` ([B, H, T] fp32, natural log). ``q`` is the caller's query (read for the LSE only)."""
+    lay = qz.layout
+    assert qz.kblock == BLOCK_N and qz.v_order == V_ORDER and numerics.PAD % BLOCK_M == 0
+    H, R, D = qz.qi8.shape
+    dummy = qz.qscale
+    lse_t = lse if lse is not None else dummy.view(1, 1, -1)
+    cu = qz.qscale if lay.dense else lay.cu
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    args = [_dyn(qz.qi8.view(H * R, D)), _dyn(qz.ki8.view(H * R, D)), _dyn(qz.vt8.view(H * D, R)),
+            _dyn(qz.qscale.view(-1), 4), _dyn(qz.kscale.view(-1), 4), _dyn(qz.vscale, 4), _dyn(qz.ksum, 4),
+            _dyn(out, 2), _dyn(q, 2), _dyn(lse_t, 4), _dyn(cu, 4),
+            Int32(lay.used), Int32(lay.total), Int32(R), Float32(softmax_scale),
+            Int32(-(-lay.max_seqlen // BLOCK_M)), Int32(lay.nseg), Int32(H), stream]
+    key = (D, lay.dense, lse is not None, out.dtype, cfg)
+    compiled(key, args)(*args)
