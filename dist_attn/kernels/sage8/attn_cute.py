@@ -360,8 +360,8 @@ class _Sage8Cute:
         for w in cutlass.range_constexpr(0, cute.size(p8_words), 2):
             w0 = p8_words[w]
             w1 = p8_words[w + 1]
-            p8_words[w] = cute.arch.prmt(w0, w1, 0x5410)
-            p8_words[w + 1] = cute.arch.prmt(w0, w1, 0x7632)
+            p8_words[w] = cute.arch.prmt(w0, w1, numerics.P8_PRMT[0])
+            p8_words[w + 1] = cute.arch.prmt(w0, w1, numerics.P8_PRMT[1])
 
     # The two consumer warpgroups take turns issuing their MMAs: named barrier 1 + g is
     # warpgroup g's turn (g = 0, 1); each waits on its own and, once its MMAs are issued, arrives

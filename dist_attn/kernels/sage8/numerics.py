@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "MMA_ACC_BITS", "MMA_K_STEP",
+__all__ = ["P8_PRMT", "PAD", "INT8_MAX", "FP8_MAX", "LOG2_PSCALE", "MAGIC_I", "MAGIC_F", "MMA_ACC_BITS", "MMA_K_STEP",
            "V_KEY_ORDERS", "mma_key_order", "padded_rows"]
 
 #: Row alignment of every segment in the quantized buffers, a multiple of every block size: every
@@ -44,6 +44,12 @@ MMA_K_STEP = 32
 #: 16. With V stored in "mma" order, P goes from the one layout to the other by renaming columns
 #: inside each thread (``attn_triton``): no shuffles between lanes. The Gluon loop reads "keys".
 V_KEY_ORDERS = ("keys", "mma")
+
+
+#: PRMT selectors that turn two words of e4m3 P in the fp32 accumulator's order (word i: columns
+#: 8 i + 2 t + {0, 1} of rows g and g + 8) into the A operand's words of rows g and g + 8 (columns
+#: 4 t + 0..3 of a 16-column half), with V's keys in "mma" order (the CuTe loop, attn_cute)
+P8_PRMT = (0x5410, 0x7632)
 
 
 def mma_key_order(n: int) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""The CuTe DSL sage8 loop's Python side on a CPU: the register renaming of P against V's key order,
+argument checks, the backend's refusals and messages. Its GPU behaviour is in test_kernel_sage8.py
+(parametrized over every impl) and benchmarks/dev/sage8_cute_check.py."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dist_attn import backends
+from dist_attn.kernels.sage8 import api, numerics, sage8_dense
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte k of the result is byte (sel >> 4k) & 7 of b:a."""
+    src = a | (b << 32)
+    return sum(((src >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+
+
+@pytest.mark.parametrize("n", [32, 128])
+def test_p_renamed_by_prmt_meets_v_in_mma_order(n):
+    # For every lane t of a quad and row half r: the accumulator holds P's columns 8 i + 2 t + e
+    # (word i: bytes (e, r) = (0,0), (1,0), (0,1), (1,1)); after the two PRMTs of each word pair,
+    # A-operand word (r, h, k) byte b sits at operand column 32 k + 16 h + 4 t + b, which V^T's
+    # "mma" order fills with key perm[column]. The key in that byte must be exactly that key.
+    perm = numerics.mma_key_order(n)
+    for t in range(4):
+        # each byte encodes its key within the 32-key step and its row half: 1 + key % 32 + 64 row
+        words = []
+        for i in range(n // 8):
+            cols = [(8 * i + 2 * t + e) % 32 for e in (0, 1)]
+            bytes_ = [1 + cols[0], 1 + cols[1], 65 + cols[0], 65 + cols[1]]  # rows r=0 then r=1
+            words.append(sum(v << (8 * k) for k, v in enumerate(bytes_)))
+        out = []
+        for m in range(0, len(words), 2):
+            out += [_prmt(words[m], words[m + 1], sel) for sel in numerics.P8_PRMT]
+        for w, word in enumerate(out):
+            r, h, k = w % 2, (w // 2) % 2, w // 4
+            for b in range(4):
+                val = ((word >> (8 * b)) & 0xFF) - 1
+                key, row = 32 * k + val % 64, val // 64
+                column = 32 * k + 16 * h + 4 * t + b
+                assert row == r and key == perm[column].item(), (t, w, b, key, row, perm[column].item())
+
+
+def test_cute_impl_is_registered_and_says_what_it_needs_on_a_cpu():
+    be = backends.get_backend("sage8_cute")
+    assert be.impl == "cute" and not be.exact and be.supports_lse
+    q = torch.empty(1, 4, 2, 128, dtype=torch.bfloat16)
+    reason = be.unsupported_reason(q)
+    assert reason is not None and "sage8_cute" in reason and "CUDA GPU" in reason
+    assert "cute" in api.IMPLS
+    # the Triton and Gluon loops still do not return an LSE for unequal q/k lengths
+    assert not backends.get_backend("sage8").supports_lse
+
+
+def test_missing_cute_dsl_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("cutlass") else real(name, *a))
+    msg = api._cute_missing()
+    assert msg is not None and "pip install -e '.[cute]'" in msg and "nvidia-cutlass-dsl" in msg
+
+
+@pytest.mark.parametrize("kv_len,impl", [(0, "cute"), (9, "cute"), (4, "triton")])
+def test_kv_len_is_checked_before_anything_runs(kv_len, impl):
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises((ValueError, RuntimeError), match="kv_len|CUDA|interpreter") as err:
+        sage8_dense(q, q, q, impl=impl, kv_len=kv_len)
+    if impl == "triton":
+        assert "kv_len" in str(err.value) or "interpreter" in str(err.value)
+
+
+def test_unequal_lengths_without_the_cute_loop_say_which_backend_does():
+    be = backends.get_backend("sage8")
+    q = torch.zeros(1, 8, 2, 128)
+    k = torch.zeros(1, 6, 2, 128)
+    with pytest.raises(ValueError, match="sage8_cute"):
+        be.dense_lse(q, k, k, softmax_scale=0.1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (the cute extra) is not installed")
+def test_config_rules():
+    from dist_attn.kernels.sage8.attn_cute import CuteConfig
+    with pytest.raises(ValueError, match="stages"):
+        CuteConfig(stages=1)
+    with pytest.raises(ValueError, match="65,536"):
+        CuteConfig(consumer_regs=256, producer_regs=256)
