@@ -279,6 +279,10 @@ class _Sage8Cute:
         pipe_q.consumer_wait(state_q)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         mma = (mma_qk, mma_pv, tSrQ, tSrK, tOrV, acc_s, acc_b, p8)
+        # this thread's first score column; its columns 8 i + e past `rem` are padding keys
+        rem = lim - 2 * (tidx % 4)
+        st = (mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o,
+              acc_b, rem)
         if const_expr(self.cfg.overlap):
             alpha_prev = cute.make_rmem_tensor((2,), Float32)
             self._turn_init()
@@ -286,42 +290,25 @@ class _Sage8Cute:
             self._issue_qk(pipe_k, state, mma, sync_turn=False)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            self._softmax(f_s, cS, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, 0 == n_full, lim)
+            if n_full == 0:
+                self._softmax(f_s, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, True, rem)
+            else:
+                self._softmax(f_s, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, False, rem)
             self._to_p8(f_s, p8_as_acc, p8_words)
-            for j in cutlass.range(1, n_blocks, unroll=1):
-                state_v = state.clone()
-                state = _advanced(state)
-                self._issue_qk(pipe_k, state, mma, sync_turn=True)
-                self._issue_pv(pipe_v, state_v, mma)
-                self._turn_pass()
-                warpgroup.wait_group(1)  # S of block j is in
-                pipe_k.consumer_release(state)
-                self._softmax(f_s, cS, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, j == n_full, lim)
-                warpgroup.wait_group(0)  # P V of block j - 1 is in: its P registers are free
-                pipe_v.consumer_release(state_v)
-                for v in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[v] = acc_o[v] * alpha_prev[(v // 2) % 2] + acc_b[v]
-                alpha_prev[0] = alpha[0]
-                alpha_prev[1] = alpha[1]
-                self._to_p8(f_s, p8_as_acc, p8_words)
+            for j in cutlass.range(1, n_full, unroll=1):
+                state = self._overlap_step(st, alpha_prev, state, j, False)
+            if lim > 0:
+                if n_full > 0:
+                    state = self._overlap_step(st, alpha_prev, state, n_full, True)
             self._issue_pv(pipe_v, state, mma)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
-            for v in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[v] = acc_o[v] * alpha_prev[(v // 2) % 2] + acc_b[v]
+            self._add_block(acc_o, alpha_prev, acc_b)
         else:
-            for j in cutlass.range(n_blocks, unroll=1):
-                self._issue_qk(pipe_k, state, mma, sync_turn=False)
-                warpgroup.wait_group(0)
-                pipe_k.consumer_release(state)
-                self._softmax(f_s, cS, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, j == n_full, lim)
-                self._to_p8(f_s, p8_as_acc, p8_words)
-                self._issue_pv(pipe_v, state, mma)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(state)
-                for v in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[v] = acc_o[v] * alpha[(v // 2) % 2] + acc_b[v]
-                state = _advanced(state)
+            for j in cutlass.range(n_full, unroll=1):
+                state = self._plain_step(st, state, j, False)
+            if lim > 0:
+                state = self._plain_step(st, state, n_full, True)
         self._epilogue(acc_o, cO, m_i, l_i, mVs, mKsum, mO, mQin, mLse, seg, h, lo, L, mb, qk_scale)
 
     @cute.jit
@@ -385,14 +372,57 @@ class _Sage8Cute:
         cute.arch.barrier_arrive(barrier_id=2 - self._wg(), number_of_threads=256)
 
     @cute.jit
-    def _softmax(self, f_s, cS, qs, ks, m_i, l_i, alpha, masked, lim):
+    def _overlap_step(self, st, alpha_prev, state, j, masked: cutlass.Constexpr):
+        """Block j: issue its S and the previous block's P V, softmax of j while P V runs, add
+        P V into the output. Returns the pipeline state of block j."""
+        mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        state_v = state.clone()
+        state = _advanced(state)
+        self._issue_qk(pipe_k, state, mma, sync_turn=True)
+        self._issue_pv(pipe_v, state_v, mma)
+        self._turn_pass()
+        warpgroup.wait_group(1)  # S of block j is in
+        pipe_k.consumer_release(state)
+        self._softmax(f_s, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, masked, rem)
+        warpgroup.wait_group(0)  # P V of block j - 1 is in: its P registers are free
+        pipe_v.consumer_release(state_v)
+        self._add_block(acc_o, alpha_prev, acc_b)
+        alpha_prev[0] = alpha[0]
+        alpha_prev[1] = alpha[1]
+        self._to_p8(f_s, p8_as_acc, p8_words)
+        return state
+
+    @cute.jit
+    def _plain_step(self, st, state, j, masked: cutlass.Constexpr):
+        """Block j with every wgmma waited for at once. Returns the next pipeline state."""
+        mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        self._issue_qk(pipe_k, state, mma, sync_turn=False)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        self._softmax(f_s, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, masked, rem)
+        self._to_p8(f_s, p8_as_acc, p8_words)
+        self._issue_pv(pipe_v, state, mma)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state)
+        self._add_block(acc_o, alpha, acc_b)
+        return _advanced(state)
+
+    @cute.jit
+    def _add_block(self, acc_o, alpha, acc_b):
+        """acc_o = acc_o * alpha (per row) + acc_b: one FFMA per element (the fp32 promotion)."""
+        for v in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[v] = acc_o[v] * alpha[(v // 2) % 2] + acc_b[v]
+
+    @cute.jit
+    def _softmax(self, f_s, qs, ks, m_i, l_i, alpha, masked: cutlass.Constexpr, rem):
         """Online softmax of one block in place: f_s (floats MAGIC_F + s) becomes
-        p = 2 ** (s * rs - m + LOG2_PSCALE); updates m_i, l_i (per-thread partial sums), alpha."""
+        p = 2 ** (s * rs - m + LOG2_PSCALE); updates m_i, l_i (per-thread partial sums), alpha.
+        ``masked``: the segment's last, partial block: columns past ``rem`` get p = 0."""
         n = cute.size(f_s)
-        if masked:
+        if const_expr(masked):
             for v in cutlass.range_constexpr(n):
-                if cS[v][1] >= lim:
-                    f_s[v] = -Float32.inf
+                off = 8 * (v // 4) + v % 2  # column of value v (e, r, i) past the thread's first
+                f_s[v] = cutlass.select_(Int32(off) >= rem, -Float32.inf, f_s[v])
         for r in cutlass.range_constexpr(2):
             rs = qs[r] * ks
             mx = f_s[2 * r]
@@ -423,11 +453,14 @@ class _Sage8Cute:
         for r in cutlass.range_constexpr(2):
             l_i[r] = l_i[r] + cute.arch.shuffle_sync_bfly(l_i[r], offset=1)
             l_i[r] = l_i[r] + cute.arch.shuffle_sync_bfly(l_i[r], offset=2)
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            inv[r] = Float32(1.0) / l_i[r]
         for v in cutlass.range_constexpr(cute.size(acc_o)):
             row = mb * BLOCK_M + cO[v][0]
             col = cO[v][1]
             if row < L:
-                o = acc_o[v] / l_i[(v // 2) % 2] * Float32(mVs[seg, h, col])
+                o = acc_o[v] * inv[(v // 2) % 2] * Float32(mVs[seg, h, col])
                 mO[b, lo + row, h, col] = o.to(mO.element_type)
         if const_expr(self.with_lse):
             inv_len = Float32(1.0) / Float32(cutlass.max(L, 1))
