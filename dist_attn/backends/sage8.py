@@ -25,6 +25,13 @@ __all__ = ["Sage8Backend", "SAGE8_IMPL"]
 SAGE8_IMPL = "triton"
 
 
+def _rows_to(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` ([B, n, H, D]) with zero rows appended up to ``rows`` (``t`` itself when n == rows)."""
+    if t.shape[1] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((t.shape[0], rows - t.shape[1], *t.shape[2:]))], dim=1)
+
+
 class Sage8Backend(AttentionBackend):
     """INT8 Q/K with smoothed K, FP8 P and V, fp32 accumulation (SageAttention 2's recipe)."""
 
@@ -67,8 +74,7 @@ class Sage8Backend(AttentionBackend):
         # smoothing, which the LSE undoes with the same mean, nor V's channel scales).
         lq, lk = q.shape[1], k.shape[1]
         T = max(lq, lk)
-        pad = lambda t: t if t.shape[1] == T else torch.cat([t, t.new_zeros((t.shape[0], T - t.shape[1], *t.shape[2:]))], 1)
-        out, lse = ops.dense_lse_kv(pad(q), pad(k), pad(v), softmax_scale, self.impl, lk)
+        out, lse = ops.dense_lse_kv(_rows_to(q, T), _rows_to(k, T), _rows_to(v, T), softmax_scale, self.impl, lk)
         return out[:, :lq], lse[:, :, :lq]
 
     @property

@@ -5,6 +5,7 @@ argument checks, the backend's refusals and messages. Its GPU behaviour is in te
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -88,3 +89,69 @@ def test_config_rules():
         CuteConfig(stages=1)
     with pytest.raises(ValueError, match="65,536"):
         CuteConfig(consumer_regs=256, producer_regs=256)
+
+
+def _ref_lse(q, k, v, scale, kv_len=None):
+    """float64 attention of [B, T, H, D] over keys [0, kv_len): (out [B, T, H, D], lse [B, H, T])."""
+    kv_len = k.shape[1] if kv_len is None else kv_len
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k[:, :kv_len], v[:, :kv_len]))
+    s = qd @ kd.transpose(-1, -2) * scale
+    return (torch.softmax(s, -1) @ vd).transpose(1, 2), torch.logsumexp(s, -1)
+
+
+def test_unequal_ring_pieces_are_padded_and_cut_back(monkeypatch):
+    # The backend's side of a ring piece (Lq != Lk): q, k, v padded with zero rows to one length,
+    # the kernel told to attend keys [0, Lk), the result cut to Lq rows. The kernel is replaced by
+    # the float64 reference honouring kv_len (the real one needs a GPU: the GPU test below).
+    from dist_attn.backends import sage8 as sage8_backend
+    seen = {}
+
+    def fake_kernel(q, k, v, scale, impl, kv_len):
+        seen.update(T=q.shape[1], kv_len=kv_len, zero_tail=bool((k[:, kv_len:] == 0).all()))
+        out, lse = _ref_lse(q, k, v, scale, kv_len)
+        return out.to(q.dtype), lse.float()
+
+    monkeypatch.setattr(sage8_backend.ops, "dense_lse_kv", fake_kernel)
+    be = backends.get_backend("sage8_cute")
+    g = torch.Generator().manual_seed(0)
+    for lq, lk in ((7, 5), (5, 9)):
+        q = torch.randn(2, lq, 3, 16, generator=g)
+        k, v = torch.randn(2, lk, 3, 16, generator=g), torch.randn(2, lk, 3, 16, generator=g)
+        out, lse = be.dense_lse(q, k, v, softmax_scale=0.25)
+        ref, lref = _ref_lse(q, k, v, 0.25)
+        assert out.shape == q.shape and lse.shape == (2, 3, lq)
+        assert seen == {"T": max(lq, lk), "kv_len": lk, "zero_tail": True}
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.double(), lref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU of compute capability 9.0")
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (the cute extra) is not installed")
+@pytest.mark.parametrize("ring", [2, 3])
+def test_ring_pieces_merged_by_their_lse_match_float64(ring):
+    # A ring of R chunks on one GPU: every (query chunk, key chunk) piece through the backend's
+    # dense_lse (unequal lengths: the last chunk is shorter), merged by ring.merge_partial. The
+    # merged error against float64 stays within 10% of one sage8_cute call on the whole sequence.
+    from dist_attn.ring import merge_partial
+    be = backends.get_backend("sage8_cute")
+    g = torch.Generator(device="cuda").manual_seed(ring)
+    T, H, D = 2000, 4, 128
+    q, k, v = (torch.randn(1, T, H, D, generator=g, device="cuda") for _ in range(3))
+    k += 0.5
+    v += torch.rand(H, D, generator=g, device="cuda")
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    scale = 1 / math.sqrt(D)
+    ref, lref = _ref_lse(q, k, v, scale)
+    whole, lwhole = be.dense_lse(q, k, v, softmax_scale=scale)
+    bounds = [(T * i // ring, T * (i + 1) // ring) for i in range(ring)]
+    bounds[-1] = (bounds[-1][0], T)
+    acc = torch.zeros(1, T, H, D, device="cuda")
+    acc_lse = torch.full((1, T, H), float("-inf"), device="cuda")
+    for qa, qb in bounds:
+        for ka, kb in bounds:
+            part, lse = be.dense_lse(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], softmax_scale=scale)
+            merge_partial(acc, acc_lse, part, lse, (qa, qb))
+    err = lambda o: ((o.double() - ref).norm() / ref.norm()).item()
+    assert acc.isfinite().all() and err(acc) <= 1.1 * err(whole) + 1e-4, (err(acc), err(whole))
+    assert (acc_lse.transpose(1, 2).double() - lref).abs().max() < 0.05
+    assert (lwhole.double() - lref).abs().max() < 0.05
