@@ -276,3 +276,23 @@ def test_errors_name_the_section_the_loader_reads():
     from dist_attn.serve.config.fields import SECTIONS
 
     assert SECTIONS == {cls.__name__: name for name, cls in load._SECTIONS.items()}
+
+
+def test_an_integer_too_long_for_python_names_its_field(tmp_path):
+    """tomllib's int() refuses more than 4300 digits (Python's limit); its ValueError named no
+    field, from --set or from the file."""
+    from dist_attn.serve.launch import cli as launcher
+
+    long = "9" * 5000
+    args = launcher.build_parser().parse_args(["--set", f"serve.port={long}"])
+    with pytest.raises(ValueError, match=r"^--set serve.port=<an integer of 5000 digits>: "
+                                         r"Exceeds the limit \(4300 digits\)"):
+        launcher.config_from_args(args)
+    with open(TINY_TOML, encoding="utf-8") as f:
+        tiny = f.read()
+    bad = tmp_path / "long.toml"
+    bad.write_text(tiny.replace("max_int_digits = 20", f"max_int_digits = {long}"))
+    line = bad.read_text().splitlines().index(f"max_int_digits = {long}") + 1
+    with pytest.raises(ValueError, match=rf"long.toml: \[serve\] max_int_digits \(line {line}\) "
+                                         r"holds an integer of 5000 digits: Exceeds the limit"):
+        load_config(bad)

@@ -267,6 +267,17 @@ def test_a_limit_of_non_ascii_digits_is_400(api):
     assert api.call("GET", "/v1/videos?limit=3")[0] == 200
 
 
+def test_a_limit_of_4301_digits_is_400_naming_limit(api):
+    """Python's int() refuses more than 4300 digits: ?limit=<4301 digits> answered 500 and
+    logged a traceback per request. Leading zeros do not make a small limit long."""
+    for raw in ("1" * 4301, "9" * 50):
+        status, answer, _ = api.call("GET", f"/v1/videos?limit={raw}")
+        assert status == 400, answer
+        assert answer["error"]["message"] == (f"limit='{raw}' must be an integer in [1, 100] "
+                                              "(ASCII digits)")
+    assert api.call("GET", "/v1/videos?limit=" + "0" * 5000 + "7")[0] == 200
+
+
 def test_duplicate_json_keys_are_400_naming_the_key(api):
     """json.loads kept the last of a repeated key: {"steps": 1000, "steps": 2} was a 202."""
     body = b'{"prompt": "a fox", "steps": 1000, "steps": 2}'

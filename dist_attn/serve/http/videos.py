@@ -77,6 +77,19 @@ class _FileResponse(FileResponse):
         await answer(scope, receive, send)
 
 
+def _bounded_int(raw: str, lo: int, hi: int) -> int | None:
+    """``raw`` as an integer in [lo, hi] (0 <= lo), or None. ASCII digits only: str.isdigit()
+    accepts '\u00b2', which int() refuses; and no int() of more digits than ``hi`` has, which
+    Python refuses past 4300 digits (both answered 500)."""
+    if not (raw.isascii() and raw.isdigit()):
+        return None
+    digits = raw.lstrip("0") or "0"
+    if len(digits) > len(str(hi)):
+        return None
+    value = int(digits)
+    return value if lo <= value <= hi else None
+
+
 def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any]:
     """The client's view of a job."""
     now = time.time()
@@ -196,8 +209,8 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             return denied
         q = request.query_params
         raw = q.get("limit", "20")
-        # ASCII digits only: str.isdigit() accepts '²', which int() refuses (a 500: issue 24).
-        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= _MAX_LIST:
+        limit = _bounded_int(raw, 1, _MAX_LIST)
+        if limit is None:
             return fail(400, f"limit={raw!r} must be an integer in [1, {_MAX_LIST}] (ASCII "
                              "digits)")
         which = q.get("status")
@@ -213,7 +226,6 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             if anchor is None:
                 return fail(400, f"before={before!r} is not a video job id")
             before_seq = anchor.seq
-        limit = int(raw)
         found = await run_in_threadpool(jobs.store.list, limit=limit + 1, status=wanted,
                                         before_seq=before_seq)
 

@@ -19,7 +19,6 @@ import argparse
 import logging
 import os
 import sys
-import tomllib
 from typing import Any, NoReturn
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
@@ -124,17 +123,10 @@ def _block_linears(cfg: Any, dtype: Any) -> str:
 def config_from_args(args: argparse.Namespace) -> Any:
     """The validated config: file (or embedded default), then --set, then dedicated flags."""
     from dist_attn.serve.config import apply_overrides, load_config
+    from dist_attn.serve.config.load import parse_override
 
     cfg = load_config(args.config)
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
-        try:
-            overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            overrides[key.strip()] = raw  # a bare word: take it as a string
+    overrides: dict[str, Any] = dict(parse_override(item) for item in args.set)
     for dest, key in _FLAG_FIELDS.items():
         value = getattr(args, dest)
         if value is not None:
