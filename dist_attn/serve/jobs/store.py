@@ -111,11 +111,16 @@ class JobStore:
 
     def __init__(self, directory: str) -> None:
         """Opens (or creates) the store; raises :class:`StoreError` naming the file and what to
-        do when it is not a readable SQLite database (a corrupt file gave a raw traceback on
-        every rank: issue 24), OSError when the directory cannot be made."""
+        do when it is not a readable SQLite database (a corrupt file, a directory: each gave a
+        raw traceback), OSError when the directory cannot be made."""
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.path = os.path.join(directory, STORE_NAME)
+        if os.path.isdir(self.path):  # sqlite3.connect raised a bare OperationalError
+            raise StoreError(503, f"{self.path} is a directory, not a SQLite job store file: "
+                                  "move it out of the output directory (the server then starts "
+                                  "with an empty job store) or choose another --output-dir",
+                             path=self.path)
         # isolation_level=None: autocommit; multi-statement changes use explicit BEGIN IMMEDIATE.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=30.0)
