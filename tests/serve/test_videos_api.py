@@ -232,6 +232,31 @@ def test_disk_errors_fail_the_job_alone(api, monkeypatch):
     assert api.call("GET", f"/v1/videos/{third['id']}")[1]["status"] == "succeeded"
 
 
+def test_a_failed_job_leaves_no_thumbnail(api, monkeypatch):
+    """The first frame's PNG is published before the MP4; when the MP4 then failed (a full
+    disk), the PNG stayed in videos/, never served and never removed."""
+    from dist_attn.serve.jobs import mp4
+
+    publish = mp4._publish
+
+    def no_space_for_mp4(tmp: str, path: str) -> None:
+        if path.endswith(".mp4"):
+            raise OSError(28, "No space left on device")
+        publish(tmp, path)
+
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+    monkeypatch.setattr(mp4, "_publish", no_space_for_mp4)
+    api.run_next()
+    failed = api.call("GET", f"/v1/videos/{job['id']}")[1]
+    assert failed["status"] == "failed" and "No space left" in failed["error"], failed
+    assert os.listdir(os.path.join(api.dir, "videos")) == []
+    monkeypatch.undo()
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+    api.run_next()  # a job that succeeds keeps both
+    assert sorted(os.listdir(os.path.join(api.dir, "videos"))) == [f"{job['id']}.mp4",
+                                                                   f"{job['id']}.png"]
+
+
 def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):
     """JSON may spell a lone surrogate ("\\ud800"); the pipeline's tokenizer raised on it and
     the client got a 500. The tiny pipeline's own tokenizer counts the text rows here."""

@@ -101,6 +101,18 @@ class VideoDrive:
         front.liveness.contact()
         self._record(record, outcome, time.perf_counter() - t0, mp4_rel, png_rel)
 
+    def _remove(self, *names: str) -> None:
+        """Deletes the files ``names`` (relative to the output directory) that exist: a job that
+        did not succeed keeps none."""
+        for name in names:
+            path = os.path.join(self.videos.output_dir, name)
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # rank 0 alone: logged, the job's end is still recorded
+                log.error("%s cannot be removed (%s)", path, e.strerror or e)
+
     def _record(self, record: JobRecord, outcome: VideoOutcome, total: float, mp4_rel: str,
                 png_rel: str) -> None:
         """Writes how the job ended (``total`` seconds after its VIDEO message) to the store and
@@ -121,6 +133,8 @@ class VideoDrive:
                 store.requeue(job_id, f"re-queued: the server was stopped after {done} of "
                                       f"{req.steps} steps")
             elif outcome.error is not None or outcome.file is None:
+                # the thumbnail is published before the MP4: a failed MP4 left it behind
+                self._remove(mp4_rel, png_rel)
                 store.fail(job_id, outcome.error or "no video was written", timings=timings)
                 metrics.video_finished(JobStatus.FAILED.value)
             else:
