@@ -344,6 +344,69 @@ def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
         api.close()
 
 
+def _fill_the_store(api) -> None:
+    """Caps the store's file at its current pages and fills them: every commit that needs a
+    page more then fails with SQLite's real SQLITE_FULL."""
+    from dist_attn.serve.jobs.store import StoreError
+    from dist_attn.serve.jobs.videos import parse_video_request
+
+    db = api.store._db
+    db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+    filler = parse_video_request(GOOD, RULES)
+    for _ in range(1000):
+        try:
+            api.store.submit(filler, max_queued=10_000)
+        except StoreError:
+            return
+    pytest.fail("the capped store never filled")
+
+
+def test_a_job_whose_end_cannot_be_stored_still_ends(tmp_path):
+    """With the disk full at a job's end, the job stayed 'running' forever (remaining_s frozen,
+    the metric counting it running) and its DELETE never completed, even once space returned.
+    The end is held in memory, shown to clients, and committed when the store can."""
+    api = _Api(tmp_path, max_queued=10_000)
+    try:
+        done = api.call("POST", "/v1/videos", GOOD)[1]["id"]
+        stopped = api.call("POST", "/v1/videos", {**GOOD, "steps": 40})[1]["id"]
+        first = api.store.start_next()  # run by hand: the store is full at its end
+        _fill_the_store(api)
+        api.rank0.video.run(first)
+        job = api.call("GET", f"/v1/videos/{done}")[1]
+        assert job["status"] == "succeeded" and job["progress"]["remaining_s"] == 0.0, job
+        assert api.call("GET", f"/v1/videos/{done}/content")[0] == 200
+        status, answer, _ = api.call("DELETE", f"/v1/videos/{done}")
+        assert status == 409 and "already succeeded" in answer["error"]["message"], answer
+        listed = api.call("GET", "/v1/videos?status=succeeded")[1]["data"]
+        assert [j["id"] for j in listed] == [done]
+        assert api.call("GET", "/v1/videos?status=running")[1]["data"] == []
+        samples = metric_samples(api.call("GET", "/metrics")[1].decode())
+        assert samples['dist_attn_video_jobs{status="running"}'] == 0
+        assert samples['dist_attn_video_jobs{status="succeeded"}'] == 1
+        api.store._db.execute("PRAGMA max_page_count = 1073741823")
+        api.store.flush()  # space again: the held end is committed
+        row = sqlite3.connect(api.store.path).execute(
+            "SELECT status FROM jobs WHERE id = ?", (done,)).fetchone()
+        assert row == ("succeeded",)
+        running = api.store.start_next()  # cancelled while it runs, the store full again
+        assert running.id == stopped
+        _fill_the_store(api)
+        api.runner.step_s = 0.05
+        t = threading.Thread(target=api.rank0.video.run, args=(running,))
+        t.start()
+        deadline = time.monotonic() + 10
+        while api.call("GET", f"/v1/videos/{stopped}")[1]["progress"]["step"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status, answer, _ = api.call("DELETE", f"/v1/videos/{stopped}")
+        assert status == 200 and answer["cancel_requested"], answer
+        t.join(10)
+        job = api.call("GET", f"/v1/videos/{stopped}")[1]
+        assert job["status"] == "cancelled" and "after" in job["error"], job
+    finally:
+        api.close()
+
+
 def test_range_errors_of_the_content_are_json(api):
     """Starlette answered an unsatisfiable Range with a 416 and an empty body, a malformed one
     with text/plain: every error is JSON, and counted."""

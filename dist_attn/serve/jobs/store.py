@@ -12,6 +12,10 @@ What the store promises (the server's restart semantics):
 - A clean shutdown that interrupts a running job puts it back in the queue without counting an
   attempt (:meth:`JobStore.requeue`): the job did not cause the stop.
 
+A job's end that cannot be committed (a full disk) is held in memory and read over its row by
+every read (:mod:`dist_attn.serve.jobs.ends`): clients see the job finished at once, and
+:meth:`JobStore.flush` commits it when the store can (before any job starts, and at close).
+
 Progress (step k of n) is not written per step (an fsync per step would cost ~10% of a tiny CPU
 step); the rank-0 loop keeps it in memory and the HTTP layer merges it into the answer.
 
@@ -30,16 +34,17 @@ instead of a generic 500.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
-from dist_attn.serve.jobs.records import JobRecord, JobStatus, Recovery, StoreError, new_job_id
+from dist_attn.serve.jobs.ends import HeldEnds, JobEnd
+from dist_attn.serve.jobs.records import (STORE_NAME, JobRecord, JobStatus, Recovery, StoreError,
+                                          new_job_id, store_errors as _store_errors)
 from dist_attn.serve.jobs.videos import VideoRequest
 
 __all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STORE_NAME",
@@ -47,8 +52,6 @@ __all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STOR
 
 log = logging.getLogger(__name__)
 
-#: The store's file name inside the output directory (WAL adds -wal and -shm beside it).
-STORE_NAME = "jobs.sqlite3"
 #: A job is started at most this many times; one more interruption while running fails it.
 MAX_ATTEMPTS = 2
 
@@ -74,38 +77,6 @@ CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
 """
 
 
-def _is_disk_full(e: sqlite3.Error) -> bool:
-    # sqlite_errorcode (an extended code: the primary one in its low byte) exists from Python
-    # 3.11; before it, SQLite's fixed text for SQLITE_FULL (13).
-    code = getattr(e, "sqlite_errorcode", None)
-    return code & 0xFF == 13 if code is not None else str(e) == "database or disk is full"
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _store_errors(method: _F) -> _F:
-    """Turns what SQLite cannot do into :class:`StoreError` (a disk full answered a generic 500:
-    issue 24). Misuse of the API (ProgrammingError, InterfaceError, IntegrityError) stays a bug
-    and propagates as it is."""
-
-    @functools.wraps(method)
-    def wrapper(self: "JobStore", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except (sqlite3.ProgrammingError, sqlite3.InterfaceError, sqlite3.IntegrityError):
-            raise
-        except sqlite3.Error as e:
-            if _is_disk_full(e):
-                raise StoreError(507, f"the job store ({STORE_NAME}) cannot commit: its disk is "
-                                      f"full (SQLite: {e}); nothing was stored",
-                                 path=self.path) from e
-            raise StoreError(503, f"the job store ({STORE_NAME}) cannot be used (SQLite: {e})",
-                             path=self.path) from e
-
-    return wrapper  # type: ignore[return-value]
-
-
 class JobStore:
     """The SQLite job store at ``<directory>/jobs.sqlite3`` (created if absent)."""
 
@@ -125,6 +96,7 @@ class JobStore:
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=30.0)
         self._lock = threading.Lock()
+        self._held = HeldEnds()
         try:
             with self._lock:
                 mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -151,7 +123,13 @@ class JobStore:
                              path=self.path) from e
 
     def close(self) -> None:
-        """Checkpoints the WAL into the main file and closes (the server's shutdown)."""
+        """Commits the held ends, checkpoints the WAL into the main file and closes (the
+        server's shutdown); ends still held are logged: those jobs run again at the next start."""
+        try:
+            self.flush()
+        except StoreError as e:
+            log.error("job store %s: the ends of %s cannot be committed (%s); the next start "
+                      "re-queues them", self.path, sorted(self._held.snapshot()), e)
         with self._lock:
             try:
                 self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
@@ -182,23 +160,26 @@ class JobStore:
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else self._record(row)
+        return None if row is None else self._held.view(self._record(row))
 
     @_store_errors
     def list(self, *, limit: int = 20, status: JobStatus | None = None,
              before_seq: int | None = None) -> list[JobRecord]:
         """The most recent jobs first (optionally of one status, older than ``before_seq``)."""
+        held = list(self._held.snapshot())
         where, args = [], []
-        if status is not None:
-            where.append("status = ?")
-            args.append(status.value)
+        if status is not None:  # a held end changes a row's status: those rows are read too
+            where.append(f"(status = ? OR id IN ({', '.join('?' * len(held))}))")
+            args += [status.value, *held]
         if before_seq is not None:
             where.append("seq < ?")
             args.append(before_seq)
         sql = "SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
         with self._lock:
-            rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
-        return [self._record(r) for r in rows]
+            rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?",
+                                    (*args, limit + len(held))).fetchall()
+        jobs = [self._held.view(self._record(r)) for r in rows]
+        return [j for j in jobs if status is None or j.status is status][:limit]
 
     @_store_errors
     def queued(self) -> list[JobRecord]:
@@ -211,10 +192,16 @@ class JobStore:
     @_store_errors
     def counts(self) -> dict[JobStatus, int]:
         """Jobs per status (every status present, zeros included)."""
+        held = self._held.snapshot()
         with self._lock:
             rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
-        got = {JobStatus(s): n for s, n in rows}
-        return {s: got.get(s, 0) for s in JobStatus}
+            stored = self._db.execute(f"SELECT id, status FROM jobs WHERE id IN "
+                                      f"({', '.join('?' * len(held))})", tuple(held)).fetchall()
+        got = {s: 0 for s in JobStatus} | {JobStatus(s): n for s, n in rows}
+        for job_id, was in stored:  # counted as the held end says
+            got[JobStatus(was)] -= 1
+            got[held[job_id].status] += 1
+        return got
 
     @_store_errors
     def queue_position(self, job: JobRecord) -> int:
@@ -242,7 +229,9 @@ class JobStore:
 
     @_store_errors
     def start_next(self) -> JobRecord | None:
-        """Marks the oldest queued job running (one more attempt) and returns it; None if none."""
+        """Marks the oldest queued job running (one more attempt) and returns it; None if none.
+        The held ends are committed first: no job starts while one cannot be (StoreError)."""
+        self.flush()
         with self._tx() as db:
             row = db.execute("SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1"
                              ).fetchone()
@@ -266,16 +255,37 @@ class JobStore:
         """A running job was stopped between steps because its cancel was asked."""
         self._finish(job_id, JobStatus.CANCELLED, reason, timings=timings)
 
-    @_store_errors
     def _finish(self, job_id: str, status: JobStatus, error: str | None, *,
                 output: str | None = None, thumbnail: str | None = None,
                 timings: dict[str, Any] | None = None) -> None:
+        """Records a running job's end; one that cannot be committed now is held (logged) and
+        read as committed until :meth:`flush` commits it. Never raises a StoreError."""
+        end = JobEnd(status=status, finished_at=time.time(), error=error, output=output,
+                     thumbnail=thumbnail, timings=timings or {})
+        self._held.hold(job_id, end)
+        try:
+            self.flush()
+        except StoreError as e:
+            log.error("job store %s: the end of %s (%s) cannot be committed: %s. It is held in "
+                      "memory, answered to clients, and committed when the store can (a "
+                      "restart before then re-queues the job)", self.path, job_id,
+                      status.value, e)
+
+    def flush(self) -> None:
+        """Commits the held ends, oldest first; raises :class:`StoreError` at the first that
+        cannot be (it and those after it stay held)."""
+        for job_id, end in self._held.snapshot().items():
+            self._commit_end(job_id, end)
+            self._held.release(job_id, end)
+            self._checkpoint_after_job()
+
+    @_store_errors
+    def _commit_end(self, job_id: str, end: JobEnd) -> None:
         with self._tx() as db:
             db.execute("UPDATE jobs SET status = ?, finished_at = ?, error = ?, output = ?, "
                        "thumbnail = ?, timings = ? WHERE id = ?",
-                       (status.value, time.time(), error, output, thumbnail,
-                        json.dumps(timings or {}), job_id))
-        self._checkpoint_after_job()
+                       (end.status.value, end.finished_at, end.error, end.output, end.thumbnail,
+                        json.dumps(end.timings), job_id))
 
     @_store_errors
     def request_cancel(self, job_id: str) -> JobRecord | None:
@@ -382,4 +392,4 @@ class JobStore:
     def __iter__(self) -> Iterator[JobRecord]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY seq").fetchall()
-        return iter([self._record(r) for r in rows])
+        return iter([self._held.view(self._record(r)) for r in rows])
