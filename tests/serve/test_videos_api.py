@@ -257,6 +257,39 @@ def test_a_failed_job_leaves_no_thumbnail(api, monkeypatch):
                                                                    f"{job['id']}.png"]
 
 
+def test_a_job_the_disk_cannot_hold_is_refused_507(api, monkeypatch):
+    """Submissions with 110 KB and with 0 bytes free got 202 (and failed later). The free space
+    must hold the new job's files and those of the jobs before it, each at its bound: the raw
+    yuv420p frames (H.264 of noise at CRF 18 writes 0.41-0.59 of them), the AAC track at its bit
+    rate, the PNG as raw RGB."""
+    import shutil
+    from collections import namedtuple
+
+    # GOOD: 124 frames of 32 x 64 -> 380,928 + 124,000 (AAC, 5.17 s) + 65,536 (container)
+    # + 6,144 + 4,096 (PNG) bytes
+    one = 124 * 32 * 64 * 3 // 2 + 124_000 + 65_536 + 32 * 64 * 3 + 4_096
+    usage = namedtuple("usage", "total used free")
+    free = [0]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, free[0]))
+    for free[0] in (0, 110_000, one - 1):
+        status, answer, _ = api.call("POST", "/v1/videos", GOOD)
+        assert status == 507, answer
+        assert answer["error"]["message"] == (
+            f"the output directory has {free[0]} bytes free; this job needs up to {one} bytes "
+            f"(its MP4 and thumbnail) and the 0 job(s) queued or running before it 0: free "
+            "space, or submit again once jobs ahead have finished")
+    assert api.store.counts()[JobStatus.QUEUED] == 0  # nothing stored
+    free[0] = one
+    assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    status, answer, _ = api.call("POST", "/v1/videos", GOOD)  # one queued ahead
+    assert status == 507 and f"needs up to {one} bytes" in answer["error"]["message"]
+    assert f"the 1 job(s) queued or running before it {one}:" in answer["error"]["message"]
+    free[0] = 2 * one
+    assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    samples = metric_samples(api.rank0.front.metrics.render().decode())
+    assert samples['dist_attn_request_errors_total{code="507"}'] == 4
+
+
 def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):
     """JSON may spell a lone surrogate ("\\ud800"); the pipeline's tokenizer raised on it and
     the client got a 500. The tiny pipeline's own tokenizer counts the text rows here."""

@@ -10,9 +10,10 @@ from typing import Any
 from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.http.metrics import Metrics
 from dist_attn.serve.jobs.queue import Job, JobQueue, Liveness, StepTimes
-from dist_attn.serve.jobs.records import JobRecord
+from dist_attn.serve.jobs.records import JobRecord, JobStatus
+from dist_attn.serve.jobs.space import space_refusal
 from dist_attn.serve.jobs.store import JobStore
-from dist_attn.serve.jobs.videos import VideoRules
+from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
 
 __all__ = ["ServerState", "VideoJobs", "VideoProgress"]
 
@@ -51,6 +52,15 @@ class VideoJobs:
         if run is None:
             return 0.0
         return times.job_s(run.rows, run.steps, "video", steps_done=run.step)
+
+    def space_refusal(self, req: VideoRequest) -> str | None:
+        """Why the output directory cannot take ``req`` now (507), or None
+        (:func:`dist_attn.serve.jobs.space.space_refusal`)."""
+        ahead = [j.request for j in self.store.list(limit=self.max_queued + 1,
+                                                      status=JobStatus.RUNNING)]
+        ahead += [j.request for j in self.store.queued()]
+        return space_refusal(self.output_dir, req, ahead, fps=self.rules.fps,
+                             thumbnail=self.thumbnail)
 
     def backlog_s(self, times: StepTimes, queued: list[JobRecord] | None = None) -> float:
         """Expected seconds until every queued video job is done."""

@@ -2,7 +2,9 @@
 
 - ``POST /v1/videos`` validates the request
   (:func:`dist_attn.serve.jobs.videos.parse_video_request`), stores the job (committed before the answer) and answers **202** with the job and a
-  ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 503 while shutting down.
+  ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 507 when the output
+  directory's free space cannot hold its files and those of the jobs before it; 503 while
+  shutting down.
 - ``GET /v1/videos/{id}``: the job: status (queued, running, succeeded, failed, cancelled),
   progress (step k of n, elapsed, estimated remaining, queue position), timings, errors.
 - ``GET /v1/videos/{id}/content`` streams the MP4 (``?variant=thumbnail``: the first frame's PNG);
@@ -141,6 +143,9 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
         req = await gate.admit(request, lambda payload: parse_video_request(payload, jobs.rules))
         if isinstance(req, Response):
             return req
+        short = await run_in_threadpool(jobs.space_refusal, req)
+        if short is not None:
+            return fail(507, short)
         job = await run_in_threadpool(jobs.store.submit, req, max_queued=jobs.max_queued)
         if job is None:
             retry = StepTimes.retry_after(await run_in_threadpool(jobs.backlog_s, times))
