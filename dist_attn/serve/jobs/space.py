@@ -1,10 +1,9 @@
 """How much disk a video job may take, and whether the output directory has it: checked before a
 job is accepted, so that a full disk is refused up front (507) instead of failing the job later.
 
-The bound of one job (:func:`job_bytes`) is what its files cannot exceed in practice: the video
-as raw yuv420p frames (H.264 at the writer's CRF 18 wrote 0.41-0.59 of that for uniform noise,
-the worst content, at 64 x 64 and 256 x 128; real video far less), the AAC track at its bit rate,
-the thumbnail as raw RGB (a PNG of noise is its raw size plus a little) and a container margin.
+The bound of one job (:func:`job_bytes`): the video as raw yuv420p frames (what H.264 at the
+writer's CRF stays under, noise included: docs/serving.md), the AAC track at its bit rate, the
+thumbnail as raw RGB plus a PNG's framing, and a margin for the MP4's own boxes.
 """
 
 from __future__ import annotations
