@@ -1,21 +1,17 @@
 """The job store's records and its error: what a job is (:class:`JobRecord`), where it is
-(:class:`JobStatus`), what a restart did (:class:`Recovery`), and :class:`StoreError` with what
-raises it (:func:`store_errors`). Split from
+(:class:`JobStatus`), what a restart did (:class:`Recovery`), and :class:`StoreError`. Split from
 :mod:`dist_attn.serve.jobs.store` (the SQLite store), which re-exports the records and the error."""
 
 from __future__ import annotations
 
 import enum
-import functools
-import sqlite3
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from dist_attn.serve.jobs.videos import VideoRequest
 
-__all__ = ["JobStatus", "JobRecord", "Recovery", "StoreError", "STORE_NAME", "new_job_id",
-           "store_errors"]
+__all__ = ["JobStatus", "JobRecord", "Recovery", "StoreError", "STORE_NAME", "new_job_id"]
 
 #: The store's file name inside the output directory (WAL adds -wal and -shm beside it).
 STORE_NAME = "jobs.sqlite3"
@@ -90,35 +86,3 @@ class StoreError(RuntimeError):
 def new_job_id() -> str:
     """``vid_`` + 24 hex digits (random: ids do not reveal how many jobs others submitted)."""
     return f"vid_{uuid.uuid4().hex[:24]}"
-
-
-def _is_disk_full(e: sqlite3.Error) -> bool:
-    # sqlite_errorcode (an extended code: the primary one in its low byte) exists from Python
-    # 3.11; before it, SQLite's fixed text for SQLITE_FULL (13).
-    code = getattr(e, "sqlite_errorcode", None)
-    return code & 0xFF == 13 if code is not None else str(e) == "database or disk is full"
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def store_errors(method: _F) -> _F:
-    """Turns what SQLite cannot do in a method of the job store (``self.path``: its file) into
-    :class:`StoreError` (a disk full answered a generic 500: issue 24). Misuse of the API
-    (ProgrammingError, InterfaceError, IntegrityError) stays a bug and propagates as it is."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except (sqlite3.ProgrammingError, sqlite3.InterfaceError, sqlite3.IntegrityError):
-            raise
-        except sqlite3.Error as e:
-            if _is_disk_full(e):
-                raise StoreError(507, f"the job store ({STORE_NAME}) cannot commit: its disk is "
-                                      f"full (SQLite: {e}); nothing was stored",
-                                 path=self.path) from e
-            raise StoreError(503, f"the job store ({STORE_NAME}) cannot be used (SQLite: {e})",
-                             path=self.path) from e
-
-    return wrapper  # type: ignore[return-value]

@@ -44,7 +44,9 @@ from typing import Any, Iterator
 
 from dist_attn.serve.jobs.ends import HeldEnds, JobEnd
 from dist_attn.serve.jobs.records import (STORE_NAME, JobRecord, JobStatus, Recovery, StoreError,
-                                          new_job_id, store_errors as _store_errors)
+                                          new_job_id)
+from dist_attn.serve.jobs.store_sql import SCHEMA, Transaction, row_record
+from dist_attn.serve.jobs.store_sql import store_errors as _store_errors
 from dist_attn.serve.jobs.videos import VideoRequest
 
 __all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STORE_NAME",
@@ -55,26 +57,6 @@ log = logging.getLogger(__name__)
 #: A job is started at most this many times; one more interruption while running fails it.
 MAX_ATTEMPTS = 2
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
-    id           TEXT NOT NULL UNIQUE,
-    status       TEXT NOT NULL CHECK (status IN
-                   ('queued', 'running', 'succeeded', 'failed', 'cancelled')),
-    request      TEXT NOT NULL,
-    created_at   REAL NOT NULL,
-    started_at   REAL,
-    finished_at  REAL,
-    attempts     INTEGER NOT NULL DEFAULT 0,
-    cancel       INTEGER NOT NULL DEFAULT 0,
-    error        TEXT,
-    output       TEXT,
-    thumbnail    TEXT,
-    timings      TEXT,
-    history      TEXT NOT NULL DEFAULT '[]'
-);
-CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
-"""
 
 
 class JobStore:
@@ -112,7 +94,7 @@ class JobStore:
                 # FULL: every commit is on disk before it returns, so a 202 survives power loss
                 # too (NORMAL would survive a process crash only).
                 self._db.execute("PRAGMA synchronous=FULL")
-                self._db.executescript(_SCHEMA)
+                self._db.executescript(SCHEMA)
         except sqlite3.DatabaseError as e:
             self._db.close()
             raise StoreError(503, f"{self.path} is not a readable SQLite job store (SQLite: {e}). "
@@ -160,7 +142,7 @@ class JobStore:
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else self._held.view(self._record(row))
+        return None if row is None else self._held.view(row_record(row))
 
     @_store_errors
     def list(self, *, limit: int = 20, status: JobStatus | None = None,
@@ -178,7 +160,7 @@ class JobStore:
         with self._lock:
             rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?",
                                     (*args, limit + len(held))).fetchall()
-        jobs = [self._held.view(self._record(r)) for r in rows]
+        jobs = [self._held.view(row_record(r)) for r in rows]
         return [j for j in jobs if status is None or j.status is status][:limit]
 
     @_store_errors
@@ -187,7 +169,7 @@ class JobStore:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"
                                     ).fetchall()
-        return [self._record(r) for r in rows]
+        return [row_record(r) for r in rows]
 
     @_store_errors
     def counts(self) -> dict[JobStatus, int]:
@@ -217,7 +199,7 @@ class JobStore:
         """Stores a new queued job and returns it once committed; None when ``max_queued`` jobs
         are already waiting (checked in the same transaction)."""
         job_id, now = new_job_id(), time.time()
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             waiting = db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
             if waiting >= max_queued:
                 return None
@@ -232,7 +214,7 @@ class JobStore:
         """Marks the oldest queued job running (one more attempt) and returns it; None if none.
         The held ends are committed first: no job starts while one cannot be (StoreError)."""
         self.flush()
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             row = db.execute("SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1"
                              ).fetchone()
             if row is None:
@@ -281,7 +263,7 @@ class JobStore:
 
     @_store_errors
     def _commit_end(self, job_id: str, end: JobEnd) -> None:
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             db.execute("UPDATE jobs SET status = ?, finished_at = ?, error = ?, output = ?, "
                        "thumbnail = ?, timings = ? WHERE id = ?",
                        (end.status.value, end.finished_at, end.error, end.output, end.thumbnail,
@@ -292,7 +274,7 @@ class JobStore:
         """DELETE: a queued job is cancelled at once; a running one is marked (the loop stops it
         between denoise steps); a finished one is left as it is. Returns the job after the
         change, or None for an unknown id."""
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             row = db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 return None
@@ -308,7 +290,7 @@ class JobStore:
     def requeue(self, job_id: str, note: str) -> None:
         """A clean shutdown interrupted the running job: back to the queue, its attempt given back
         (it keeps its place: the queue is ordered by submission)."""
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             db.execute("UPDATE jobs SET status = 'queued', started_at = NULL, "
                        "attempts = MAX(attempts - 1, 0), history = json_insert(history, '$[#]', ?) "
                        "WHERE id = ? AND status = 'running'", (note, job_id))
@@ -318,7 +300,7 @@ class JobStore:
         """At start: the restart semantics of the module docstring, in one transaction."""
         requeued, failed, cancelled = [], [], []
         now = time.time()
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             rows = db.execute("SELECT id, attempts, cancel FROM jobs WHERE status = 'running' "
                               "ORDER BY seq").fetchall()
             for job_id, attempts, cancel in rows:
@@ -341,47 +323,6 @@ class JobStore:
             queued = db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
         return Recovery(requeued=requeued, failed=failed, cancelled=cancelled, queued=queued)
 
-    # ------------------------------------------------------------------ plumbing
-
-    class _Tx:
-        def __init__(self, store: "JobStore") -> None:
-            self.store = store
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.store._lock.acquire()
-            # IMMEDIATE takes the write lock up front: read-then-write needs no retry.
-            self.store._db.execute("BEGIN IMMEDIATE")
-            return self.store._db
-
-        def __exit__(self, exc_type, *_: Any) -> None:
-            db = self.store._db
-            try:
-                if not exc_type:
-                    db.execute("COMMIT")
-                elif db.in_transaction:
-                    # SQLite rolls back by itself on some errors (SQLITE_FULL); a ROLLBACK then
-                    # raised "no transaction is active" and hid the real error (issue 24).
-                    db.execute("ROLLBACK")
-            finally:
-                self.store._lock.release()
-
-    def _tx(self) -> "JobStore._Tx":
-        return JobStore._Tx(self)
-
-    _COLUMNS = ("seq", "id", "status", "request", "created_at", "started_at", "finished_at",
-                "attempts", "cancel", "error", "output", "thumbnail", "timings", "history")
-
-    def _record(self, row: tuple) -> JobRecord:
-        d = dict(zip(self._COLUMNS, row))
-        return JobRecord(seq=d["seq"], id=d["id"], status=JobStatus(d["status"]),
-                         request=VideoRequest.from_json(json.loads(d["request"])),
-                         created_at=d["created_at"], started_at=d["started_at"],
-                         finished_at=d["finished_at"], attempts=d["attempts"],
-                         cancel_requested=bool(d["cancel"]), error=d["error"],
-                         output=d["output"], thumbnail=d["thumbnail"],
-                         timings=json.loads(d["timings"]) if d["timings"] else {},
-                         history=json.loads(d["history"]))
-
     @_store_errors
     def ids(self) -> set[str]:
         """Every job id in the store."""
@@ -392,4 +333,4 @@ class JobStore:
     def __iter__(self) -> Iterator[JobRecord]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY seq").fetchall()
-        return iter([self._held.view(self._record(r)) for r in rows])
+        return iter([self._held.view(row_record(r)) for r in rows])
