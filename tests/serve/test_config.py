@@ -125,6 +125,10 @@ def test_quality_values_listed_and_lossless_rejects_sage():
                                          r"integer"),
     (ServeConfig, {"backlog": -1}, r"serve.backlog=-1 must be a positive integer"),
     (JobsConfig, {"latents_kept": 0}, r"jobs.latents_kept=0 must be a positive integer"),
+    (JobsConfig, {"videos_kept": 0}, r"jobs.videos_kept=0 must be a positive integer"),
+    (JobsConfig, {"videos_max_age_s": -1.0}, r"jobs.videos_max_age_s=-1.0 must be a finite "
+                                             r"number of seconds >= 0 \(0: no age limit\)"),
+    (JobsConfig, {"videos_max_age_s": float("inf")}, r"jobs.videos_max_age_s=inf must be"),
 ])
 def test_field_rules(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):

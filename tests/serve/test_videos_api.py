@@ -37,8 +37,8 @@ GOOD = {"prompt": "a red fox in snow", "frames": 124, "height": 32, "width": 64,
 
 class _Api:
     def __init__(self, tmp_path, *, max_queued: int = 3, step_s: float = 0.01,
-                 rules: VideoRules = RULES) -> None:
-        cfg = apply_overrides(load_config(None), {"serve.queue_size": 2})
+                 rules: VideoRules = RULES, **overrides: object) -> None:
+        cfg = apply_overrides(load_config(None), {"serve.queue_size": 2, **overrides})
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
                       backend=None)
         self.dir = str(tmp_path / "out")
@@ -288,6 +288,39 @@ def test_a_job_the_disk_cannot_hold_is_refused_507(api, monkeypatch):
     assert api.call("POST", "/v1/videos", GOOD)[0] == 202
     samples = metric_samples(api.rank0.front.metrics.render().decode())
     assert samples['dist_attn_request_errors_total{code="507"}'] == 4
+
+
+def test_old_videos_are_deleted_by_count_and_by_age(tmp_path):
+    """Every job's MP4 (and PNG) stayed for ever. After each job only the newest
+    jobs.videos_kept succeeded jobs keep their files, and none older than jobs.videos_max_age_s;
+    the jobs stay listed, their content answers 410 naming the rule."""
+    api = _Api(tmp_path, **{"jobs.videos_kept": 2, "jobs.videos_max_age_s": 3600.0})
+    try:
+        ids = []
+        for _ in range(3):
+            ids.append(api.call("POST", "/v1/videos", GOOD)[1]["id"])
+            api.run_next()
+        videos = os.path.join(api.dir, "videos")
+        assert sorted(os.listdir(videos)) == sorted(f"{i}.{x}" for i in ids[1:]
+                                                    for x in ("mp4", "png"))
+        old = api.call("GET", f"/v1/videos/{ids[0]}")[1]
+        assert old["status"] == "succeeded" and "content_url" not in old, old
+        for variant in ("", "?variant=thumbnail"):
+            status, answer, _ = api.call("GET", f"/v1/videos/{ids[0]}/content{variant}")
+            assert status == 410, answer
+            assert answer["error"]["message"] == (
+                f"the files of video job {ids[0]} were deleted by the server's retention "
+                "(jobs.videos_kept=2 newest, jobs.videos_max_age_s=3600.0)")
+        assert api.call("GET", f"/v1/videos/{ids[1]}/content")[0] == 200
+        assert api.rank0.video.prune(now=time.time() + 1800) == []  # none an hour old yet
+        assert api.rank0.video.prune(now=time.time() + 3601) == ids[1:]
+        assert os.listdir(videos) == []
+        # a store re-opened later reads the same (the deletion is recorded)
+        reopened = JobStore(api.dir)
+        assert [j.output for j in reopened] == [None, None, None]
+        reopened.close()
+    finally:
+        api.close()
 
 
 def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):

@@ -125,7 +125,7 @@ def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any
     out["progress"] = progress
     if job.timings:
         out["timings"] = job.timings
-    if job.status is JobStatus.SUCCEEDED:
+    if job.status is JobStatus.SUCCEEDED and job.output is not None:  # None: deleted
         out["content_url"] = f"/v1/videos/{job.id}/content"
         if job.thumbnail:
             out["thumbnail_url"] = f"/v1/videos/{job.id}/content?variant=thumbnail"
@@ -183,6 +183,11 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             why = f": {job.error}" if job.error else ""
             return fail(409, f"video job {job.id} is {job.status.value}{why}; its content exists "
                              "once it succeeded")
+        if job.output is None:  # only the retention takes a succeeded job's files
+            kept = state.cfg.jobs
+            return fail(410, f"the files of video job {job.id} were deleted by the server's "
+                             f"retention (jobs.videos_kept={kept.videos_kept} newest, "
+                             f"jobs.videos_max_age_s={kept.videos_max_age_s})")
         name = job.output if variant == "video" else job.thumbnail
         if name is None:
             return fail(404, f"video job {job.id} has no {variant}")

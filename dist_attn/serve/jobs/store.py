@@ -324,6 +324,29 @@ class JobStore:
         return Recovery(requeued=requeued, failed=failed, cancelled=cancelled, queued=queued)
 
     @_store_errors
+    def expired_files(self, *, keep: int, finished_before: float | None
+                      ) -> list[tuple[str, str, str | None]]:
+        """``(id, output, thumbnail)`` of the succeeded jobs that still have their files and are
+        past the newest ``keep`` (by when they finished) or finished before ``finished_before``
+        (Unix seconds; None: no age limit), the oldest first."""
+        sql = ("SELECT id, output, thumbnail, finished_at, seq FROM jobs "
+               "WHERE status = 'succeeded' AND output IS NOT NULL")
+        with self._lock:
+            rows = set(self._db.execute(sql + " ORDER BY finished_at DESC, seq DESC "
+                                        "LIMIT -1 OFFSET ?", (keep,)).fetchall())
+            if finished_before is not None:
+                rows |= set(self._db.execute(sql + " AND finished_at < ?",
+                                             (finished_before,)).fetchall())
+        return [(r[0], r[1], r[2]) for r in sorted(rows, key=lambda r: (r[3], r[4]))]
+
+    @_store_errors
+    def forget_files(self, job_id: str) -> None:
+        """The files of the succeeded job ``job_id`` were deleted: it keeps no output name."""
+        with Transaction(self._db, self._lock) as db:
+            db.execute("UPDATE jobs SET output = NULL, thumbnail = NULL WHERE id = ? AND "
+                       "status = 'succeeded'", (job_id,))
+
+    @_store_errors
     def ids(self) -> set[str]:
         """Every job id in the store."""
         with self._lock:
