@@ -150,12 +150,19 @@ def test_defaults_and_accepted_no_ops(api):
 
 
 def test_queue_cap_answers_429_with_retry_after_from_measured_steps(api):
+    """Retry-After is when a slot opens: when the running job ends (it was the whole backlog,
+    here 3 queued x 3 steps x 2.0 s more)."""
+    from dist_attn.serve.http.state import VideoProgress
+
     api.rank0.front.state.step_times.observe_step(493, 2.0)  # the rows of GOOD
     for _ in range(3):
         assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    api.videos.running = VideoProgress(job_id="vid_x", rows=493, steps=3, step=1,
+                                       started=time.time() - 100.0)
     status, answer, headers = api.call("POST", "/v1/videos", GOOD)
     assert status == 429 and "jobs.max_queued" in answer["error"]["message"]
-    assert headers["retry-after"] == "18"  # 3 queued x 3 steps x 2.0 s
+    assert headers["retry-after"] == "4"  # 2 steps left x 2.0 s (whole: 6 s, 100 s run)
+    api.videos.running = None
 
 
 def test_cancel_queued_and_running_and_finished(api):

@@ -113,9 +113,10 @@ def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any
     elif job.status is JobStatus.RUNNING:
         run = jobs.running
         step = run.step if run is not None and run.job_id == job.id else 0
-        progress.update(step=step, elapsed_s=round(now - (job.started_at or now), 3),
-                        remaining_s=round(times.job_s(req.rows, req.steps, "video",
-                                                      steps_done=step), 3))
+        elapsed = now - (job.started_at or now)
+        progress.update(step=step, elapsed_s=round(elapsed, 3),
+                        remaining_s=round(times.running_s(req.rows, req.steps, "video",
+                                                          steps_done=step, elapsed_s=elapsed), 3))
     else:
         done = len(job.timings.get("step_s", [])) if job.timings else 0
         progress.update(step=req.steps if job.status is JobStatus.SUCCEEDED else done,
@@ -148,7 +149,8 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             return fail(507, short)
         job = await run_in_threadpool(jobs.store.submit, req, max_queued=jobs.max_queued)
         if job is None:
-            retry = StepTimes.retry_after(await run_in_threadpool(jobs.backlog_s, times))
+            # when a slot opens (the running job ends), not when the whole backlog is done
+            retry = StepTimes.retry_after(state.slot_s())
             return fail(429, f"{jobs.max_queued} video jobs are waiting (jobs.max_queued)",
                         headers={"retry-after": str(retry)})
         state.jobs.wake()  # the rank-0 loop may be waiting for /v1/generate work
