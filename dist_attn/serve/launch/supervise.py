@@ -30,7 +30,9 @@ not retried: :data:`dist_attn.serve.jobs.store.MAX_ATTEMPTS`). A job that fails 
 bad config, a port in use, a corrupt job store) is not restarted: it would fail the same way.
 The restarted job is a fresh torchrun (new ranks, the model built again), on the same port.
 torchrun's own ``--max-restarts`` is not used: it restarts launch failures too, and its count
-never resets, so a server up for months would run out of restarts.
+never resets, so a server up for months would run out of restarts. While no rank 0 serves (a
+start, a restart), the supervisor keeps the port open and answers it with 503 and Retry-After
+(:mod:`dist_attn.serve.launch.keeper`).
 """
 
 from __future__ import annotations
