@@ -125,6 +125,10 @@ def test_quality_values_listed_and_lossless_rejects_sage():
                                          r"integer"),
     (ServeConfig, {"backlog": -1}, r"serve.backlog=-1 must be a positive integer"),
     (JobsConfig, {"latents_kept": 0}, r"jobs.latents_kept=0 must be a positive integer"),
+    (JobsConfig, {"videos_kept": 0}, r"jobs.videos_kept=0 must be a positive integer"),
+    (JobsConfig, {"videos_max_age_s": -1.0}, r"jobs.videos_max_age_s=-1.0 must be a finite "
+                                             r"number of seconds >= 0 \(0: no age limit\)"),
+    (JobsConfig, {"videos_max_age_s": float("inf")}, r"jobs.videos_max_age_s=inf must be"),
 ])
 def test_field_rules(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -276,3 +280,23 @@ def test_errors_name_the_section_the_loader_reads():
     from dist_attn.serve.config.fields import SECTIONS
 
     assert SECTIONS == {cls.__name__: name for name, cls in load._SECTIONS.items()}
+
+
+def test_an_integer_too_long_for_python_names_its_field(tmp_path):
+    """tomllib's int() refuses more than 4300 digits (Python's limit); its ValueError named no
+    field, from --set or from the file."""
+    from dist_attn.serve.launch import cli as launcher
+
+    long = "9" * 5000
+    args = launcher.build_parser().parse_args(["--set", f"serve.port={long}"])
+    with pytest.raises(ValueError, match=r"^--set serve.port=<an integer of 5000 digits>: "
+                                         r"Exceeds the limit \(4300 digits\)"):
+        launcher.config_from_args(args)
+    with open(TINY_TOML, encoding="utf-8") as f:
+        tiny = f.read()
+    bad = tmp_path / "long.toml"
+    bad.write_text(tiny.replace("max_int_digits = 20", f"max_int_digits = {long}"))
+    line = bad.read_text().splitlines().index(f"max_int_digits = {long}") + 1
+    with pytest.raises(ValueError, match=rf"long.toml: \[serve\] max_int_digits \(line {line}\) "
+                                         r"holds an integer of 5000 digits: Exceeds the limit"):
+        load_config(bad)

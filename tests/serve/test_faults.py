@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.error
 
 import pytest
 
@@ -247,6 +248,24 @@ def test_under_the_supervisor_a_killed_rank_comes_back_and_sigterm_exits_0(tmp_p
             time.sleep(0.05)
         before = _supervised_ranks(proc.pid)
         os.kill(before[1], signal.SIGKILL)
+        # while the ranks come back, every request is answered (the supervisor holds the port
+        # and answers 503 with Retry-After); clients got connection errors for ~17 s
+        answers, errors = [], []
+        deadline = time.monotonic() + 90
+        while not answers or answers[-1][0] != 200 or not any(
+                "restarting" in a[1] for a in answers):
+            assert time.monotonic() < deadline, (answers[-5:], errors[-5:])
+            try:
+                answers.append(http("GET", srv.base + "/health", timeout=10))
+            except (OSError, urllib.error.URLError) as e:  # refused, reset
+                errors.append(repr(e))
+            time.sleep(0.1)
+        assert errors == [], errors
+        restarting = [a for a in answers if "restarting" in a[1]]
+        status, text, headers = restarting[-1]
+        assert status == 503 and int(headers["retry-after"]) >= 1, restarting[-1]
+        assert json.loads(text)["error"]["message"].startswith(
+            "the server is restarting: the job exited 1 after it served; ready in about ")
         _wait_for_log(srv, "supervisor: the job exited 1 after it served", timeout=60)
         srv.wait_healthy()  # the supervisor itself never exited
         after = _supervised_ranks(proc.pid)

@@ -343,22 +343,25 @@ def test_a_client_gone_while_its_job_runs_logs_info_not_an_asyncio_error(app, ca
     assert gone and all(r.levelno == logging.INFO and r.exc_info is None for r in gone)
 
 
-def test_retry_after_comes_from_measured_step_times(app):
-    """It was a mean of whole runs times the queue length (41-76 s said, ~30 s to drain); now it
-    is the measured time of the work ahead: the running job's steps left and the queued jobs."""
+def test_retry_after_is_when_a_slot_opens_from_measured_step_times(app):
+    """A full queue's Retry-After was the whole backlog (running + every queued job): 9x the time
+    until a slot opens, which is when the running job ends and the loop takes the next. It is
+    that now: the running job's measured whole time less what it has run, at least its steps
+    left; the time outside the steps counts until the job ends, not until its last step."""
     from dist_attn.serve.jobs.queue import Job
     from dist_attn.serve.jobs.requests import parse_request
 
     rows = parse_request({"steps": 4}, app.cfg).layout(app.cfg).used
-    app.step_times.observe_step(rows, 0.5)
+    app.step_times.observe_step(rows, 2.0)
     app.step_times.observe_overhead("generate", 0.25)
-    app.running = Job(request=parse_request({"steps": 4}, app.cfg), rows=rows, steps_done=3)
+    # 3 steps left: 6.0 s at least, whatever the clock (its whole 8.25 s less 100 s run)
+    app.running = Job(request=parse_request({"steps": 4}, app.cfg), rows=rows, steps_done=1,
+                      started=time.perf_counter() - 100.0)
     answers: list[bytes] = []
     waiting = [_submit(app.port, b'{"steps": 4}', answers) for _ in range(2)]
     _wait(lambda: len(app.jobs) == 2)
     headers = _json_error(_exchange(app.port, _post(b'{"steps": 4}')), 429)
-    # running: 1 step left (0.5 + 0.25); queued: 2 x (4 x 0.5 + 0.25) -> 5.25 s -> 6
-    assert headers["retry-after"] == "6", headers
+    assert headers["retry-after"] == "6", headers  # the backlog was 6.25 + 2 x 8.25 -> 23
     app.running = None
     for _ in range(2):
         app.jobs.get(timeout=1).finish(_Done())
@@ -372,15 +375,35 @@ def test_step_times_estimate_unmeasured_lengths_from_the_nearest():
     times = StepTimes(default_step_s=2.0)
     assert times.step_s(100) == 2.0  # nothing measured yet
     times.observe_step(100, 1.0)
-    times.observe_step(100, 2.0)  # EWMA, alpha 0.3
-    assert times.step_s(100) == pytest.approx(1.3)
+    times.observe_step(100, 2.0)
+    assert times.step_s(100) == pytest.approx(1.5)  # the median of the recent ones
     times.observe_step(1000, 5.0)
     assert times.step_s(900) == pytest.approx(4.5)  # nearest (1000), scaled by length
-    assert times.job_s(100, 3, "video", steps_done=1) == pytest.approx(2.6)  # no overhead seen
+    assert times.job_s(100, 3, "video") == pytest.approx(4.5)  # no overhead seen
     times.observe_overhead("video", 4.0)
-    assert times.job_s(100, 3, "video", steps_done=3) == 0.0
-    assert times.job_s(100, 3, "video") == pytest.approx(3 * 1.3 + 4.0)
+    assert times.job_s(100, 3, "video") == pytest.approx(3 * 1.5 + 4.0)
+    # running: the whole time less the time run, at least the steps left
+    assert times.running_s(100, 3, "video", steps_done=1, elapsed_s=2.0) == pytest.approx(6.5)
+    assert times.running_s(100, 3, "video", steps_done=1, elapsed_s=7.0) == pytest.approx(3.0)
+    assert times.running_s(100, 3, "video", steps_done=3, elapsed_s=6.0) == pytest.approx(2.5)
+    assert times.running_s(100, 3, "video", steps_done=3, elapsed_s=9.0) == 0.0
     assert StepTimes.retry_after(0.01) == 1 and StepTimes.retry_after(5.2) == 6
+
+
+def test_a_cold_first_measurement_does_not_skew_the_estimates():
+    """The estimates were moving averages seeded by the first measurement: the first job after
+    a start (one CPU rank, the tiny H3: 0.64 s outside its steps against 0.39-0.55 s for the next
+    four) weighed on them for ten jobs more. They are medians of the recent measurements now."""
+    from dist_attn.serve.jobs.queue import StepTimes
+
+    times = StepTimes()
+    for seconds in (0.64, 0.39, 0.45, 0.50):
+        times.observe_overhead("video", seconds)
+        times.observe_step(576, seconds / 10)
+    assert times.job_s(576, 1, "video") == pytest.approx(0.0475 + 0.475)
+    for _ in range(20):  # only the recent ones count
+        times.observe_step(576, 0.01)
+    assert times.step_s(576) == 0.01
 
 
 def _read_until_closed(port: int, raw: bytes, timeout: float = 10) -> bytes:

@@ -54,9 +54,9 @@ def test_json_limits_refuse_before_parsing():
         "seed": 12345678901234567890, "a": [1, {"b": "[[[["}]}  # brackets in strings do not count
     for body, match in [
         (b"[" * 30_000 + b"]" * 30_000, "JSON nesting depth 30000 exceeds serve.max_json_depth=4"),
-        (b'{"seed": ' + b"9" * 5000 + b"}", "integer literal of 5000 digits exceeds "
+        (b'{"seed": ' + b"9" * 5000 + b"}", "seed=<an integer of 5000 digits> exceeds "
                                              "serve.max_int_digits=20"),
-        (b'{"seed": -' + b"9" * 21 + b"}", "integer literal of 21 digits"),
+        (b'{"seed": -' + b"9" * 21 + b"}", "seed=<an integer of 21 digits>"),
         (b'{"seed": NaN}', "NaN is not valid JSON"),
         (b'{"seed": 1', "body is not valid JSON"),
         (b"\xff\xfe", "body is not valid JSON"),
@@ -140,3 +140,29 @@ def test_an_empty_api_key_is_no_key_and_a_key_no_client_can_send_is_refused(capl
             resolve_api_key(bad, {})
     with pytest.raises(ValueError, match=r"api_key='' is not a key"):
         ServerState(cfg=None, jobs=None, metrics=None, liveness=None, api_key="")
+
+
+def test_an_overlong_integer_names_its_field():
+    """The refusal of an integer literal above serve.max_int_digits named no field (16 fields of
+    the two request bodies answered the same message): it names where the literal is, nested
+    ones by their path, and keeps the limit."""
+    limits = load_config(None).serve
+    long = b"9" * 5000
+    for body, where in [
+        (b'{"prompt": "a fox", "frames": ' + long + b"}", "frames"),
+        (b'{"seed": -' + b"9" * 21 + b"}", "seed"),
+        (b'{"a": {"b": [1, [2, ' + long + b"]]}}", "a.b[1][1]"),
+        (b'{"a": [{"c": ' + long + b"}]}", "a[0].c"),
+        (b"[1, " + long + b"]", "body[1]"),
+        (long, "body"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            decode_json(body, limits)
+        digits = 21 if where == "seed" else 5000
+        assert info.value.status == 400
+        assert str(info.value) == (f"{where}=<an integer of {digits} digits> exceeds "
+                                   f"serve.max_int_digits={limits.max_int_digits}"), body[:40]
+    duplicate = b'{"seed": ' + b"9" * 30 + b', "seed": 1}'
+    with pytest.raises(RequestError, match=r"duplicate key 'seed' in a JSON object \('seed': "
+                                           r"<an integer of 30 digits>, then 1\)"):
+        decode_json(duplicate, limits)

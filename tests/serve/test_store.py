@@ -182,3 +182,24 @@ def test_a_corrupt_store_file_is_an_error_naming_it_and_what_to_do(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="is not a readable SQLite job store"):
         JobStore(str(tmp_path))
+
+
+def test_a_store_path_that_is_a_directory_is_one_launch_failure(tmp_path):
+    """``mkdir OUT/jobs.sqlite3`` raised sqlite3.OperationalError from sqlite3.connect, outside
+    the store's checks: a raw traceback instead of the launch failure a corrupt file gets."""
+    from dist_attn.serve.config import apply_overrides, load_config
+    from dist_attn.serve.jobs.store import StoreError
+    from dist_attn.serve.launch.cli import _open_store
+
+    (tmp_path / "jobs.sqlite3").mkdir()
+    with pytest.raises(StoreError) as info:
+        JobStore(str(tmp_path))
+    assert str(info.value) == (f"{tmp_path / 'jobs.sqlite3'} is a directory, not a SQLite job "
+                               "store file: move it out of the output directory (the server "
+                               "then starts with an empty job store) or choose another "
+                               "--output-dir")
+    cfg = apply_overrides(load_config(None), {"jobs.runner": "synthetic",
+                                              "jobs.output_dir": str(tmp_path)})
+    failures: list[str] = []
+    assert _open_store(cfg, failures) is None
+    assert failures == [f"job store: {info.value}"]

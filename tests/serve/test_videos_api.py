@@ -37,8 +37,8 @@ GOOD = {"prompt": "a red fox in snow", "frames": 124, "height": 32, "width": 64,
 
 class _Api:
     def __init__(self, tmp_path, *, max_queued: int = 3, step_s: float = 0.01,
-                 rules: VideoRules = RULES) -> None:
-        cfg = apply_overrides(load_config(None), {"serve.queue_size": 2})
+                 rules: VideoRules = RULES, **overrides: object) -> None:
+        cfg = apply_overrides(load_config(None), {"serve.queue_size": 2, **overrides})
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
                       backend=None)
         self.dir = str(tmp_path / "out")
@@ -150,12 +150,19 @@ def test_defaults_and_accepted_no_ops(api):
 
 
 def test_queue_cap_answers_429_with_retry_after_from_measured_steps(api):
+    """Retry-After is when a slot opens: when the running job ends (it was the whole backlog,
+    here 3 queued x 3 steps x 2.0 s more)."""
+    from dist_attn.serve.http.state import VideoProgress
+
     api.rank0.front.state.step_times.observe_step(493, 2.0)  # the rows of GOOD
     for _ in range(3):
         assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    api.videos.running = VideoProgress(job_id="vid_x", rows=493, steps=3, step=1,
+                                       started=time.time() - 100.0)
     status, answer, headers = api.call("POST", "/v1/videos", GOOD)
     assert status == 429 and "jobs.max_queued" in answer["error"]["message"]
-    assert headers["retry-after"] == "18"  # 3 queued x 3 steps x 2.0 s
+    assert headers["retry-after"] == "4"  # 2 steps left x 2.0 s (whole: 6 s, 100 s run)
+    api.videos.running = None
 
 
 def test_cancel_queued_and_running_and_finished(api):
@@ -232,6 +239,97 @@ def test_disk_errors_fail_the_job_alone(api, monkeypatch):
     assert api.call("GET", f"/v1/videos/{third['id']}")[1]["status"] == "succeeded"
 
 
+def test_a_failed_job_leaves_no_thumbnail(api, monkeypatch):
+    """The first frame's PNG is published before the MP4; when the MP4 then failed (a full
+    disk), the PNG stayed in videos/, never served and never removed."""
+    from dist_attn.serve.jobs import mp4
+
+    publish = mp4._publish
+
+    def no_space_for_mp4(tmp: str, path: str) -> None:
+        if path.endswith(".mp4"):
+            raise OSError(28, "No space left on device")
+        publish(tmp, path)
+
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+    monkeypatch.setattr(mp4, "_publish", no_space_for_mp4)
+    api.run_next()
+    failed = api.call("GET", f"/v1/videos/{job['id']}")[1]
+    assert failed["status"] == "failed" and "No space left" in failed["error"], failed
+    assert os.listdir(os.path.join(api.dir, "videos")) == []
+    monkeypatch.undo()
+    job = api.call("POST", "/v1/videos", GOOD)[1]
+    api.run_next()  # a job that succeeds keeps both
+    assert sorted(os.listdir(os.path.join(api.dir, "videos"))) == [f"{job['id']}.mp4",
+                                                                   f"{job['id']}.png"]
+
+
+def test_a_job_the_disk_cannot_hold_is_refused_507(api, monkeypatch):
+    """Submissions with 110 KB and with 0 bytes free got 202 (and failed later). The free space
+    must hold the new job's files and those of the jobs before it, each at its bound: the raw
+    yuv420p frames (H.264 of noise at CRF 18 writes 0.41-0.59 of them), the AAC track at its bit
+    rate, the PNG as raw RGB."""
+    import shutil
+    from collections import namedtuple
+
+    # GOOD: 124 frames of 32 x 64 -> 380,928 + 124,000 (AAC, 5.17 s) + 65,536 (container)
+    # + 6,144 + 4,096 (PNG) bytes
+    one = 124 * 32 * 64 * 3 // 2 + 124_000 + 65_536 + 32 * 64 * 3 + 4_096
+    usage = namedtuple("usage", "total used free")
+    free = [0]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, free[0]))
+    for free[0] in (0, 110_000, one - 1):
+        status, answer, _ = api.call("POST", "/v1/videos", GOOD)
+        assert status == 507, answer
+        assert answer["error"]["message"] == (
+            f"the output directory has {free[0]} bytes free; this job needs up to {one} bytes "
+            f"(its MP4 and thumbnail) and the 0 job(s) queued or running before it 0: free "
+            "space, or submit again once jobs ahead have finished")
+    assert api.store.counts()[JobStatus.QUEUED] == 0  # nothing stored
+    free[0] = one
+    assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    status, answer, _ = api.call("POST", "/v1/videos", GOOD)  # one queued ahead
+    assert status == 507 and f"needs up to {one} bytes" in answer["error"]["message"]
+    assert f"the 1 job(s) queued or running before it {one}:" in answer["error"]["message"]
+    free[0] = 2 * one
+    assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    samples = metric_samples(api.rank0.front.metrics.render().decode())
+    assert samples['dist_attn_request_errors_total{code="507"}'] == 4
+
+
+def test_old_videos_are_deleted_by_count_and_by_age(tmp_path):
+    """Every job's MP4 (and PNG) stayed for ever. After each job only the newest
+    jobs.videos_kept succeeded jobs keep their files, and none older than jobs.videos_max_age_s;
+    the jobs stay listed, their content answers 410 naming the rule."""
+    api = _Api(tmp_path, **{"jobs.videos_kept": 2, "jobs.videos_max_age_s": 3600.0})
+    try:
+        ids = []
+        for _ in range(3):
+            ids.append(api.call("POST", "/v1/videos", GOOD)[1]["id"])
+            api.run_next()
+        videos = os.path.join(api.dir, "videos")
+        assert sorted(os.listdir(videos)) == sorted(f"{i}.{x}" for i in ids[1:]
+                                                    for x in ("mp4", "png"))
+        old = api.call("GET", f"/v1/videos/{ids[0]}")[1]
+        assert old["status"] == "succeeded" and "content_url" not in old, old
+        for variant in ("", "?variant=thumbnail"):
+            status, answer, _ = api.call("GET", f"/v1/videos/{ids[0]}/content{variant}")
+            assert status == 410, answer
+            assert answer["error"]["message"] == (
+                f"the files of video job {ids[0]} were deleted by the server's retention "
+                "(jobs.videos_kept=2 newest, jobs.videos_max_age_s=3600.0)")
+        assert api.call("GET", f"/v1/videos/{ids[1]}/content")[0] == 200
+        assert api.rank0.video.prune(now=time.time() + 1800) == []  # none an hour old yet
+        assert api.rank0.video.prune(now=time.time() + 3601) == ids[1:]
+        assert os.listdir(videos) == []
+        # a store re-opened later reads the same (the deletion is recorded)
+        reopened = JobStore(api.dir)
+        assert [j.output for j in reopened] == [None, None, None]
+        reopened.close()
+    finally:
+        api.close()
+
+
 def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):
     """JSON may spell a lone surrogate ("\\ud800"); the pipeline's tokenizer raised on it and
     the client got a 500. The tiny pipeline's own tokenizer counts the text rows here."""
@@ -265,6 +363,17 @@ def test_a_limit_of_non_ascii_digits_is_400(api):
         assert answer["error"]["message"] == (f"limit={shown} must be an integer in [1, 100] "
                                               "(ASCII digits)")
     assert api.call("GET", "/v1/videos?limit=3")[0] == 200
+
+
+def test_a_limit_of_4301_digits_is_400_naming_limit(api):
+    """Python's int() refuses more than 4300 digits: ?limit=<4301 digits> answered 500 and
+    logged a traceback per request. Leading zeros do not make a small limit long."""
+    for raw in ("1" * 4301, "9" * 50):
+        status, answer, _ = api.call("GET", f"/v1/videos?limit={raw}")
+        assert status == 400, answer
+        assert answer["error"]["message"] == (f"limit='{raw}' must be an integer in [1, 100] "
+                                              "(ASCII digits)")
+    assert api.call("GET", "/v1/videos?limit=" + "0" * 5000 + "7")[0] == 200
 
 
 def test_duplicate_json_keys_are_400_naming_the_key(api):
@@ -304,6 +413,69 @@ def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
         assert samples['dist_attn_request_errors_total{code="507"}'] == 1
         db.execute("PRAGMA max_page_count = 1073741823")  # space again: the store carries on
         assert api.call("POST", "/v1/videos", GOOD)[0] == 202
+    finally:
+        api.close()
+
+
+def _fill_the_store(api) -> None:
+    """Caps the store's file at its current pages and fills them: every commit that needs a
+    page more then fails with SQLite's real SQLITE_FULL."""
+    from dist_attn.serve.jobs.store import StoreError
+    from dist_attn.serve.jobs.videos import parse_video_request
+
+    db = api.store._db
+    db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+    filler = parse_video_request(GOOD, RULES)
+    for _ in range(1000):
+        try:
+            api.store.submit(filler, max_queued=10_000)
+        except StoreError:
+            return
+    pytest.fail("the capped store never filled")
+
+
+def test_a_job_whose_end_cannot_be_stored_still_ends(tmp_path):
+    """With the disk full at a job's end, the job stayed 'running' forever (remaining_s frozen,
+    the metric counting it running) and its DELETE never completed, even once space returned.
+    The end is held in memory, shown to clients, and committed when the store can."""
+    api = _Api(tmp_path, max_queued=10_000)
+    try:
+        done = api.call("POST", "/v1/videos", GOOD)[1]["id"]
+        stopped = api.call("POST", "/v1/videos", {**GOOD, "steps": 40})[1]["id"]
+        first = api.store.start_next()  # run by hand: the store is full at its end
+        _fill_the_store(api)
+        api.rank0.video.run(first)
+        job = api.call("GET", f"/v1/videos/{done}")[1]
+        assert job["status"] == "succeeded" and job["progress"]["remaining_s"] == 0.0, job
+        assert api.call("GET", f"/v1/videos/{done}/content")[0] == 200
+        status, answer, _ = api.call("DELETE", f"/v1/videos/{done}")
+        assert status == 409 and "already succeeded" in answer["error"]["message"], answer
+        listed = api.call("GET", "/v1/videos?status=succeeded")[1]["data"]
+        assert [j["id"] for j in listed] == [done]
+        assert api.call("GET", "/v1/videos?status=running")[1]["data"] == []
+        samples = metric_samples(api.call("GET", "/metrics")[1].decode())
+        assert samples['dist_attn_video_jobs{status="running"}'] == 0
+        assert samples['dist_attn_video_jobs{status="succeeded"}'] == 1
+        api.store._db.execute("PRAGMA max_page_count = 1073741823")
+        api.store.flush()  # space again: the held end is committed
+        row = sqlite3.connect(api.store.path).execute(
+            "SELECT status FROM jobs WHERE id = ?", (done,)).fetchone()
+        assert row == ("succeeded",)
+        running = api.store.start_next()  # cancelled while it runs, the store full again
+        assert running.id == stopped
+        _fill_the_store(api)
+        api.runner.step_s = 0.05
+        t = threading.Thread(target=api.rank0.video.run, args=(running,))
+        t.start()
+        deadline = time.monotonic() + 10
+        while api.call("GET", f"/v1/videos/{stopped}")[1]["progress"]["step"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status, answer, _ = api.call("DELETE", f"/v1/videos/{stopped}")
+        assert status == 200 and answer["cancel_requested"], answer
+        t.join(10)
+        job = api.call("GET", f"/v1/videos/{stopped}")[1]
+        assert job["status"] == "cancelled" and "after" in job["error"], job
     finally:
         api.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -34,13 +35,25 @@ class JobsConfig:
     ``req-*.safetensors``; after each save only the newest ``latents_kept`` of them stay, older
     ones are deleted (one file per request, forever, filled the disk: issue 24). At h3-ref
     (37,296 video rows x 96 + 414 audio rows x 32, float32) a file is 14.4 MB: 1.4 GB for 100.
-    ``--once`` outputs (``once-*``) and the video jobs' files are never deleted."""
+    ``--once`` outputs (``once-*``) are never deleted; the video jobs' files follow
+    ``videos_kept`` and ``videos_max_age_s``."""
+    videos_kept: int = 1000
+    """After each video job, only the newest ``videos_kept`` succeeded jobs (by when they
+    finished) keep their MP4 and PNG; older ones are deleted. The jobs stay listed; their
+    content answers 410 naming this rule."""
+    videos_max_age_s: float = 0.0
+    """Also delete a succeeded job's MP4 and PNG this many seconds after it finished (checked
+    after each job and once a minute); 0 keeps them whatever their age."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise field_error("JobsConfig", "output_dir", self.output_dir,
                               "must be a non-empty path")
-        require_positive(self, "max_queued", "latents_kept")
+        require_positive(self, "max_queued", "latents_kept", "videos_kept")
+        age = self.videos_max_age_s
+        if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age < math.inf:
+            raise field_error("JobsConfig", "videos_max_age_s", age,
+                              "must be a finite number of seconds >= 0 (0: no age limit)")
         if self.runner not in get_args(RunnerName):
             raise field_error("JobsConfig", "runner", self.runner,
                               f"must be one of {list(get_args(RunnerName))}")

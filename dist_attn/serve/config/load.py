@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,8 @@ from dist_attn.serve.config.sections import (ModelConfig, ParallelConfig, Reques
                                              RuntimeConfig, ServeConfig)
 from dist_attn.serve.config.tokens import TokenConfig
 
-__all__ = ["DEFAULT_CONFIG_PATH", "load_config", "parse_config", "apply_overrides"]
+__all__ = ["DEFAULT_CONFIG_PATH", "load_config", "parse_config", "apply_overrides",
+           "parse_override"]
 
 #: The default config: the repository's configs/tiny.toml (found from this file, so a checkout or
 #: an editable install reads the one copy; a plain wheel install has no configs/ and must pass a
@@ -82,7 +85,49 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
                              "package was installed without its repository); pass a config path")
         path = DEFAULT_CONFIG_PATH
     with open(path, "rb") as f:
-        return parse_config(tomllib.load(f), source=str(path))
+        text = f.read().decode()  # as tomllib.load decodes
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        raise
+    except ValueError as e:  # a value tomllib parsed but Python refused (an int's digit limit)
+        raise ValueError(f"{path}: {_long_integer(text) or 'a value'}: {e}") from None
+    return parse_config(data, source=str(path))
+
+
+def _long_integer(text: str) -> str | None:
+    """Where a TOML text holds an integer longer than Python converts (``[section] field (line
+    N) holds an integer of D digits``), or None."""
+    limit, table = sys.get_int_max_str_digits(), "top level"
+    for n, line in enumerate(text.splitlines(), 1):
+        header = re.match(r"\s*\[+\s*([^\]]+?)\s*\]", line)
+        if header:
+            table = f"[{header.group(1)}]"
+            continue
+        runs = [len(r.replace("_", "")) for r in re.findall(r"[0-9][0-9_]*", line)]
+        if limit and runs and max(runs) > limit:
+            key = re.match(r"\s*([A-Za-z0-9_.\"'-]+)\s*=", line)
+            name = f"{table} {key.group(1)}" if key else table
+            return f"{name} (line {n}) holds an integer of {max(runs)} digits"
+    return None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``SECTION.FIELD=VALUE`` (a ``--set``) as ``(key, value)``: VALUE is read as a TOML value,
+    a bare word as a string. Raises ValueError naming the item."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep:
+        raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
+    try:
+        return key, tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, raw  # a bare word: take it as a string
+    except ValueError as e:  # parsed, but Python refused it (an int's digit limit)
+        digits = raw.strip().lstrip("+-").replace("_", "")
+        shown = (f"<an integer of {len(digits)} digits>" if digits.isdigit() and len(digits) > 40
+                 else repr(raw))
+        raise ValueError(f"--set {key}={shown}: {e}") from None
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:

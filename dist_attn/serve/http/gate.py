@@ -66,29 +66,68 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+class _LongInt:
+    """Stands in for an integer literal above ``serve.max_int_digits`` while the body is parsed
+    (``int()`` of it is never called: its cost grows with the square of its length)."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:  # how a message that shows the value reads
+        return f"<an integer of {self.digits} digits>"
+
+
+def _find_long_int(value: Any, path: str) -> tuple[str, _LongInt] | None:
+    """The first :class:`_LongInt` in ``value`` (document order) and its path (``a.b[1]``)."""
+    if isinstance(value, _LongInt):
+        return path, value
+    items: Any = ()
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else k, v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path or 'body'}[{i}]", v) for i, v in enumerate(value))
+    for where, item in items:
+        found = _find_long_int(item, where)
+        if found is not None:
+            return found
+    return None
+
+
 def decode_json(body: bytes, limits: ServeConfig) -> Any:
     """Parses a request body within ``limits``; raises :class:`RequestError` (400) naming the
-    limit. Integers longer than max_int_digits, NaN/Infinity and a key repeated in one object
-    are refused during parsing."""
+    limit. Integers longer than max_int_digits (named by their path in the body), NaN/Infinity
+    and a key repeated in one object are refused; none of them is converted."""
     depth = _nesting_depth(body)
     if depth > limits.max_json_depth:
         raise RequestError(400, f"JSON nesting depth {depth} exceeds serve.max_json_depth="
                                 f"{limits.max_json_depth}")
+    too_long = False
 
-    def parse_int(text: str) -> int:
-        if len(text.lstrip("-")) > limits.max_int_digits:
-            raise RequestError(400, f"integer literal of {len(text.lstrip('-'))} digits exceeds "
-                                    f"serve.max_int_digits={limits.max_int_digits}")
+    def parse_int(text: str) -> int | _LongInt:
+        nonlocal too_long
+        digits = len(text.lstrip("-"))
+        if digits > limits.max_int_digits:
+            too_long = True
+            return _LongInt(digits)
         return int(text)
 
     def parse_constant(text: str) -> Any:
         raise RequestError(400, f"{text} is not valid JSON")
 
     try:
-        return json.loads(body.decode("utf-8"), parse_int=parse_int,
-                          parse_constant=parse_constant, object_pairs_hook=_unique_keys)
+        value = json.loads(body.decode("utf-8"), parse_int=parse_int,
+                           parse_constant=parse_constant, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(400, f"body is not valid JSON: {e}") from None
+    if too_long:
+        # the message named no field (16 fields of the two bodies read alike)
+        found = _find_long_int(value, "")
+        assert found is not None
+        where, literal = found
+        raise RequestError(400, f"{where or 'body'}={literal!r} exceeds serve.max_int_digits={limits.max_int_digits}")
+    return value
 
 
 async def _read_body(request: HttpRequest, length: int) -> bytes:

@@ -49,9 +49,8 @@ def generate_routes(state: ServerState, gate: Gate) -> list[Route]:
         try:
             state.jobs.put(job)
         except QueueFull:
-            # When the work ahead is done, from measured step times (it said 41-76 s, from a
-            # mean of whole runs times the queue length, where the queue drained in ~30 s).
-            retry = StepTimes.retry_after(state.generate_backlog_s())
+            # When a slot opens, from measured step times (the whole backlog was 9x that).
+            retry = StepTimes.retry_after(state.slot_s())
             return fail(429, f"queue full ({limits.queue_size} waiting)",
                         headers={"retry-after": str(retry)})
         return await wait_for_job(request, job)

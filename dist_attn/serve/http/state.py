@@ -10,9 +10,10 @@ from typing import Any
 from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.http.metrics import Metrics
 from dist_attn.serve.jobs.queue import Job, JobQueue, Liveness, StepTimes
-from dist_attn.serve.jobs.records import JobRecord
+from dist_attn.serve.jobs.records import JobRecord, JobStatus
+from dist_attn.serve.jobs.space import space_refusal
 from dist_attn.serve.jobs.store import JobStore
-from dist_attn.serve.jobs.videos import VideoRules
+from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
 
 __all__ = ["ServerState", "VideoJobs", "VideoProgress"]
 
@@ -50,7 +51,17 @@ class VideoJobs:
         run = self.running
         if run is None:
             return 0.0
-        return times.job_s(run.rows, run.steps, "video", steps_done=run.step)
+        return times.running_s(run.rows, run.steps, "video", steps_done=run.step,
+                               elapsed_s=time.time() - run.started)
+
+    def space_refusal(self, req: VideoRequest) -> str | None:
+        """Why the output directory cannot take ``req`` now (507), or None
+        (:func:`dist_attn.serve.jobs.space.space_refusal`)."""
+        ahead = [j.request for j in self.store.list(limit=self.max_queued + 1,
+                                                      status=JobStatus.RUNNING)]
+        ahead += [j.request for j in self.store.queued()]
+        return space_refusal(self.output_dir, req, ahead, fps=self.rules.fps,
+                             thumbnail=self.thumbnail)
 
     def backlog_s(self, times: StepTimes, queued: list[JobRecord] | None = None) -> float:
         """Expected seconds until every queued video job is done."""
@@ -80,14 +91,13 @@ class ServerState:
         if self.api_key == "":  # would refuse every request (process.resolve_api_key says why)
             raise ValueError("api_key='' is not a key: pass None for no key")
 
-    def generate_backlog_s(self) -> float:
-        """Expected seconds of work ahead of a new /v1/generate request: what is left of the
-        running one and every queued one, from measured step times."""
-        times, ahead = self.step_times, 0.0
-        running = self.running
-        if running is not None:
-            ahead += times.job_s(running.rows, running.request.steps, "generate",
-                                 steps_done=running.steps_done)
-        for job in self.jobs.snapshot():
-            ahead += times.job_s(job.rows, job.request.steps, "generate")
-        return ahead
+    def slot_s(self) -> float:
+        """Expected seconds until a full queue has a free slot: until the rank-0 loop ends what
+        it runs (a /v1/generate request or a video job) and takes the next waiting job. From
+        measured step times; 0 when it runs nothing."""
+        times, running = self.step_times, self.running
+        if running is not None and running.started is not None:
+            return times.running_s(running.rows, running.request.steps, "generate",
+                                   steps_done=running.steps_done,
+                                   elapsed_s=time.perf_counter() - running.started)
+        return self.videos.remaining_s(times) if self.videos is not None else 0.0

@@ -2,7 +2,9 @@
 
 - ``POST /v1/videos`` validates the request
   (:func:`dist_attn.serve.jobs.videos.parse_video_request`), stores the job (committed before the answer) and answers **202** with the job and a
-  ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 503 while shutting down.
+  ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 507 when the output
+  directory's free space cannot hold its files and those of the jobs before it; 503 while
+  shutting down.
 - ``GET /v1/videos/{id}``: the job: status (queued, running, succeeded, failed, cancelled),
   progress (step k of n, elapsed, estimated remaining, queue position), timings, errors.
 - ``GET /v1/videos/{id}/content`` streams the MP4 (``?variant=thumbnail``: the first frame's PNG);
@@ -77,6 +79,19 @@ class _FileResponse(FileResponse):
         await answer(scope, receive, send)
 
 
+def _bounded_int(raw: str, lo: int, hi: int) -> int | None:
+    """``raw`` as an integer in [lo, hi] (0 <= lo), or None. ASCII digits only: str.isdigit()
+    accepts '\u00b2', which int() refuses; and no int() of more digits than ``hi`` has, which
+    Python refuses past 4300 digits (both answered 500)."""
+    if not (raw.isascii() and raw.isdigit()):
+        return None
+    digits = raw.lstrip("0") or "0"
+    if len(digits) > len(str(hi)):
+        return None
+    value = int(digits)
+    return value if lo <= value <= hi else None
+
+
 def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any]:
     """The client's view of a job."""
     now = time.time()
@@ -98,9 +113,10 @@ def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any
     elif job.status is JobStatus.RUNNING:
         run = jobs.running
         step = run.step if run is not None and run.job_id == job.id else 0
-        progress.update(step=step, elapsed_s=round(now - (job.started_at or now), 3),
-                        remaining_s=round(times.job_s(req.rows, req.steps, "video",
-                                                      steps_done=step), 3))
+        elapsed = now - (job.started_at or now)
+        progress.update(step=step, elapsed_s=round(elapsed, 3),
+                        remaining_s=round(times.running_s(req.rows, req.steps, "video",
+                                                          steps_done=step, elapsed_s=elapsed), 3))
     else:
         done = len(job.timings.get("step_s", [])) if job.timings else 0
         progress.update(step=req.steps if job.status is JobStatus.SUCCEEDED else done,
@@ -110,7 +126,7 @@ def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any
     out["progress"] = progress
     if job.timings:
         out["timings"] = job.timings
-    if job.status is JobStatus.SUCCEEDED:
+    if job.status is JobStatus.SUCCEEDED and job.output is not None:  # None: deleted
         out["content_url"] = f"/v1/videos/{job.id}/content"
         if job.thumbnail:
             out["thumbnail_url"] = f"/v1/videos/{job.id}/content?variant=thumbnail"
@@ -128,9 +144,13 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
         req = await gate.admit(request, lambda payload: parse_video_request(payload, jobs.rules))
         if isinstance(req, Response):
             return req
+        short = await run_in_threadpool(jobs.space_refusal, req)
+        if short is not None:
+            return fail(507, short)
         job = await run_in_threadpool(jobs.store.submit, req, max_queued=jobs.max_queued)
         if job is None:
-            retry = StepTimes.retry_after(await run_in_threadpool(jobs.backlog_s, times))
+            # when a slot opens (the running job ends), not when the whole backlog is done
+            retry = StepTimes.retry_after(state.slot_s())
             return fail(429, f"{jobs.max_queued} video jobs are waiting (jobs.max_queued)",
                         headers={"retry-after": str(retry)})
         state.jobs.wake()  # the rank-0 loop may be waiting for /v1/generate work
@@ -165,6 +185,11 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             why = f": {job.error}" if job.error else ""
             return fail(409, f"video job {job.id} is {job.status.value}{why}; its content exists "
                              "once it succeeded")
+        if job.output is None:  # only the retention takes a succeeded job's files
+            kept = state.cfg.jobs
+            return fail(410, f"the files of video job {job.id} were deleted by the server's "
+                             f"retention (jobs.videos_kept={kept.videos_kept} newest, "
+                             f"jobs.videos_max_age_s={kept.videos_max_age_s})")
         name = job.output if variant == "video" else job.thumbnail
         if name is None:
             return fail(404, f"video job {job.id} has no {variant}")
@@ -196,8 +221,8 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             return denied
         q = request.query_params
         raw = q.get("limit", "20")
-        # ASCII digits only: str.isdigit() accepts '²', which int() refuses (a 500: issue 24).
-        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= _MAX_LIST:
+        limit = _bounded_int(raw, 1, _MAX_LIST)
+        if limit is None:
             return fail(400, f"limit={raw!r} must be an integer in [1, {_MAX_LIST}] (ASCII "
                              "digits)")
         which = q.get("status")
@@ -213,7 +238,6 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             if anchor is None:
                 return fail(400, f"before={before!r} is not a video job id")
             before_seq = anchor.seq
-        limit = int(raw)
         found = await run_in_threadpool(jobs.store.list, limit=limit + 1, status=wanted,
                                         before_seq=before_seq)
 

@@ -9,6 +9,7 @@ deletes at the next start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading as _threading
@@ -19,7 +20,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["EncoderThread", "Mp4Writer", "VideoFile", "write_mp4", "probe_mp4", "remove_stale_temporaries", "TMP_MARKER"]
+__all__ = ["EncoderThread", "Mp4Writer", "VideoFile", "write_mp4", "probe_mp4",
+           "remove_stale_temporaries", "TMP_MARKER", "AUDIO_BIT_RATE"]
 
 #: Part of every temporary file name (a crash leaves such files behind; nothing else has it).
 TMP_MARKER = ".tmp-"
@@ -27,7 +29,7 @@ TMP_MARKER = ".tmp-"
 # x264 at CRF 18 is visually lossless for 8-bit video; "veryfast" keeps the encode a small share
 # of a job (a 124-frame 1344x768 clip encodes in a few seconds on one core).
 _X264_OPTIONS = {"crf": "18", "preset": "veryfast"}
-_AUDIO_BIT_RATE = 192_000
+AUDIO_BIT_RATE = 192_000  #: the AAC track's bits per second
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -190,7 +192,7 @@ class Mp4Writer:
             if self._pcm is not None:
                 self._astream = self._container.add_stream("aac", rate=sample_rate)
                 self._astream.layout = "stereo" if self._pcm.shape[0] == 2 else "mono"
-                self._astream.bit_rate = _AUDIO_BIT_RATE
+                self._astream.bit_rate = AUDIO_BIT_RATE
         except BaseException:
             self._discard()
             raise
@@ -297,10 +299,8 @@ class Mp4Writer:
         try:
             self._join()
         finally:
-            try:
+            with contextlib.suppress(Exception):  # already failing; the file goes anyway
                 self._container.close()
-            except Exception:  # noqa: BLE001 - already failing; the file goes anyway
-                pass
             if os.path.exists(self._tmp):
                 os.remove(self._tmp)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+import statistics
 import threading
 import time
 from concurrent.futures import Future
@@ -43,6 +44,8 @@ class Job:
     """Packed rows of the request (what its step time depends on)."""
     steps_done: int = 0
     """Denoise steps finished (set by the rank-0 loop while it runs)."""
+    started: float | None = None
+    """When the rank-0 loop started it (None while it waits)."""
     _cancelled: Abort = Abort.NONE
 
     def cancel(self, reason: Abort) -> None:
@@ -148,54 +151,62 @@ class StepTimes:
     outside its steps (setup, text encoding, decode, muxing) by kind: what Retry-After and the
     jobs' estimated remaining time are computed from.
 
-    Each packed length keeps an exponential moving average (weight ``alpha`` for the newest
-    step). A length never measured takes the nearest measured one scaled by the length ratio
-    (linear: exact for the row-wise work, optimistic for attention's quadratic share); with no
-    measurement at all a step counts ``default_step_s``. Thread-safe.
+    Each packed length (and each kind's time outside the steps) is the median of its last
+    ``window`` measurements: one cold or stalled measurement does not move it. A length never
+    measured takes the nearest measured one scaled by the length ratio (linear: exact for the
+    row-wise work, optimistic for attention's quadratic share); with no measurement at all a
+    step counts ``default_step_s``. Thread-safe.
     """
 
-    def __init__(self, *, default_step_s: float = 1.0, alpha: float = 0.3) -> None:
+    def __init__(self, *, default_step_s: float = 1.0, window: int = 9) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be a positive integer")
         self.default_step_s = default_step_s
-        self.alpha = alpha
-        self._step: dict[int, float] = {}
+        self.window = window
+        self._step: dict[int, collections.deque[float]] = {}
         self._rows: list[int] = []  # sorted keys of _step
-        self._overhead: dict[str, float] = {}
+        self._overhead: dict[str, collections.deque[float]] = {}
         self._lock = threading.Lock()
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """One denoise step of a ``rows``-row request took ``seconds``."""
         with self._lock:
-            old = self._step.get(rows)
-            if old is None:
+            if rows not in self._step:
                 bisect.insort(self._rows, rows)
-                self._step[rows] = seconds
-            else:
-                self._step[rows] = old + self.alpha * (seconds - old)
+                self._step[rows] = collections.deque(maxlen=self.window)
+            self._step[rows].append(seconds)
 
     def observe_overhead(self, kind: str, seconds: float) -> None:
         """A job of ``kind`` spent ``seconds`` outside its denoise steps."""
         with self._lock:
-            old = self._overhead.get(kind)
-            self._overhead[kind] = seconds if old is None else old + self.alpha * (seconds - old)
+            self._overhead.setdefault(kind, collections.deque(maxlen=self.window)
+                                      ).append(seconds)
 
     def step_s(self, rows: int) -> float:
         """Expected seconds of one step of a ``rows``-row request."""
         with self._lock:
             if rows in self._step:
-                return self._step[rows]
+                return statistics.median(self._step[rows])
             if not self._rows:
                 return self.default_step_s
             i = bisect.bisect_left(self._rows, rows)
             near = min(self._rows[max(0, i - 1):i + 1], key=lambda r: abs(r - rows))
-            return self._step[near] * rows / max(near, 1)
+            return statistics.median(self._step[near]) * rows / max(near, 1)
 
-    def job_s(self, rows: int, steps: int, kind: str, *, steps_done: int = 0) -> float:
-        """Expected seconds left of a job of ``kind`` with ``steps - steps_done`` steps to go
-        (its whole overhead is counted while it has steps left, none after)."""
-        left = max(steps - steps_done, 0)
+    def job_s(self, rows: int, steps: int, kind: str) -> float:
+        """Expected seconds of a whole job of ``kind``: its steps and its time outside them."""
         with self._lock:
-            overhead = self._overhead.get(kind, 0.0)
-        return left * self.step_s(rows) + (overhead if left else 0.0)
+            seen = self._overhead.get(kind)
+            overhead = statistics.median(seen) if seen else 0.0
+        return steps * self.step_s(rows) + overhead
+
+    def running_s(self, rows: int, steps: int, kind: str, *, steps_done: int,
+                  elapsed_s: float) -> float:
+        """Expected seconds left of a job of ``kind`` that has run ``elapsed_s`` seconds and
+        ``steps_done`` steps: its whole expected time less the time run, and at least the time
+        of its steps left (0 once it has run longer than expected and has no step left)."""
+        left = max(steps - steps_done, 0) * self.step_s(rows)
+        return max(left, self.job_s(rows, steps, kind) - elapsed_s, 0.0)
 
     @staticmethod
     def retry_after(seconds: float) -> int:

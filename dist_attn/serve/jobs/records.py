@@ -1,6 +1,6 @@
 """The job store's records and its error: what a job is (:class:`JobRecord`), where it is
 (:class:`JobStatus`), what a restart did (:class:`Recovery`), and :class:`StoreError`. Split from
-:mod:`dist_attn.serve.jobs.store` (the SQLite store), which re-exports every name here."""
+:mod:`dist_attn.serve.jobs.store` (the SQLite store), which re-exports the records and the error."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from typing import Any
 
 from dist_attn.serve.jobs.videos import VideoRequest
 
-__all__ = ["JobStatus", "JobRecord", "Recovery", "StoreError", "new_job_id"]
+__all__ = ["JobStatus", "JobRecord", "Recovery", "StoreError", "STORE_NAME", "new_job_id"]
+
+#: The store's file name inside the output directory (WAL adds -wal and -shm beside it).
+STORE_NAME = "jobs.sqlite3"
 
 
 class JobStatus(str, enum.Enum):

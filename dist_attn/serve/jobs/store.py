@@ -12,6 +12,10 @@ What the store promises (the server's restart semantics):
 - A clean shutdown that interrupts a running job puts it back in the queue without counting an
   attempt (:meth:`JobStore.requeue`): the job did not cause the stop.
 
+A job's end that cannot be committed (a full disk) is held in memory and read over its row by
+every read (:mod:`dist_attn.serve.jobs.ends`): clients see the job finished at once, and
+:meth:`JobStore.flush` commits it when the store can (before any job starts, and at close).
+
 Progress (step k of n) is not written per step (an fsync per step would cost ~10% of a tiny CPU
 step); the rank-0 loop keeps it in memory and the HTTP layer merges it into the answer.
 
@@ -30,16 +34,19 @@ instead of a generic 500.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
-from dist_attn.serve.jobs.records import JobRecord, JobStatus, Recovery, StoreError, new_job_id
+from dist_attn.serve.jobs.ends import HeldEnds, JobEnd
+from dist_attn.serve.jobs.records import (STORE_NAME, JobRecord, JobStatus, Recovery, StoreError,
+                                          new_job_id)
+from dist_attn.serve.jobs.store_sql import SCHEMA, Transaction, row_record
+from dist_attn.serve.jobs.store_sql import store_errors as _store_errors
 from dist_attn.serve.jobs.videos import VideoRequest
 
 __all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STORE_NAME",
@@ -47,63 +54,9 @@ __all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STOR
 
 log = logging.getLogger(__name__)
 
-#: The store's file name inside the output directory (WAL adds -wal and -shm beside it).
-STORE_NAME = "jobs.sqlite3"
 #: A job is started at most this many times; one more interruption while running fails it.
 MAX_ATTEMPTS = 2
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
-    id           TEXT NOT NULL UNIQUE,
-    status       TEXT NOT NULL CHECK (status IN
-                   ('queued', 'running', 'succeeded', 'failed', 'cancelled')),
-    request      TEXT NOT NULL,
-    created_at   REAL NOT NULL,
-    started_at   REAL,
-    finished_at  REAL,
-    attempts     INTEGER NOT NULL DEFAULT 0,
-    cancel       INTEGER NOT NULL DEFAULT 0,
-    error        TEXT,
-    output       TEXT,
-    thumbnail    TEXT,
-    timings      TEXT,
-    history      TEXT NOT NULL DEFAULT '[]'
-);
-CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
-"""
-
-
-def _is_disk_full(e: sqlite3.Error) -> bool:
-    # sqlite_errorcode (an extended code: the primary one in its low byte) exists from Python
-    # 3.11; before it, SQLite's fixed text for SQLITE_FULL (13).
-    code = getattr(e, "sqlite_errorcode", None)
-    return code & 0xFF == 13 if code is not None else str(e) == "database or disk is full"
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _store_errors(method: _F) -> _F:
-    """Turns what SQLite cannot do into :class:`StoreError` (a disk full answered a generic 500:
-    issue 24). Misuse of the API (ProgrammingError, InterfaceError, IntegrityError) stays a bug
-    and propagates as it is."""
-
-    @functools.wraps(method)
-    def wrapper(self: "JobStore", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except (sqlite3.ProgrammingError, sqlite3.InterfaceError, sqlite3.IntegrityError):
-            raise
-        except sqlite3.Error as e:
-            if _is_disk_full(e):
-                raise StoreError(507, f"the job store ({STORE_NAME}) cannot commit: its disk is "
-                                      f"full (SQLite: {e}); nothing was stored",
-                                 path=self.path) from e
-            raise StoreError(503, f"the job store ({STORE_NAME}) cannot be used (SQLite: {e})",
-                             path=self.path) from e
-
-    return wrapper  # type: ignore[return-value]
 
 
 class JobStore:
@@ -111,15 +64,21 @@ class JobStore:
 
     def __init__(self, directory: str) -> None:
         """Opens (or creates) the store; raises :class:`StoreError` naming the file and what to
-        do when it is not a readable SQLite database (a corrupt file gave a raw traceback on
-        every rank: issue 24), OSError when the directory cannot be made."""
+        do when it is not a readable SQLite database (a corrupt file, a directory: each gave a
+        raw traceback), OSError when the directory cannot be made."""
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.path = os.path.join(directory, STORE_NAME)
+        if os.path.isdir(self.path):  # sqlite3.connect raised a bare OperationalError
+            raise StoreError(503, f"{self.path} is a directory, not a SQLite job store file: "
+                                  "move it out of the output directory (the server then starts "
+                                  "with an empty job store) or choose another --output-dir",
+                             path=self.path)
         # isolation_level=None: autocommit; multi-statement changes use explicit BEGIN IMMEDIATE.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=30.0)
         self._lock = threading.Lock()
+        self._held = HeldEnds()
         try:
             with self._lock:
                 mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -135,7 +94,7 @@ class JobStore:
                 # FULL: every commit is on disk before it returns, so a 202 survives power loss
                 # too (NORMAL would survive a process crash only).
                 self._db.execute("PRAGMA synchronous=FULL")
-                self._db.executescript(_SCHEMA)
+                self._db.executescript(SCHEMA)
         except sqlite3.DatabaseError as e:
             self._db.close()
             raise StoreError(503, f"{self.path} is not a readable SQLite job store (SQLite: {e}). "
@@ -146,7 +105,13 @@ class JobStore:
                              path=self.path) from e
 
     def close(self) -> None:
-        """Checkpoints the WAL into the main file and closes (the server's shutdown)."""
+        """Commits the held ends, checkpoints the WAL into the main file and closes (the
+        server's shutdown); ends still held are logged: those jobs run again at the next start."""
+        try:
+            self.flush()
+        except StoreError as e:
+            log.error("job store %s: the ends of %s cannot be committed (%s); the next start "
+                      "re-queues them", self.path, sorted(self._held.snapshot()), e)
         with self._lock:
             try:
                 self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
@@ -177,23 +142,26 @@ class JobStore:
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else self._record(row)
+        return None if row is None else self._held.view(row_record(row))
 
     @_store_errors
     def list(self, *, limit: int = 20, status: JobStatus | None = None,
              before_seq: int | None = None) -> list[JobRecord]:
         """The most recent jobs first (optionally of one status, older than ``before_seq``)."""
+        held = list(self._held.snapshot())
         where, args = [], []
-        if status is not None:
-            where.append("status = ?")
-            args.append(status.value)
+        if status is not None:  # a held end changes a row's status: those rows are read too
+            where.append(f"(status = ? OR id IN ({', '.join('?' * len(held))}))")
+            args += [status.value, *held]
         if before_seq is not None:
             where.append("seq < ?")
             args.append(before_seq)
         sql = "SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
         with self._lock:
-            rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
-        return [self._record(r) for r in rows]
+            rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?",
+                                    (*args, limit + len(held))).fetchall()
+        jobs = [self._held.view(row_record(r)) for r in rows]
+        return [j for j in jobs if status is None or j.status is status][:limit]
 
     @_store_errors
     def queued(self) -> list[JobRecord]:
@@ -201,15 +169,21 @@ class JobStore:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"
                                     ).fetchall()
-        return [self._record(r) for r in rows]
+        return [row_record(r) for r in rows]
 
     @_store_errors
     def counts(self) -> dict[JobStatus, int]:
         """Jobs per status (every status present, zeros included)."""
+        held = self._held.snapshot()
         with self._lock:
             rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
-        got = {JobStatus(s): n for s, n in rows}
-        return {s: got.get(s, 0) for s in JobStatus}
+            stored = self._db.execute(f"SELECT id, status FROM jobs WHERE id IN "
+                                      f"({', '.join('?' * len(held))})", tuple(held)).fetchall()
+        got = {s: 0 for s in JobStatus} | {JobStatus(s): n for s, n in rows}
+        for job_id, was in stored:  # counted as the held end says
+            got[JobStatus(was)] -= 1
+            got[held[job_id].status] += 1
+        return got
 
     @_store_errors
     def queue_position(self, job: JobRecord) -> int:
@@ -225,7 +199,7 @@ class JobStore:
         """Stores a new queued job and returns it once committed; None when ``max_queued`` jobs
         are already waiting (checked in the same transaction)."""
         job_id, now = new_job_id(), time.time()
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             waiting = db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
             if waiting >= max_queued:
                 return None
@@ -237,8 +211,10 @@ class JobStore:
 
     @_store_errors
     def start_next(self) -> JobRecord | None:
-        """Marks the oldest queued job running (one more attempt) and returns it; None if none."""
-        with self._tx() as db:
+        """Marks the oldest queued job running (one more attempt) and returns it; None if none.
+        The held ends are committed first: no job starts while one cannot be (StoreError)."""
+        self.flush()
+        with Transaction(self._db, self._lock) as db:
             row = db.execute("SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1"
                              ).fetchone()
             if row is None:
@@ -261,23 +237,44 @@ class JobStore:
         """A running job was stopped between steps because its cancel was asked."""
         self._finish(job_id, JobStatus.CANCELLED, reason, timings=timings)
 
-    @_store_errors
     def _finish(self, job_id: str, status: JobStatus, error: str | None, *,
                 output: str | None = None, thumbnail: str | None = None,
                 timings: dict[str, Any] | None = None) -> None:
-        with self._tx() as db:
+        """Records a running job's end; one that cannot be committed now is held (logged) and
+        read as committed until :meth:`flush` commits it. Never raises a StoreError."""
+        end = JobEnd(status=status, finished_at=time.time(), error=error, output=output,
+                     thumbnail=thumbnail, timings=timings or {})
+        self._held.hold(job_id, end)
+        try:
+            self.flush()
+        except StoreError as e:
+            log.error("job store %s: the end of %s (%s) cannot be committed: %s. It is held in "
+                      "memory, answered to clients, and committed when the store can (a "
+                      "restart before then re-queues the job)", self.path, job_id,
+                      status.value, e)
+
+    def flush(self) -> None:
+        """Commits the held ends, oldest first; raises :class:`StoreError` at the first that
+        cannot be (it and those after it stay held)."""
+        for job_id, end in self._held.snapshot().items():
+            self._commit_end(job_id, end)
+            self._held.release(job_id, end)
+            self._checkpoint_after_job()
+
+    @_store_errors
+    def _commit_end(self, job_id: str, end: JobEnd) -> None:
+        with Transaction(self._db, self._lock) as db:
             db.execute("UPDATE jobs SET status = ?, finished_at = ?, error = ?, output = ?, "
                        "thumbnail = ?, timings = ? WHERE id = ?",
-                       (status.value, time.time(), error, output, thumbnail,
-                        json.dumps(timings or {}), job_id))
-        self._checkpoint_after_job()
+                       (end.status.value, end.finished_at, end.error, end.output, end.thumbnail,
+                        json.dumps(end.timings), job_id))
 
     @_store_errors
     def request_cancel(self, job_id: str) -> JobRecord | None:
         """DELETE: a queued job is cancelled at once; a running one is marked (the loop stops it
         between denoise steps); a finished one is left as it is. Returns the job after the
         change, or None for an unknown id."""
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             row = db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 return None
@@ -293,7 +290,7 @@ class JobStore:
     def requeue(self, job_id: str, note: str) -> None:
         """A clean shutdown interrupted the running job: back to the queue, its attempt given back
         (it keeps its place: the queue is ordered by submission)."""
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             db.execute("UPDATE jobs SET status = 'queued', started_at = NULL, "
                        "attempts = MAX(attempts - 1, 0), history = json_insert(history, '$[#]', ?) "
                        "WHERE id = ? AND status = 'running'", (note, job_id))
@@ -303,7 +300,7 @@ class JobStore:
         """At start: the restart semantics of the module docstring, in one transaction."""
         requeued, failed, cancelled = [], [], []
         now = time.time()
-        with self._tx() as db:
+        with Transaction(self._db, self._lock) as db:
             rows = db.execute("SELECT id, attempts, cancel FROM jobs WHERE status = 'running' "
                               "ORDER BY seq").fetchall()
             for job_id, attempts, cancel in rows:
@@ -326,46 +323,28 @@ class JobStore:
             queued = db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
         return Recovery(requeued=requeued, failed=failed, cancelled=cancelled, queued=queued)
 
-    # ------------------------------------------------------------------ plumbing
+    @_store_errors
+    def expired_files(self, *, keep: int, finished_before: float | None
+                      ) -> list[tuple[str, str, str | None]]:
+        """``(id, output, thumbnail)`` of the succeeded jobs that still have their files and are
+        past the newest ``keep`` (by when they finished) or finished before ``finished_before``
+        (Unix seconds; None: no age limit), the oldest first."""
+        sql = ("SELECT id, output, thumbnail, finished_at, seq FROM jobs "
+               "WHERE status = 'succeeded' AND output IS NOT NULL")
+        with self._lock:
+            rows = set(self._db.execute(sql + " ORDER BY finished_at DESC, seq DESC "
+                                        "LIMIT -1 OFFSET ?", (keep,)).fetchall())
+            if finished_before is not None:
+                rows |= set(self._db.execute(sql + " AND finished_at < ?",
+                                             (finished_before,)).fetchall())
+        return [(r[0], r[1], r[2]) for r in sorted(rows, key=lambda r: (r[3], r[4]))]
 
-    class _Tx:
-        def __init__(self, store: "JobStore") -> None:
-            self.store = store
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.store._lock.acquire()
-            # IMMEDIATE takes the write lock up front: read-then-write needs no retry.
-            self.store._db.execute("BEGIN IMMEDIATE")
-            return self.store._db
-
-        def __exit__(self, exc_type, *_: Any) -> None:
-            db = self.store._db
-            try:
-                if not exc_type:
-                    db.execute("COMMIT")
-                elif db.in_transaction:
-                    # SQLite rolls back by itself on some errors (SQLITE_FULL); a ROLLBACK then
-                    # raised "no transaction is active" and hid the real error (issue 24).
-                    db.execute("ROLLBACK")
-            finally:
-                self.store._lock.release()
-
-    def _tx(self) -> "JobStore._Tx":
-        return JobStore._Tx(self)
-
-    _COLUMNS = ("seq", "id", "status", "request", "created_at", "started_at", "finished_at",
-                "attempts", "cancel", "error", "output", "thumbnail", "timings", "history")
-
-    def _record(self, row: tuple) -> JobRecord:
-        d = dict(zip(self._COLUMNS, row))
-        return JobRecord(seq=d["seq"], id=d["id"], status=JobStatus(d["status"]),
-                         request=VideoRequest.from_json(json.loads(d["request"])),
-                         created_at=d["created_at"], started_at=d["started_at"],
-                         finished_at=d["finished_at"], attempts=d["attempts"],
-                         cancel_requested=bool(d["cancel"]), error=d["error"],
-                         output=d["output"], thumbnail=d["thumbnail"],
-                         timings=json.loads(d["timings"]) if d["timings"] else {},
-                         history=json.loads(d["history"]))
+    @_store_errors
+    def forget_files(self, job_id: str) -> None:
+        """The files of the succeeded job ``job_id`` were deleted: it keeps no output name."""
+        with Transaction(self._db, self._lock) as db:
+            db.execute("UPDATE jobs SET output = NULL, thumbnail = NULL WHERE id = ? AND "
+                       "status = 'succeeded'", (job_id,))
 
     @_store_errors
     def ids(self) -> set[str]:
@@ -377,4 +356,4 @@ class JobStore:
     def __iter__(self) -> Iterator[JobRecord]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY seq").fetchall()
-        return iter([self._record(r) for r in rows])
+        return iter([self._held.view(row_record(r)) for r in rows])

@@ -19,7 +19,6 @@ import argparse
 import logging
 import os
 import sys
-import tomllib
 from typing import Any, NoReturn
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
@@ -124,17 +123,10 @@ def _block_linears(cfg: Any, dtype: Any) -> str:
 def config_from_args(args: argparse.Namespace) -> Any:
     """The validated config: file (or embedded default), then --set, then dedicated flags."""
     from dist_attn.serve.config import apply_overrides, load_config
+    from dist_attn.serve.config.load import parse_override
 
     cfg = load_config(args.config)
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
-        try:
-            overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            overrides[key.strip()] = raw  # a bare word: take it as a string
+    overrides: dict[str, Any] = dict(parse_override(item) for item in args.set)
     for dest, key in _FLAG_FIELDS.items():
         value = getattr(args, dest)
         if value is not None:
@@ -198,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from dist_attn.distributed import init_distributed
     from dist_attn.serve.launch.checks import run_launch_checks
+    from dist_attn.serve.launch.keeper import announce_serving, rank0_listener
     from dist_attn.serve.launch.logs import setup_logging
-    from dist_attn.serve.launch.process import (bind_listener, exposure_warnings, resolve_api_key,
-                                         set_parent_death_signal)
+    from dist_attn.serve.launch.process import (exposure_warnings, resolve_api_key,
+                                                set_parent_death_signal)
     from dist_attn.serve.jobs.requests import RequestError, parse_request
 
     setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
@@ -233,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and not (args.once or args.check_only):
         host, port = cfg.serve.host, cfg.serve.port
         try:
-            listener = bind_listener(host, port, cfg.serve.backlog)
+            # the supervisor's held socket after a restart; else bound here (and given to it)
+            listener = rank0_listener(host, port, cfg.serve.backlog)
         except OSError as e:
             local_failures.append(f"port: cannot listen on {host}:{port} ({e.strerror or e}); "
                                   "choose another with --port")
@@ -286,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                 "compiled": cfg.runtime.compiled(env.device.type),
                 "device": (torch.cuda.get_device_name(env.device)
                            if env.device.type == "cuda" else "cpu")}
+        if listener is not None:
+            announce_serving()  # the supervisor stops answering the port for us
         return serve(cfg, env, engine, listener=listener, once=once_req, info=info,
                      api_key=api_key, runner=runner, videos=videos)
     finally:

@@ -30,7 +30,9 @@ not retried: :data:`dist_attn.serve.jobs.store.MAX_ATTEMPTS`). A job that fails 
 bad config, a port in use, a corrupt job store) is not restarted: it would fail the same way.
 The restarted job is a fresh torchrun (new ranks, the model built again), on the same port.
 torchrun's own ``--max-restarts`` is not used: it restarts launch failures too, and its count
-never resets, so a server up for months would run out of restarts.
+never resets, so a server up for months would run out of restarts. While no rank 0 serves (a
+start, a restart), the supervisor keeps the port open and answers it with 503 and Retry-After
+(:mod:`dist_attn.serve.launch.keeper`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import tempfile
 import time
 from typing import Any
 
+from dist_attn.serve.launch.keeper import KEEPER_ENV, PortKeeper
 from dist_attn.serve.ranks.lifecycle import READY_ENV
 
 __all__ = ["under_torchrun", "strip_flag", "restore_default_signals", "rank_pids", "supervise",
@@ -175,34 +178,42 @@ def supervise(nproc: int, serve_argv: list[str], *,
     restarts: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dist_attn-supervisor-") as tmp:
         ready = os.path.join(tmp, "ready")
-        env = dict(os.environ, **{READY_ENV: ready})
-        while True:
-            # preexec_fn runs before exec only (no threads exist yet in the child)
-            agent = subprocess.Popen(cmd, preexec_fn=_agent_preexec, env=env)  # noqa: PLW1509
+        keeper = PortKeeper(tmp)  # answers the port while no rank 0 serves
+        env = dict(os.environ, **{READY_ENV: ready, KEEPER_ENV: keeper.path})
+        why = "starting"
+        try:
             while True:
-                try:
-                    code = agent.wait(timeout=_POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    if undelivered:
-                        undelivered = not deliver()
-            status = 128 - code if code < 0 else code
-            if status == 0 or stop:
-                return status
-            if not os.path.exists(ready):
-                print(f"supervisor: the job exited {status} before it served; not restarted (a "
-                      "launch failure would repeat)", file=sys.stderr, flush=True)
-                return status
-            os.remove(ready)
-            now = time.monotonic()
-            restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
-            if len(restarts) >= max_restarts:
-                print(f"supervisor: the job exited {status} after it served; {len(restarts)} "
-                      f"restart(s) within {RESTART_WINDOW_S:g} s already (--max-restarts="
-                      f"{max_restarts}): giving up", file=sys.stderr, flush=True)
-                return status
-            restarts.append(now)
-            print(f"supervisor: the job exited {status} after it served (a rank died?); "
-                  f"restarting it ({len(restarts)} of at most {max_restarts} restarts within "
-                  f"{RESTART_WINDOW_S:g} s); the job store re-queues the job that was running",
-                  file=sys.stderr, flush=True)
+                keeper.launched(why)
+                # preexec_fn runs before exec only (no threads exist yet in the child)
+                agent = subprocess.Popen(cmd, preexec_fn=_agent_preexec, env=env)  # noqa: PLW1509
+                while True:
+                    try:
+                        code = agent.wait(timeout=_POLL_S)
+                        break
+                    except subprocess.TimeoutExpired:
+                        if undelivered:
+                            undelivered = not deliver()
+                status = 128 - code if code < 0 else code
+                if status == 0 or stop:
+                    return status
+                if not os.path.exists(ready):
+                    print(f"supervisor: the job exited {status} before it served; not restarted "
+                          "(a launch failure would repeat)", file=sys.stderr, flush=True)
+                    return status
+                os.remove(ready)
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+                if len(restarts) >= max_restarts:
+                    print(f"supervisor: the job exited {status} after it served; "
+                          f"{len(restarts)} restart(s) within {RESTART_WINDOW_S:g} s already "
+                          f"(--max-restarts={max_restarts}): giving up", file=sys.stderr,
+                          flush=True)
+                    return status
+                restarts.append(now)
+                print(f"supervisor: the job exited {status} after it served (a rank died?); "
+                      f"restarting it ({len(restarts)} of at most {max_restarts} restarts "
+                      f"within {RESTART_WINDOW_S:g} s); the job store re-queues the job that "
+                      "was running", file=sys.stderr, flush=True)
+                why = f"restarting: the job exited {status} after it served"
+        finally:
+            keeper.close()

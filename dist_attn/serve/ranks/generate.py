@@ -53,7 +53,7 @@ class GenerateDrive:
             metrics.cancelled(reason.label)
             job.fail(*_ABORT_ANSWER[reason])
             return None
-        started = time.perf_counter()
+        started = job.started = time.perf_counter()
         exchange(Control(Op.RUN, req.wire()), self.env)
         state.running = job
         try:

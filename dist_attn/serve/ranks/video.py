@@ -16,6 +16,7 @@ from dist_attn.distributed import DistEnv
 from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.http.state import VideoJobs, VideoProgress
 from dist_attn.serve.jobs.records import JobRecord, JobStatus, StoreError
+from dist_attn.serve.jobs.retention import prune_videos, remove_files
 from dist_attn.serve.jobs.runner import VideoOutcome, VideoRunner, video_wire
 from dist_attn.serve.ranks.front import Front
 from dist_attn.serve.ranks.lifecycle import Shutdown
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # A job store that cannot start the next job (a full disk) is logged at most this often.
 _STORE_ERROR_LOG_S = 60.0
+# Old videos are looked for after each job and, while idle, this often (jobs.videos_max_age_s).
+_PRUNE_EVERY_S = 60.0
 
 
 class VideoDrive:
@@ -38,12 +41,15 @@ class VideoDrive:
         self.cfg, self.env, self.runner, self.videos = cfg, env, runner, videos
         self.front, self.shutdown = front, shutdown
         self._store_error_logged = -_STORE_ERROR_LOG_S
+        self._pruned = -_PRUNE_EVERY_S
 
     def start_next(self) -> JobRecord | None:
         """The oldest queued video job, now running; None when there is none or when the store
         cannot commit (a full disk). That error ended the server; the job now stays queued
         (the transaction rolled back), the error is logged at most once a minute, and
-        /v1/generate is served on (issue 24)."""
+        /v1/generate is served on (issue 24). Old videos are deleted first, once a minute."""
+        if time.monotonic() - self._pruned >= _PRUNE_EVERY_S:
+            self.prune()
         try:
             return self.videos.store.start_next()
         except StoreError as e:
@@ -100,6 +106,26 @@ class VideoDrive:
             videos.cancels.discard(job_id)
         front.liveness.contact()
         self._record(record, outcome, time.perf_counter() - t0, mp4_rel, png_rel)
+        self.prune()
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Deletes the files of succeeded jobs past ``jobs.videos_kept`` and
+        ``jobs.videos_max_age_s`` (:func:`~dist_attn.serve.jobs.retention.prune_videos`, ``now``
+        Unix seconds, default the clock's); returns their ids. A store error is logged."""
+        jobs = self.cfg.jobs
+        self._pruned = time.monotonic()
+        try:
+            gone = prune_videos(self.videos.store, self.videos.output_dir,
+                                keep=jobs.videos_kept, max_age_s=jobs.videos_max_age_s,
+                                now=time.time() if now is None else now)
+        except StoreError as e:
+            log.error("job store %s: old videos cannot be deleted now: %s", e.path, e)
+            return []
+        if gone:
+            log.info("deleted the MP4s of %d job(s) past jobs.videos_kept=%d / "
+                     "jobs.videos_max_age_s=%g: %s", len(gone), jobs.videos_kept,
+                     jobs.videos_max_age_s, ", ".join(gone))
+        return gone
 
     def _record(self, record: JobRecord, outcome: VideoOutcome, total: float, mp4_rel: str,
                 png_rel: str) -> None:
@@ -121,6 +147,8 @@ class VideoDrive:
                 store.requeue(job_id, f"re-queued: the server was stopped after {done} of "
                                       f"{req.steps} steps")
             elif outcome.error is not None or outcome.file is None:
+                # the thumbnail is published before the MP4: a failed MP4 left it behind
+                remove_files(self.videos.output_dir, [mp4_rel, png_rel])
                 store.fail(job_id, outcome.error or "no video was written", timings=timings)
                 metrics.video_finished(JobStatus.FAILED.value)
             else:
