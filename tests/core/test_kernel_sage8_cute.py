@@ -49,6 +49,9 @@ def test_p_renamed_by_prmt_meets_v_in_mma_order(n):
 def test_cute_impl_is_registered_and_says_what_it_needs_on_a_cpu():
     be = backends.get_backend("sage8_cute")
     assert be.impl == "cute" and not be.exact and be.supports_lse
+    # not yet checked against float64 on a GPU: "auto" must not choose it
+    assert not be.accuracy_verified and backends.get_backend("sage8").accuracy_verified
+    assert "accuracy" in (backends.registry.auto_refusal(be) or "")
     q = torch.empty(1, 4, 2, 128, dtype=torch.bfloat16)
     reason = be.unsupported_reason(q)
     assert reason is not None and "sage8_cute" in reason and "CUDA GPU" in reason
