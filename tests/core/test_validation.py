@@ -67,7 +67,9 @@ def _bad_calls(world):
              module=dict(softmax_scale=-1.0)),
         case("requires_grad", "RuntimeError", ["forward-only", "torch.no_grad()"],
              q=good().requires_grad_()),
-        case("too_few_heads", "ValueError", ["num_heads=1", f"world size {world}"] if world > 1 else ["q.shape[1]=1"],
+        case("too_few_heads", "ValueError",
+             ["num_heads=1", f"world size {world}", "at most 1 ranks (fewer ranks, or Ulysses x Ring",
+              f"pad q, k and v with zero heads up to {world}"] if world > 1 else ["q.shape[1]=1"],
              q=torch.randn(s_local, 1, D), k=torch.randn(s_local, 1, D), v=torch.randn(s_local, 1, D)),
     ]
 
