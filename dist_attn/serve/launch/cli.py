@@ -303,6 +303,7 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
     (all read the same files, before any collective) and is reported once."""
     from dist_attn.profiling import PhaseTimer
     from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.serve.launch.logs import count_in_units
     from dist_attn.serve.h3.weights import WeightsError
 
     try:
@@ -324,10 +325,10 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
                 sequence_bucket=cfg.runtime.bucket(env.device.type))
     if cfg.runtime.compiled(env.device.type):
         compile_blocks(model)
-    log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
+    log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %s "
              "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
              "backend %s%s", cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
-             sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
+             count_in_units(sum(p.numel() for p in model.parameters())), dtype, env.device,
              _block_linears(cfg, dtype),
              f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
              backend, ", blocks compiled" if cfg.runtime.compiled(env.device.type) else "")
