@@ -168,11 +168,17 @@ def run() -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dist_attn.extras import install_hint, missing_modules
     from dist_attn.serve.launch.supervise import (restore_default_signals, strip_flag, supervise,
-                                           under_torchrun)
+                                                  under_torchrun)
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    missing = missing_modules("serve")  # before anything imports them (the HTTP app: uvicorn)
+    if missing:
+        _rank0_error(int(os.environ.get("RANK", 0)), f"the server needs the 'serve' extra, and "
+                     f"{', '.join(missing)} cannot be imported: {install_hint('serve')}")
+        return 1
     if args.nproc_per_node is not None:
         if under_torchrun():
             print("launch/serve.py: error: --nproc-per-node starts torchrun itself; under "

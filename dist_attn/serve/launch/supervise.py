@@ -44,8 +44,6 @@ import tempfile
 import time
 from typing import Any
 
-from dist_attn.serve.ranks.lifecycle import READY_ENV
-
 __all__ = ["under_torchrun", "strip_flag", "restore_default_signals", "rank_pids", "supervise",
            "DEFAULT_MAX_RESTARTS", "RESTART_WINDOW_S"]
 
@@ -172,6 +170,10 @@ def supervise(nproc: int, serve_argv: list[str], *,
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    # here, not at the top: the launch imports this module before it checks the serve extra,
+    # and the ranks' package imports the HTTP app (uvicorn)
+    from dist_attn.serve.ranks.lifecycle import READY_ENV
+
     restarts: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dist_attn-supervisor-") as tmp:
         ready = os.path.join(tmp, "ready")
