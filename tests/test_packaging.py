@@ -104,3 +104,40 @@ def test_a_missing_extra_is_one_line_naming_the_install_command(blocked, args, r
     assert lines[0] == (f"launch/serve.py: error: the server needs the 'serve' extra, and {modules} "
                         "cannot be imported: pip install -e '.[serve]' (in a clone of the "
                         "repository)"), lines[0]
+
+
+def test_a_non_editable_install_runs_the_default_server(tmp_path):
+    """configs/ was resolved outside the package, so `pip install .` could not run the default
+    server ("no default config"). The default configs are package data now: the package, built
+    and installed without -e into a folder of its own (no dependency fetched: the test's
+    interpreter has them), checks the CPU default from a directory that is not the clone."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(ROOT, "dist_attn"), src / "dist_attn",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    site = tmp_path / "site"
+    env = {k: v for k, v in subprocess_env().items() if k != "PYTHONPATH"}
+    built = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                            "--no-build-isolation", "--target", str(site), str(src)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert (site / "dist_attn" / "serve" / "configs" / "tiny.toml").is_file()
+    run = tmp_path / "run"
+    run.mkdir()
+    env["PYTHONPATH"] = str(site)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    res = subprocess.run([sys.executable, "-c", "import dist_attn, runpy, sys; print(dist_attn.__file__); "
+                          "sys.argv = ['dist_attn.serve', '--check-only']; "
+                          "runpy.run_module('dist_attn.serve', run_name='__main__')"],
+                         cwd=run, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, *rest = res.stdout.splitlines()
+    assert first.startswith(str(site)), first  # the installed copy, not the clone
+    assert rest and rest[-1].startswith("check-only: OK (config tiny, world 1"), res.stdout
+    meta = [p for p in os.listdir(site) if p.endswith(".dist-info")]
+    with open(site / meta[0] / "METADATA", encoding="utf-8") as f:
+        assert "License-Expression: Apache-2.0" in f.read()

@@ -32,8 +32,21 @@ def test_h3_config_is_h3s_default_request():
     cfg.check_world(4)
 
 
+def test_shipped_configs_load_by_name_and_a_missing_one_is_named():
+    """An installed server has no clone's configs/: the shipped ones load by name (package data,
+    tests/test_packaging.py installs them), and a path that does not exist is one message, not
+    a FileNotFoundError traceback."""
+    assert load_config("h3") == load_config(os.path.join(ROOT, "configs", "h3.toml"))
+    assert load_config("tiny") == load_config(None)
+    with pytest.raises(ValueError, match=r"config 'configs/nope.toml' does not exist \(the shipped "
+                                         r"configs, by name: 'tiny', 'h3'\)"):
+        load_config("configs/nope.toml")
+
+
 def test_default_config_is_the_tiny_file():
+    # the clone's configs/ points into the package, where the one copy of each config lives
     assert str(DEFAULT_CONFIG_PATH) == os.path.realpath(TINY_TOML)
+    assert os.path.realpath(TINY_TOML).endswith(os.path.join("dist_attn", "serve", "configs", "tiny.toml"))
     cfg = load_config(None)
     assert cfg == load_config(TINY_TOML)
     r = cfg.request

@@ -15,17 +15,19 @@ breaks. Rules that need the world size (heads vs Ulysses degree, the parallel de
 are checked by :meth:`Config.check_world`, which the launcher calls on every rank before the
 process group is used.
 
-``load_config(None)`` reads the repository's ``configs/tiny.toml`` (the one copy of the default),
-so ``torchrun --nproc-per-node 4 launch/serve.py`` works with no arguments from a checkout or an
-editable install (``pip install -e .``).
+The shipped configs (``tiny``, the CPU default, and ``h3``, the real model) are package data,
+``dist_attn/serve/configs/*.toml`` (the clone's ``configs/`` points there): ``load_config(None)``
+reads ``tiny.toml`` through :mod:`importlib.resources`, so ``python -m dist_attn.serve`` works
+with no arguments from a clone, an editable install or a plain ``pip install .``, and
+``--config h3`` names the shipped H3 config wherever the package is installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import tomllib
-from pathlib import Path
 from typing import Any
 
 from dist_attn.serve.config.deployment import Config
@@ -34,12 +36,14 @@ from dist_attn.serve.config.sections import (ModelConfig, ParallelConfig, Reques
                                              RuntimeConfig, ServeConfig)
 from dist_attn.serve.config.tokens import TokenConfig
 
-__all__ = ["DEFAULT_CONFIG_PATH", "load_config", "parse_config", "apply_overrides"]
+__all__ = ["DEFAULT_CONFIG_PATH", "SHIPPED_CONFIGS", "load_config", "parse_config", "apply_overrides"]
 
-#: The default config: the repository's configs/tiny.toml (found from this file, so a checkout or
-#: an editable install reads the one copy; a plain wheel install has no configs/ and must pass a
-#: path).
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[3] / "configs" / "tiny.toml"
+#: The folder of the shipped configs, inside the installed package.
+_SHIPPED = importlib.resources.files("dist_attn.serve") / "configs"
+#: The shipped configs by name (``--config h3``): the one copy of each, package data.
+SHIPPED_CONFIGS = {"tiny": _SHIPPED / "tiny.toml", "h3": _SHIPPED / "h3.toml"}
+#: The default config: the shipped ``tiny.toml``.
+DEFAULT_CONFIG_PATH = SHIPPED_CONFIGS["tiny"]
 
 
 _SECTIONS: dict[str, type] = {
@@ -75,13 +79,16 @@ def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:
-    """Loads a TOML config file; ``None`` loads :data:`DEFAULT_CONFIG_PATH`."""
+    """Loads a TOML config file: a path, the name of a shipped config (:data:`SHIPPED_CONFIGS`,
+    when no file of that name exists), or ``None`` for :data:`DEFAULT_CONFIG_PATH`."""
     if path is None:
-        if not DEFAULT_CONFIG_PATH.is_file():
-            raise ValueError(f"no default config: {DEFAULT_CONFIG_PATH} does not exist (the "
-                             "package was installed without its repository); pass a config path")
         path = DEFAULT_CONFIG_PATH
-    with open(path, "rb") as f:
+    elif not os.path.exists(path):
+        if str(path) not in SHIPPED_CONFIGS:
+            raise ValueError(f"config {os.fspath(path)!r} does not exist (the shipped configs, by "
+                             f"name: {', '.join(map(repr, SHIPPED_CONFIGS))})")
+        path = SHIPPED_CONFIGS[str(path)]
+    with (open(path, "rb") if isinstance(path, (str, os.PathLike)) else path.open("rb")) as f:
         return parse_config(tomllib.load(f), source=str(path))
 
 

@@ -51,7 +51,8 @@ _FLAG_FIELDS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML config (default: configs/tiny.toml)")
+    p.add_argument("--config", help="TOML config: a path, or a shipped config by name: tiny (the "
+                                    "default, CPU) or h3 (the real model; configs/h3.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field; VALUE is a TOML value (repeatable)")
     p.add_argument("--quality", default=None,
