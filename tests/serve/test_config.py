@@ -166,6 +166,28 @@ def test_unknown_fields_and_sections_are_named(tmp_path):
         load_config(bad)
 
 
+def test_a_misspelt_override_or_field_suggests_the_one_meant():
+    """--set runtime.backnd=sdpa named the rule only; the nearest field or section is offered."""
+    from dist_attn.serve.launch import cli as launcher
+
+    args = launcher.build_parser().parse_args(["--set", "runtime.backnd=sdpa"])
+    with pytest.raises(ValueError) as err:
+        launcher.config_from_args(args)
+    assert "override 'runtime.backnd': no such config field (did you mean 'runtime.backend'?" \
+        in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=r"override 'runtim.backend': no such config field \(did you "
+                                         r"mean 'runtime.backend'\?"):
+        apply_overrides(load_config(None), {"runtim.backend": "sdpa"})
+    data = tomllib.loads(open(TINY_TOML, encoding="utf-8").read())
+    data["model"]["num_head"] = 4
+    with pytest.raises(ValueError, match=r"\['num_head'\] in \[model\] \(did you mean "
+                                         r"'num_attention_heads'\?\)"):
+        parse_config(data)
+    data = {"modle": {}}
+    with pytest.raises(ValueError, match=r"\['modle'\] \(did you mean 'model'\?\)"):
+        parse_config(data)
+
+
 def test_request_geometry_rules():
     cfg = load_config(None)
     with pytest.raises(ValueError, match=r"request.height=250 must be a multiple of 32"):

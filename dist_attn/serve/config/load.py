@@ -25,6 +25,7 @@ with no arguments from a clone, an editable install or a plain ``pip install .``
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.resources
 import os
 import tomllib
@@ -62,8 +63,8 @@ def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
     fields are errors that name them."""
     unknown = set(data) - set(_SECTIONS)
     if unknown:
-        raise ValueError(f"{source}: unknown config section(s) {sorted(unknown)}; "
-                         f"valid: {sorted(_SECTIONS)}")
+        raise ValueError(f"{source}: unknown config section(s) {sorted(unknown)}"
+                         f"{_did_you_mean(unknown, _SECTIONS)}; valid: {sorted(_SECTIONS)}")
     sections = {}
     for name, cls in _SECTIONS.items():
         table = data.get(name, {})
@@ -72,8 +73,8 @@ def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
         names = {f.name for f in dataclasses.fields(cls)}
         bad = set(table) - names
         if bad:
-            raise ValueError(f"{source}: unknown field(s) {sorted(bad)} in [{name}]; "
-                             f"valid: {sorted(names)}")
+            raise ValueError(f"{source}: unknown field(s) {sorted(bad)} in [{name}]"
+                             f"{_did_you_mean(bad, names)}; valid: {sorted(names)}")
         sections[name] = cls(**table)
     return Config(**sections)
 
@@ -103,8 +104,17 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         section, _, name = key.partition(".")
         if section not in _SECTIONS or name not in {f.name for f in
                                                     dataclasses.fields(_SECTIONS[section])}:
-            raise ValueError(f"override {key!r}: no such config field (use section.field, "
-                             f"sections {sorted(_SECTIONS)})")
+            every = [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+            raise ValueError(f"override {key!r}: no such config field{_did_you_mean([key], every)} "
+                             f"(use section.field, sections {sorted(_SECTIONS)})")
         data[section][name] = value
     return parse_config(data, source="<overrides>")
 
+
+
+def _did_you_mean(words, choices) -> str:
+    """`` (did you mean 'x'?)`` for the nearest of ``choices`` to each of ``words`` (difflib),
+    or "" when none is near."""
+    near = [m[0] for w in sorted(words) if (m := difflib.get_close_matches(w, list(choices), n=1,
+                                                                         cutoff=0.5))]
+    return f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
