@@ -110,5 +110,20 @@ def test_readme_library_example_runs_on_two_gloo_ranks(tmp_path):
             res.stdout
 
 
+def test_library_doc_example_gathers_the_attention_output():
+    """docs/library.md's first example gathered x_local (its input) back, not the attention's
+    output: what a reader copies must gather what attn returned."""
+    import ast
+
+    block = re.findall(r"```python\n(.*?)```", _read(os.path.join(DOCS, "library.md")), flags=re.S)[0]
+    tree = ast.parse(block)
+    outputs = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "attn"
+               for t in node.targets if isinstance(t, ast.Name)}
+    gathered = [node.args[0].id for node in ast.walk(tree) if isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") == "gather_sequence"]
+    assert outputs and gathered and set(gathered) <= outputs, (outputs, gathered)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
