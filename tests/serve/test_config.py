@@ -314,3 +314,17 @@ def test_errors_name_the_section_the_loader_reads():
     from dist_attn.serve.config.fields import SECTIONS
 
     assert SECTIONS == {cls.__name__: name for name, cls in load._SECTIONS.items()}
+
+
+def test_tiny_tomls_duration_comment_says_which_route_it_governs():
+    """The comment said "the CPU default generates a second", but /v1/videos keeps H3's 5-15 s
+    whatever [tokens] says (its VideoRules); only /v1/generate and --once read min_duration_s."""
+    from dist_attn.serve.jobs.videos import VideoRules
+
+    with open(TINY_TOML, encoding="utf-8") as f:
+        (line,) = [ln for ln in f if ln.startswith("min_duration_s")]
+    comment = line.split("#", 1)[1]
+    assert "/v1/generate" in comment and "/v1/videos" in comment and "5-15 s" in comment, line
+    rules = VideoRules()
+    assert (rules.min_duration_s, rules.max_duration_s) == (5.0, 15.0)
+    assert rules.frames_ok(22) and rules.frames_ok(124) is None  # the tiny request's 22 frames: refused
