@@ -561,3 +561,22 @@ def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
                           timeout=TIMEOUT_S)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_into_the_tracked_results_says_so(tmp_path, monkeypatch, capsys):
+    """benchmarks.job_model (a model computed on the CPU) wrote job-modeled_h200_<date> into the
+    tracked benchmarks/results/ without a word. A run whose files go to the default folder now
+    says so first, and how to write elsewhere."""
+    import benchmarks.harness as harness
+    import benchmarks.job_model as job_model
+
+    monkeypatch.setattr(harness, "DEFAULT_OUT_DIR", str(tmp_path))  # the tracked folder's stand-in
+    monkeypatch.setattr(sys, "argv", ["job_model"])
+    job_model.main()
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("[job-modeled] writing job-modeled_h200_") and "git tracks" in first, out[:500]
+    assert "pass --out DIR" in first and "cpu" in first, first
+    monkeypatch.setattr(sys, "argv", ["job_model", "--out", str(tmp_path / "elsewhere")])
+    job_model.main()
+    assert "git tracks" not in capsys.readouterr().out
