@@ -151,13 +151,30 @@ def run() -> NoReturn:
     usual."""
     from dist_attn.serve.launch.supervise import under_torchrun
 
-    code = main()
+    try:
+        code = main()
+    except (Exception, KeyboardInterrupt) as exc:
+        code = _stopped(exc)  # re-raises unless a stop signal came first
     if under_torchrun():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _stopped(exc: BaseException) -> int:
+    """The exit status of a rank that ``exc`` ended after a SIGINT/SIGTERM reached it (Ctrl-C
+    reaches every rank: one stops in its start-up, a peer then finds it gone), with one line on
+    rank 0 instead of a traceback per rank; without such a signal, ``exc`` is a fault: raised."""
+    from dist_attn.serve.ranks.lifecycle import stop_signal
+
+    sig = stop_signal()
+    if sig is None:
+        raise exc
+    why = "" if isinstance(exc, KeyboardInterrupt) else f" ({type(exc).__name__} as the ranks stopped)"
+    _rank0_error(int(os.environ.get("RANK", 0)), f"stopped by {sig.name}{why}")
+    return 128 + int(sig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return 1
     restore_default_signals()  # a rank under the supervisor inherits them ignored
+    from dist_attn.serve.ranks.lifecycle import interrupt_start_up
+
+    interrupt_start_up()  # Ctrl-C before the rank serves: one line, not a traceback (run)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
 
