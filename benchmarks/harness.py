@@ -571,6 +571,7 @@ class ResultWriter:
             "rows": [],
         }
         self.sections: list[tuple[str, str]] = []  # (heading, markdown body)
+        self._announced = False  # the first save says where the files go when git tracks it
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -587,6 +588,13 @@ class ResultWriter:
         if sections is not None:
             self.sections = list(sections)
         p = self.paths()
+        if not self._announced and os.path.abspath(self.out_dir) == os.path.abspath(DEFAULT_OUT_DIR):
+            # the default folder is the repository's tracked results: a run from a laptop or a
+            # CPU host (benchmarks.job_model always is one) must not leave files there unsaid
+            print(f"[{self.theme}] writing {os.path.basename(self.stem)}.{{json,md,png}} into "
+                  f"{os.path.relpath(self.out_dir, _REPO)}/, which git tracks (a run on this "
+                  f"{self.gpu} host); commit them, or pass --out DIR to write elsewhere", flush=True)
+        self._announced = True
         tmp = p["json"] + ".tmp"
         with open(tmp, "w") as f:
             json.dump(_json_clean(self.payload), f, indent=1, allow_nan=False)

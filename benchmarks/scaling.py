@@ -345,6 +345,13 @@ def pipelined_ms(pack_runs: list[tuple[int, float]], a_in: list[float], k_chunks
     return t
 
 
+def _progress(row: dict) -> None:
+    """One line per finished row, as the run goes (a modeled run on a slow device takes minutes)."""
+    print(f"[scaling] row {row['mode']} {row['what']} {row['backend']} N={row['N']} "
+          f"C={row['overlap_chunks']}: {row.get('status')}"
+          + (f" {row['total_ms']:.2f} ms" if row.get("total_ms") is not None else ""), flush=True)
+
+
 def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
     H, D = cfg.model.num_heads, cfg.model.head_dim
     es = 2  # bf16
@@ -378,6 +385,7 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
         if be_reason:  # one row says why, instead of a grid of identical ones
             writer.rows.append({"mode": "modeled", "what": "attention", "backend": be_name, "N": None,
                                 "overlap_chunks": None, "status": "unavailable", "reason": be_reason})
+            _progress(writer.rows[-1])
             continue
         be = da_backends.get_backend(be_name)
         for n in args.ranks:
@@ -403,6 +411,7 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
                         except Exception as exc:  # noqa: BLE001
                             row.update(status="error", reason=describe_exception(exc))
                     writer.rows.append(row)
+                    _progress(row)
                     _add_scaling(writer.rows)
                     writer.save(_sections(writer))
         # the real thing at N = 1 (same GPU, world-1 path: the kernel alone), a check of the model
@@ -437,6 +446,7 @@ def run_modeled(args, cfg, lay, dev, backends, writer, budget) -> None:
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", reason=describe_exception(exc))
             writer.rows.append(row)
+            _progress(row)
             writer.save(_sections(writer))
         kernel_cache.clear()
         if dev.type == "cuda":
@@ -754,6 +764,10 @@ def main(argv: list[str] | None = None):
             return None
         dev = torch.device("cuda", 0) if device_flag in ("auto", "cuda") and torch.cuda.is_available() \
             else torch.device("cpu")
+        if dev.type != "cuda" and not smoke and args.device != "cpu":
+            p.error("--modeled times each rank's work on one GPU, and CUDA is not available here; "
+                    "pass --smoke for a CPU check of the script (seconds), or --device cpu to time "
+                    "h3-ref on the CPU anyway (many minutes, with a line per row)")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
     else:

@@ -33,6 +33,8 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 from torch import nn
 
+from dist_attn.extras import install_hint
+
 __all__ = [
     "ACTIVATION_AMAX_FLOOR",
     "ADALN_MAX_HIDDEN",
@@ -74,8 +76,8 @@ SWIGLU_MAX_INNER = 16384
 #: Widest row (a block's hidden size) that :func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`
 #: holds in one program's registers.
 ADALN_MAX_HIDDEN = 16384
-#: The package extra that installs torchao.
-FP8_EXTRA = "pip install 'dist-attn[fp8]'"
+#: The command that installs torchao (the ``fp8`` extra).
+FP8_EXTRA = install_hint("fp8")
 
 
 def quantize_rows_e4m3(x: torch.Tensor, *, amax_floor: float | None = None

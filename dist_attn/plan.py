@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-__all__ = ["heads_per_rank", "head_offsets", "chunk_widths", "KernelWaves", "MAX_SEARCH_STEPS",
-           "UlyssesPlan", "ChunkSlices", "make_plan"]
+__all__ = ["heads_per_rank", "too_few_heads_fix", "head_offsets", "chunk_widths", "KernelWaves",
+           "MAX_SEARCH_STEPS", "UlyssesPlan", "ChunkSlices", "make_plan"]
 
 
 def heads_per_rank(num_heads: int, world_size: int) -> tuple[int, ...]:
@@ -33,10 +33,22 @@ def heads_per_rank(num_heads: int, world_size: int) -> tuple[int, ...]:
     if num_heads < world_size:
         raise ValueError(
             f"num_heads={num_heads} must be >= the Ulysses world size {world_size}: "
-            "every rank needs at least one head"
+            f"every rank needs at least one head; {too_few_heads_fix(num_heads, world_size)}"
         )
     base, extra = divmod(num_heads, world_size)
     return tuple(base + (1 if r < extra else 0) for r in range(world_size))
+
+
+def too_few_heads_fix(heads: int, world_size: int, *, pad: bool = True) -> str:
+    """What to do when ``heads`` (folded (sample, head) pairs) are fewer than the ``world_size``
+    ranks of the all-to-all: the fix that goes with :func:`heads_per_rank`'s rule. ``pad``: the
+    caller owns q, k and v, so it may also pad them with zero heads."""
+    fix = (f"run the all-to-all on at most {heads} ranks (fewer ranks, or Ulysses x Ring: a "
+           f"('ring', 'ulysses') mesh whose Ulysses size is at most {heads})")
+    if pad:
+        fix += (f", or pad q, k and v with zero heads up to {world_size} and drop those heads "
+                "from the output (heads are independent)")
+    return fix
 
 
 def head_offsets(counts: tuple[int, ...]) -> tuple[int, ...]:

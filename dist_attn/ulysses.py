@@ -18,29 +18,29 @@ and the kernel step becomes ring attention over the ring dim (:mod:`dist_attn.ri
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import zlib
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_attn.agreement import CallFacts, agree, tell_refusal
 from dist_attn.backends import available_backends, default_softmax_scale
 from dist_attn.buffers import StagingBuffers, default_staging_buffers
 from dist_attn.comm import all_to_all_flat, pack_qkv_chunks, unpack_output, unpack_qkv
 from dist_attn.distributed import (check_group, compile_key, register_for_compile,
                                    resolve_compile_key)
 from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
-from dist_attn.plan import KernelWaves, heads_per_rank, make_plan
+from dist_attn.plan import heads_per_rank, make_plan, too_few_heads_fix
 from dist_attn.profiling import PhaseTimer
 from dist_attn.qk_prologue import QKNormRope, check_qk_prologue
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
 from dist_attn.validation import (check_bounds, check_no_grad, check_op_scalars,
                                   check_overlap_chunks, check_qkv, check_softmax_scale,
                                   host_bounds, positive_int)
-from dist_attn.varlen import attend_varlen, segment_layout
+from dist_attn.varlen import SegmentLayout, attend_varlen, segment_layout
 
 __all__ = ["UlyssesSageAttention", "ulysses_attention"]
 
@@ -65,10 +65,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             are documents, never padding.
         max_seqlen: the longest segment (an int, a one-element tensor, or None).
         cu_seqlens_host: optional list/tuple of the same bounds as Python ints; when given the
-            call makes no device-to-host synchronisation, except the first call with
-            ``overlap_chunks > 1`` of a group for each sequence layout: the ranks then agree on
-            how the kernel fills their GPUs with one all-reduce of six integers, which the host
-            reads (through the device under NCCL).
+            call makes no device-to-host synchronisation, except the first call of each layout
+            (:mod:`dist_attn.agreement`): the ranks then compare their inputs and kernel waves
+            with one all-reduce of 30 integers, which the host reads (through the device under
+            NCCL). Ranks that differ raise on every rank.
         valid_len: rows ``>= valid_len`` of the global sequence are padding: never attended, and
             exactly zero in the output. None = no padding. A Python int, or a one-element
             int32/int64 tensor on the CPU (read on the host, no device sync): under
@@ -127,41 +127,28 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, mesh, backend,
              softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks,
              prologue=None) -> torch.Tensor:
-    # ---- validation: host-only facts, identical on every rank, before any collective ----
-    check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
-    check_no_grad(q, k, v)
-    check_softmax_scale(softmax_scale)
-    check_overlap_chunks(overlap_chunks)
-    check_bounds(cu_seqlens, device=q.device)
     groups = parallel_groups(mesh=mesh, group=group)
+    # checks of host facts; a rank that refuses its inputs tells its peers, which raise too
+    try:
+        call = _prepare(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
+                        groups=groups, backend=backend, softmax_scale=softmax_scale,
+                        num_heads=num_heads, head_dim=head_dim, overlap_chunks=overlap_chunks,
+                        prologue=prologue)
+    except Exception:
+        if groups.world > 1:
+            tell_refusal(groups, groups.shard)
+        raise
+    q4, k4, v4, layout, be, scale = call.q4, call.k4, call.v4, call.layout, call.be, call.scale
     group, world, rank, n_ring = (groups.ulysses_group, groups.ulysses_size, groups.ulysses_rank,
                                   groups.ring_size)
-    batched = q.ndim == 4
-    q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [S_local, H, D] -> [1, S_local, H, D]
-    check_qk_prologue(prologue, q4)
-    if prologue is not None and torch.is_grad_enabled() and (
-            prologue.q_weight.requires_grad or prologue.k_weight.requires_grad):
-        raise RuntimeError("dist_attn attention is forward-only (inference): qk_prologue's weights "
-                           "require grad while grad mode is on; wrap the call in torch.no_grad() "
-                           "or torch.inference_mode()")
     batch, s_local, n_heads, d = q4.shape
     chunk = s_local * world  # rows one Ulysses group gathers: the whole sequence without a ring
-    seq = chunk * n_ring
-    if n_ring == 1:
-        total_desc = (f"S = S_local*W = {s_local}*{world} = {seq} (W={world} is the size of "
-                      f"{groups.desc}; each rank holds S_local={s_local} rows: pad the packed "
-                      "sequence to a multiple of W and pass valid_len)")
-    else:
-        total_desc = (f"S = S_local*U*R = {s_local}*{world}*{n_ring} = {seq} (U={world}, R={n_ring}: "
-                      f"{groups.desc}; each rank holds S_local={s_local} rows: pad the packed "
-                      "sequence to a multiple of U*R and pass valid_len)")
-    bounds = host_bounds(cu_seqlens, cu_seqlens_host, total=seq, total_desc=total_desc)
-    layout = segment_layout(bounds, total=seq, valid_len=valid_len, max_seqlen=max_seqlen)
-    be = resolve_ring_backend(backend, q, ring_size=n_ring)
-    if n_ring > 1:
-        check_ring_transport(ring_size=n_ring, comm_backend=dist.get_backend(groups.ring_group),
-                             device=q.device)
-    scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
+    wants_waves = n_ring == 1 and overlap_chunks > 1 and min(heads_per_rank(batch * n_heads, world)) > 1
+    kernel_waves = getattr(be, "kernel_waves", None) if wants_waves else None
+    # the first call of a layout: ranks that differ raise on every rank
+    waves = None if groups.world == 1 else agree(
+        call.facts, lambda: kernel_waves(layout, q4) if kernel_waves is not None else None, groups,
+        backend_arg=backend)
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
 
     if prologue is not None and world == 1:  # no pack to fold it into
@@ -174,21 +161,8 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
             with phase("kernel"):
                 out = attend_varlen(be, q4, k4, v4, layout=layout, cu_seqlens=cu_seqlens,
                                     softmax_scale=scale, k_is_scratch=False)
-        return out if batched else out[0]
+        return out if call.batched else out[0]
 
-    if batch * n_heads < world:
-        raise ValueError(
-            f"num_heads={n_heads} x batch {batch} = {batch * n_heads} (sample, head) pairs must be "
-            f">= the Ulysses world size {world} (the size of {groups.desc}): every "
-            "rank needs at least one head")
-    waves = None
-    if n_ring == 1 and overlap_chunks > 1 and min(heads_per_rank(batch * n_heads, world)) > 1:
-        # every rank takes this branch (shared facts only), whatever backend it resolved
-        kernel_waves = getattr(be, "kernel_waves", None)
-        waves = _agreed_waves(lambda: kernel_waves(layout, q4) if kernel_waves is not None else None, be,
-                              key=(backend, layout.segments, layout.total, d, q.dtype),
-                              groups=groups, device=q.device, overlap_chunks=overlap_chunks,
-                              backend_arg=backend)
     plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
                      head_dim=d, overlap_chunks=overlap_chunks, waves=waves)
     if prologue is not None and not _prologue_packs(plan, q4):
@@ -250,7 +224,63 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
                 work.wait()
         with phase("unpack"):
             unpack_output(view("out_recv", c.out_recv), out, c.head_ranges)
-    return out if batched else out[0]
+    return out if call.batched else out[0]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call as checked on this rank (q/k/v as ``[B, S_local, H, D]`` views)."""
+
+    q4: torch.Tensor
+    k4: torch.Tensor
+    v4: torch.Tensor
+    batched: bool
+    layout: SegmentLayout
+    be: object
+    scale: float
+    facts: CallFacts
+
+
+def _prepare(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, groups, backend,
+             softmax_scale, num_heads, head_dim, overlap_chunks, prologue) -> _Call:
+    """Every check of one call that reads only this rank's host facts (no collective)."""
+    check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
+    check_no_grad(q, k, v)
+    check_softmax_scale(softmax_scale)
+    check_overlap_chunks(overlap_chunks)
+    check_bounds(cu_seqlens, device=q.device)
+    world, n_ring = groups.ulysses_size, groups.ring_size
+    q4, k4, v4 = (t if q.ndim == 4 else t[None] for t in (q, k, v))  # [S_local, H, D] -> [1, S_local, H, D]
+    check_qk_prologue(prologue, q4)
+    if prologue is not None and torch.is_grad_enabled() and (
+            prologue.q_weight.requires_grad or prologue.k_weight.requires_grad):
+        raise RuntimeError("dist_attn attention is forward-only (inference): qk_prologue's weights "
+                           "require grad while grad mode is on; wrap the call in torch.no_grad() "
+                           "or torch.inference_mode()")
+    batch, s_local, n_heads, d = q4.shape
+    seq = s_local * world * n_ring
+    sizes, what, m = ((f"W = {s_local}*{world}", f"W={world} is the size of", "W") if n_ring == 1 else
+                      (f"U*R = {s_local}*{world}*{n_ring}", f"U={world}, R={n_ring}:", "U*R"))
+    total_desc = (f"S = S_local*{sizes} = {seq} ({what} {groups.desc}; each rank holds S_local="
+                  f"{s_local} rows: pad the packed sequence to a multiple of {m} and pass valid_len)")
+    bounds = host_bounds(cu_seqlens, cu_seqlens_host, total=seq, total_desc=total_desc)
+    layout = segment_layout(bounds, total=seq, valid_len=valid_len, max_seqlen=max_seqlen)
+    be = resolve_ring_backend(backend, q, ring_size=n_ring)
+    if n_ring > 1:
+        check_ring_transport(ring_size=n_ring, comm_backend=dist.get_backend(groups.ring_group),
+                             device=q.device)
+    if world > 1 and batch * n_heads < world:
+        raise ValueError(
+            f"num_heads={n_heads} x batch {batch} = {batch * n_heads} (sample, head) pairs must be "
+            f">= the Ulysses world size {world} (the size of {groups.desc}): every rank needs at "
+            f"least one head; {too_few_heads_fix(batch * n_heads, world)}")
+    scale = default_softmax_scale(d) if softmax_scale is None else float(softmax_scale)
+    facts = CallFacts(batch=batch, rows=s_local, heads=n_heads, head_dim=d, dtype=q.dtype,
+                      device_type=q.device.type, bounds=layout.bounds, valid_len=layout.valid_len,
+                      softmax_scale=scale, overlap_chunks=overlap_chunks,
+                      qk_prologue=prologue is not None, kernel=str(getattr(be, "name", backend)))
+    return _Call(q4=q4, k4=k4, v4=v4, batched=q.ndim == 4, layout=layout, be=be, scale=scale,
+                 facts=facts)
 
 
 def _apply_prologue(q4, k4, p: QKNormRope):
@@ -267,52 +297,6 @@ def _prologue_packs(plan, q4) -> bool:
     from dist_attn.kernels._op_support import launchable
     return launchable(q4) and all(strided_run(q4.shape, [c.head_ranges for c in plan.chunks[a:b]])
                                   is not None for a, b in plan.pack_runs)
-
-
-#: group name -> {(backend argument, segments, rows, head_dim, dtype): the waves all ranks of the
-#: group agreed on}. Inputs every member shares, in the order every member sees them, so that a
-#: bounded cache (the oldest answer goes first, and is asked again if needed) evicts alike on
-#: every member of a group, whatever other groups the process belongs to.
-_AGREED_WAVES: dict[str, collections.OrderedDict[tuple, KernelWaves | None]] = {}
-_AGREED_WAVES_MAX = 256
-
-
-def _agreed_waves(ask: Callable[[], KernelWaves | None], be, *, key: tuple, groups,
-                  device: torch.device, overlap_chunks: int, backend_arg) -> KernelWaves | None:
-    """This rank's answer (``ask()``, asked only when ``key`` is new) once every rank of the
-    Ulysses group reported the same one; RuntimeError on every rank otherwise (the chunk widths,
-    hence the all-to-all splits, depend on it). One all-reduce of six integers the first time
-    ``key`` (inputs every rank shares) is seen, none after."""
-    group = groups.ulysses_group
-    cache = _AGREED_WAVES.setdefault(
-        "default" if group is None else getattr(group, "group_name", None) or str(id(group)),
-        collections.OrderedDict())
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    local = ask()
-    mine = [-1, -1] if local is None else [local.tiles_per_head, local.slots]
-    mine.append(zlib.crc32(str(be.name).encode()) & 0x7FFFFFFF)  # which kernel this rank resolved
-    on_device = device.type == "cuda" and "nccl" in str(dist.get_backend(groups.ulysses_group)).lower()
-    t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=device if on_device else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.ulysses_group)
-    hi, lo = t[:3].tolist(), [-x for x in t[3:].tolist()]
-    if hi[:2] != lo[:2]:
-        def span(i):
-            return f"{lo[i]}" if lo[i] == hi[i] else f"from {lo[i]} to {hi[i]}"
-        unknown = "; -1: a rank whose kernel cannot tell" if lo[0] < 0 else ""
-        kernels = (f"; backend={backend_arg!r} resolved to different kernels on different ranks"
-                   if hi[2] != lo[2] else "")
-        raise RuntimeError(
-            f"overlap_chunks={overlap_chunks}: the ranks of {groups.desc} disagree on how the "
-            f"attention kernel fills their GPUs (kernel_waves: tiles per head {span(0)}, slots "
-            f"{span(1)}{unknown}{kernels}), and the chunks' widths, hence the all-to-all splits, "
-            "depend on it. Run the group on one kind of GPU with one named backend, or pass "
-            "overlap_chunks=1")
-    cache[key] = local
-    if len(cache) > _AGREED_WAVES_MAX:
-        cache.popitem(last=False)
-    return local
 
 
 # ---- torch.compile: the whole call as one custom op with a fake (shape-only) implementation ----

@@ -8,14 +8,13 @@ its value and the rule it broke.
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Sequence
 
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad", "as_host_int",
-           "check_softmax_scale", "check_overlap_chunks", "overlap_chunks_rule"]
+           "check_softmax_scale", "MAX_SOFTMAX_SCALE", "check_overlap_chunks", "overlap_chunks_rule"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -99,19 +98,30 @@ def check_softmax_scale_type(softmax_scale) -> None:
                          "scalar) or None")
 
 
-def check_softmax_scale(softmax_scale) -> None:
-    """Checks ``softmax_scale``: None (the caller uses ``1 / sqrt(D)``) or a finite number > 0.
+#: The largest ``softmax_scale`` accepted. The logits ``scale x q.k`` are float32 in every kernel:
+#: for inputs in float16's range (|x| <= 65504) at head_dim <= 256, ``|q.k| <= 1.1e12``, and with
+#: the kernels' ``log2(e)`` factor a scale up to ~2e26 keeps them below float32's 3.4e38; 1e24
+#: leaves a margin of 100. A scale of 1e300 is inf in float32 and turned every output into NaN.
+MAX_SOFTMAX_SCALE = 1e24
 
-    The one owner of this rule: :func:`dist_attn.sage_varlen` took ``nan`` (an all-NaN output),
-    ``0`` and ``-1`` that :func:`dist_attn.ulysses_attention` refused (issue 24). 0 or a negative
-    scale turns the masked keys' ``-inf`` scores into NaN or +inf in an online softmax; a bool is
-    refused although Python counts it as an int (``True`` is a typo, not a scale of 1).
+
+def check_softmax_scale(softmax_scale) -> None:
+    """Checks ``softmax_scale``: None (the caller uses ``1 / sqrt(D)``) or a number in
+    ``(0, MAX_SOFTMAX_SCALE]``.
+
+    The one owner of this rule (:func:`dist_attn.sage_varlen`, :func:`dist_attn.ulysses_attention`,
+    the sage8 kernels). 0 or a negative scale turns the masked keys' ``-inf`` scores into NaN or
+    +inf in an online softmax; one above :data:`MAX_SOFTMAX_SCALE` (or nan, inf) can overflow the
+    float32 logits into an all-NaN output; a bool is refused although Python counts it as an int
+    (``True`` is a typo, not a scale of 1).
     """
     check_softmax_scale_type(softmax_scale)
     if softmax_scale is None:
         return
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None")
+    if not 0 < softmax_scale <= MAX_SOFTMAX_SCALE:  # False for nan too
+        raise ValueError(f"softmax_scale={softmax_scale!r} must lie in (0, {MAX_SOFTMAX_SCALE:g}] "
+                         "(None: 1/sqrt(head_dim)): a larger scale can overflow the float32 "
+                         "logits scale x q.k, zero or a negative one breaks the softmax")
 
 
 def check_no_grad(q, k, v) -> None:

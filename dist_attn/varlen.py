@@ -183,7 +183,7 @@ def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=No
         valid_len: rows ``>= valid_len`` are padding (see above).
         backend: ``"auto"``, ``"sage8"``, ``"sage8_gluon"``, ``"sage"``, ``"fa3"``, ``"sdpa"`` or
             another registered name.
-        softmax_scale: a finite number > 0 (:func:`dist_attn.validation.check_softmax_scale`);
+        softmax_scale: a number in ``(0, 1e24]`` (:func:`dist_attn.validation.check_softmax_scale`);
             defaults to ``1 / sqrt(D)``.
 
     Returns:
@@ -191,7 +191,7 @@ def sage_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=No
     """
     check_qkv(q, k, v)
     check_no_grad(q, k, v)
-    check_softmax_scale(softmax_scale)  # nan gave an all-NaN output here (issue 24)
+    check_softmax_scale(softmax_scale)  # nan and 1e300 gave an all-NaN output here
     check_bounds(cu_seqlens, device=q.device)
     batched = q.ndim == 4
     q4, k4, v4 = (t if batched else t[None] for t in (q, k, v))  # [T, H, D] -> [1, T, H, D]

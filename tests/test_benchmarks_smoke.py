@@ -128,13 +128,16 @@ def test_scaling_smoke_two_ranks_measured(tmp_path):
 
 
 @pytest.mark.parametrize("ranks", ["1,2,4"])
-def test_scaling_smoke_modeled(tmp_path, ranks):
+def test_scaling_smoke_modeled(tmp_path, ranks, capsys):
     from benchmarks import scaling
 
     # in-process (one process, no process group): spares a second interpreter importing diffusers
     scaling.main(["--smoke", "--modeled", "--out", str(tmp_path), "--device", "cpu", "--ranks", ranks,
                   "--backends", "sdpa", "--overlap", "1,2", "--bandwidth-gbs", "0.001"])
     data = _check_result(tmp_path, "scaling-modeled")
+    # progress as it goes, one line a row (a full run took minutes on a CPU without a word)
+    progress = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[scaling] row ")]
+    assert len(progress) == len(data["rows"]), progress
     modeled = [r for r in data["rows"] if r["mode"] == "modeled" and r.get("status") == "ok"]
     assert modeled and data["config"]["formula"]
     # at 1 MB/s the all-to-all dominates: the plain path hides nothing, two chunks hide the kernels
@@ -550,9 +553,11 @@ def test_smoke_keeps_the_options_the_caller_gave():
     (["job_model", "--paths", "foo"], "--paths entry 'foo' must be <linears>:<attention>:<mode>"),
     (["scaling", "--smoke", "--modeled", "--ranks", "0"],
      "argument --ranks: '0' must be comma-separated ints >= 1"),
+    # it timed h3-ref on the CPU for minutes, silently
+    (["scaling", "--modeled"], "--modeled times each rank's work on one GPU, and CUDA is not available"),
 ], ids=["kernels_none", "kernels_typo", "h3_fp8_compiled_typo", "h3_fp8_compiled_w4_attention",
         "h3_fp8_acc_compiled_attention", "h3_fp8_variant_before_w4", "h3_fp8_variant_typo", "job_model_budget", "job_model_steps", "job_model_paths",
-        "scaling_ranks"])
+        "scaling_ranks", "scaling_modeled_needs_a_gpu"])
 def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
     """Each wrote rows of nonsense (negative forwards, zero rows with exit 0) or crashed with a
     raw traceback (ZeroDivisionError, 'not enough values to unpack')."""
@@ -561,3 +566,22 @@ def test_benchmark_specific_flags_are_checked(argv, needle, tmp_path):
                           timeout=TIMEOUT_S)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_into_the_tracked_results_says_so(tmp_path, monkeypatch, capsys):
+    """benchmarks.job_model (a model computed on the CPU) wrote job-modeled_h200_<date> into the
+    tracked benchmarks/results/ without a word. A run whose files go to the default folder now
+    says so first, and how to write elsewhere."""
+    import benchmarks.harness as harness
+    import benchmarks.job_model as job_model
+
+    monkeypatch.setattr(harness, "DEFAULT_OUT_DIR", str(tmp_path))  # the tracked folder's stand-in
+    monkeypatch.setattr(sys, "argv", ["job_model"])
+    job_model.main()
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("[job-modeled] writing job-modeled_h200_") and "git tracks" in first, out[:500]
+    assert "pass --out DIR" in first and "cpu" in first, first
+    monkeypatch.setattr(sys, "argv", ["job_model", "--out", str(tmp_path / "elsewhere")])
+    job_model.main()
+    assert "git tracks" not in capsys.readouterr().out

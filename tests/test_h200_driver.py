@@ -90,3 +90,34 @@ def test_a_wrong_or_missing_subcommand_is_refused_before_anything_runs(args):
     assert res.returncode != 0
     assert "h200.sh: " in res.stderr and ("unknown subcommand 'bogus'" in res.stderr or not args)
     assert res.stdout == ""  # no setup, no step
+
+
+def test_the_kernels_doc_command_is_what_the_driver_runs():
+    """docs/kernels.md shows the command `h200.sh --dry-run kernels-side` prints; it had fallen
+    behind (its --kernels list lacked a row the driver runs)."""
+    import shlex
+
+    with open(os.path.join(ROOT, "docs", "kernels.md"), encoding="utf-8") as fh:
+        doc = fh.read()
+    block = re.search(r"bash benchmarks/h200.sh --dry-run kernels-side[^\n]*\n(.*?)```", doc, flags=re.S)
+    assert block, "docs/kernels.md no longer shows the kernels-side dry run"
+    shown = shlex.split(block.group(1).replace("\\\n", " "))
+    (step,) = [ln for ln in _steps(_dry("kernels-side").stdout) if ln.startswith("kernels-side ")]
+    run = shlex.split(step.split("): ", 1)[1])
+    module = run.index("-m")
+    assert shown[:3] == ["python", "-m", run[module + 1]], (shown, run)
+
+    def flags(args):
+        out, key = {}, None
+        for a in args:
+            if a.startswith("--"):
+                key = a
+                out[key] = None
+            elif key is not None:
+                out[key], key = a, None
+        return out
+
+    ran, doc_flags = flags(run[module + 2:]), flags(shown[3:])
+    for key in ("--out", "--theme"):  # where the driver writes: not the reader's business
+        ran.pop(key, None)
+    assert doc_flags == ran, (doc_flags, ran)

@@ -98,7 +98,8 @@ def resolve_backend(name: str, q: torch.Tensor, *, exact_only: bool = False,
     An explicit name that cannot run raises :class:`BackendUnavailableError` saying why and how
     to fix it (no silent fallback). ``"auto"`` takes the first runnable of sage8, sage8_gluon, sage, fa3, sdpa
     (then any other registered backend) that :func:`auto_refusal` admits, and logs its choice
-    (and what it skipped, with why) once per (device type, dtype, head_dim, constraints).
+    and what it skipped at INFO (one short line), why at DEBUG, once per (device type, dtype,
+    head_dim, constraints).
 
     Args:
         exact_only: admit only exact (non-quantized) kernels.
@@ -112,7 +113,7 @@ def resolve_backend(name: str, q: torch.Tensor, *, exact_only: bool = False,
         if reason is not None:
             raise BackendUnavailableError(f"backend={name!r} cannot run: {reason}")
         return backend
-    skipped = []
+    skipped, reasons = [], []
     for candidate in _AUTO_ORDER + tuple(n for n in _REGISTRY if n not in _AUTO_ORDER):
         backend = _REGISTRY.get(candidate)
         if backend is None:
@@ -122,11 +123,16 @@ def resolve_backend(name: str, q: torch.Tensor, *, exact_only: bool = False,
             key = (q.device.type, q.dtype, q.shape[-1], candidate, exact_only, require_lse)
             if key not in _AUTO_LOGGED:
                 _AUTO_LOGGED.add(key)
-                logger.info(
-                    "backend='auto' chose %r for %s %s head_dim=%d%s", candidate, q.device.type,
-                    q.dtype, q.shape[-1],
-                    "" if not skipped else " (skipped: " + "; ".join(skipped) + ")",
-                )
+                # one short line; why each was skipped (a paragraph each, with developer advice
+                # such as TRITON_INTERPRET) is DEBUG's
+                logger.info("backend='auto' chose %r for %s %s head_dim=%d%s", candidate,
+                            q.device.type, q.dtype, q.shape[-1],
+                            f" (skipped {', '.join(skipped)}; why: DEBUG log)" if skipped else "")
+                if skipped:
+                    logger.debug("backend='auto' skipped: %s", "; ".join(
+                        f"{name}: {why}" for name, why in zip(skipped, reasons)))
             return backend
-        skipped.append(f"{candidate}: {reason}")
-    raise BackendUnavailableError("backend='auto' found no runnable backend: " + "; ".join(skipped))
+        skipped.append(candidate)
+        reasons.append(reason)
+    raise BackendUnavailableError("backend='auto' found no runnable backend: " + "; ".join(
+        f"{name}: {why}" for name, why in zip(skipped, reasons)))

@@ -8,6 +8,7 @@ import importlib.metadata
 import torch
 
 from dist_attn.backends.base import AttentionBackend
+from dist_attn.extras import install_hint
 
 __all__ = ["SageBackend"]
 
@@ -69,7 +70,7 @@ class SageBackend(AttentionBackend):
         if self._fn is None:
             return (
                 f"the sageattention package cannot be imported ({self._import_error}); install it "
-                "with `pip install 'dist-attn[gpu]'` (sageattention 1.0.6) or build SageAttention 2 "
+                f"with `{install_hint('gpu')}` (sageattention 1.0.6) or build SageAttention 2 "
                 "from source, or use backend='sdpa'"
             )
         if q.device.type != "cuda":

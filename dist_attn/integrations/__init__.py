@@ -4,7 +4,7 @@ Each adapter is a subpackage that imports its library only when the subpackage i
 so ``import dist_attn`` never pulls in an optional dependency:
 
 * :mod:`dist_attn.integrations.diffusers`: ``enable_ulysses(transformer)`` for diffusers video
-  transformers (install with ``pip install 'dist-attn[diffusers]'``).
+  transformers (install with ``pip install -e '.[diffusers]'`` in a clone of the repository).
 """
 
 __all__: list[str] = []

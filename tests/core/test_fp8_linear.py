@@ -173,9 +173,9 @@ def test_cpu_is_refused_by_name():
 
 def test_missing_torchao_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
-    with pytest.raises(ImportError, match=r"torchao is not installed .*pip install 'dist-attn\[fp8\]'"):
+    with pytest.raises(ImportError, match=r"torchao is not installed .*pip install -e '\.\[fp8\]'"):
         require_torchao()
-    assert "dist-attn[fp8]" in FP8_EXTRA
+    assert FP8_EXTRA == "pip install -e '.[fp8]' (in a clone of the repository)"
 
 
 _BLOCK_TORCHAO = """

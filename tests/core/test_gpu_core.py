@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)"),
     pytest.mark.skipif(importlib.util.find_spec("sageattention") is None,
-                       reason="needs sageattention (pip install 'dist-attn[gpu]')"),
+                       reason="needs sageattention (pip install -e '.[gpu]')"),
 ]
 
 # h3-ref per-rank shape at Ulysses degree 4: all 38,016 rows, 56/4 = 14 heads of 128, bf16.

@@ -150,7 +150,7 @@ def h3_first_block_qkv():
         pytest.skip(_REASON)
     for mod in ("diffusers", "transformers"):
         if importlib.util.find_spec(mod) is None:
-            pytest.skip(f"needs {mod} (pip install 'dist-attn[diffusers]' and transformers): the H3 "
+            pytest.skip(f"needs {mod} (pip install -e '.[diffusers]' and transformers): the H3 "
                         "layout comes from diffusers' MiniMax-H3 pipeline")
     from dist_attn.integrations.diffusers import h3_activations as h3
 

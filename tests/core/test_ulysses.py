@@ -214,15 +214,16 @@ def _waves_worker(rank, world):
     # "auto" resolving to different kernels on different ranks is named as such
     from types import SimpleNamespace
 
+    from dist_attn.agreement import CallFacts, agree
     from dist_attn.mesh import parallel_groups
     from dist_attn.plan import KernelWaves
-    from dist_attn.ulysses import _agreed_waves
 
+    facts = CallFacts(batch=1, rows=s_local, heads=heads, head_dim=PL_D, dtype=q.dtype, device_type="cpu",
+                      bounds=(0, PL_SEQ), valid_len=PL_SEQ, softmax_scale=0.5, overlap_chunks=2,
+                      qk_prologue=False, kernel=f"kernel{rank}")
     try:
-        _agreed_waves(lambda: KernelWaves(tiles_per_head=3, slots=2) if rank == 0 else None,
-                      SimpleNamespace(name=f"kernel{rank}"), key=("resolved", world),
-                      groups=parallel_groups(), device=torch.device("cpu"), overlap_chunks=2,
-                      backend_arg="auto")
+        agree(facts, lambda: KernelWaves(tiles_per_head=3, slots=2) if rank == 0 else None,
+              parallel_groups(), backend_arg="auto")
         res["resolved"] = None
     except RuntimeError as exc:
         res["resolved"] = str(exc)
@@ -301,11 +302,11 @@ def test_collectives_per_forward(misc_run):
         for chunks, calls in res["collectives"].items():
             # plain path: exactly one all-to-all in and one back; chunked: one pair per chunk,
             # chunks capped by the smallest rank's head count (4 heads on 3 ranks: (2, 1, 1) -> 1);
-            # the first chunked call also agrees on the kernel's waves (one all-reduce), the
-            # second does not
+            # the first call of a layout also agrees on it (one all-reduce: the inputs and the
+            # kernel's waves), the second does not
             n = min(chunks, 4 // world)
             for i, (total, by_op) in enumerate(calls):
-                agree = 1 if n > 1 and i == 0 else 0
+                agree = 1 if i == 0 else 0
                 assert total == 2 * n + agree, f"chunks={chunks} call {i}: {total} collectives ({by_op})"
                 assert sum(v for op, v in by_op.items() if "alltoall" in op) == 2 * n, by_op
                 assert sum(v for op, v in by_op.items() if "allreduce" in op) == agree, by_op

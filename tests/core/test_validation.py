@@ -63,10 +63,13 @@ def _bad_calls(world):
         case("backend_unknown", "ValueError", ["backend='flash9'", "not one of"], module=dict(backend="flash9")),
         case("backend_sage_cpu", "BackendUnavailableError", ["backend='sage' cannot run", "sdpa"],
              module=dict(backend="sage")),
-        case("softmax_scale", "ValueError", ["softmax_scale=-1.0", "positive"], module=dict(softmax_scale=-1.0)),
+        case("softmax_scale", "ValueError", ["softmax_scale=-1.0", "must lie in (0, 1e+24]"],
+             module=dict(softmax_scale=-1.0)),
         case("requires_grad", "RuntimeError", ["forward-only", "torch.no_grad()"],
              q=good().requires_grad_()),
-        case("too_few_heads", "ValueError", ["num_heads=1", f"world size {world}"] if world > 1 else ["q.shape[1]=1"],
+        case("too_few_heads", "ValueError",
+             ["num_heads=1", f"world size {world}", "at most 1 ranks (fewer ranks, or Ulysses x Ring",
+              f"pad q, k and v with zero heads up to {world}"] if world > 1 else ["q.shape[1]=1"],
              q=torch.randn(s_local, 1, D), k=torch.randn(s_local, 1, D), v=torch.randn(s_local, 1, D)),
     ]
 
@@ -139,7 +142,28 @@ def test_sage_varlen_and_ulysses_refuse_the_same_softmax_scales(scale):
                                      f"{type(scale).__name__}; pass float(x) for a numpy or tensor "
                                      "scalar) or None")
     else:
-        assert str(varlen.value) == f"softmax_scale={scale!r} must be a positive finite number or None"
+        assert str(varlen.value).startswith(f"softmax_scale={scale!r} must lie in (0, 1e+24]")
+
+
+@pytest.mark.parametrize("scale", [1e300, 1e40, 2e24], ids=["1e300", "1e40", "2e24"])
+def test_a_scale_that_can_overflow_the_logits_is_refused_with_the_valid_range(scale):
+    """sage_varlen(..., softmax_scale=1e300) passed the "positive finite" rule and returned all
+    NaN (the scale is inf in float32, and inf - inf in the softmax). The one rule bounds it so
+    that scale x q.k stays finite in float32 for inputs in float16's range, and says the range."""
+    from dist_attn import UlyssesSageAttention, sage_varlen, ulysses_attention
+
+    q = torch.randn(8, H, D)
+    msg = (f"softmax_scale={scale!r} must lie in (0, 1e+24] (None: 1/sqrt(head_dim)): a larger "
+           "scale can overflow the float32 logits scale x q.k")
+    for call in (lambda: sage_varlen(q, q, q, [0, 8], 8, backend="sdpa", softmax_scale=scale),
+                 lambda: ulysses_attention(q, q, q, backend="sdpa", softmax_scale=scale),
+                 lambda: UlyssesSageAttention(H, D, backend="sdpa", softmax_scale=scale)):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value).startswith(msg), str(err.value)
+    # the bound itself is valid, and so is an unusual but harmless large scale
+    for ok in (1e24, 1e3):
+        assert torch.isfinite(sage_varlen(q, q, q, [0, 8], 8, backend="sdpa", softmax_scale=ok)).all()
 
 
 @pytest.mark.parametrize("kw,exc,needle", [

@@ -204,7 +204,7 @@ def test_missing_diffusers_gives_an_install_hint(repo_root):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root,
                          env=subprocess_env(), timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "pip install 'dist-attn[diffusers]'" in res.stdout, res.stdout
+    assert "pip install -e '.[diffusers]'" in res.stdout, res.stdout
 
 
 def test_python_numbers_are_fingerprinted_by_value():

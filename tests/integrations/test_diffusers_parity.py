@@ -225,3 +225,5 @@ def test_four_ranks_uneven_heads_odd_length_batch_and_subgroups(tmp_path):
         assert res["subgroup"] <= ATOL, res["subgroup"]
         assert res["too_few_heads"] and "batch=1 samples x num_heads=2 = 2 folded heads, fewer " \
             "than the W=4 ranks" in res["too_few_heads"], res["too_few_heads"]
+        # the rule and its fix: fewer ranks, or a mesh whose Ulysses size the heads cover
+        assert "at most 2 ranks (fewer ranks, or Ulysses x Ring" in res["too_few_heads"], res["too_few_heads"]

@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available() and fp8_unsupported_reason("cuda") is not None,
                        reason="needs compute capability >= 8.9"),
     pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                       reason="needs torchao (pip install 'dist-attn[fp8]')"),
+                       reason="needs torchao (pip install -e '.[fp8]')"),
 ]
 
 BF16_ULP = 2.0 ** -7

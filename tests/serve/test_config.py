@@ -32,8 +32,21 @@ def test_h3_config_is_h3s_default_request():
     cfg.check_world(4)
 
 
+def test_shipped_configs_load_by_name_and_a_missing_one_is_named():
+    """An installed server has no clone's configs/: the shipped ones load by name (package data,
+    tests/test_packaging.py installs them), and a path that does not exist is one message, not
+    a FileNotFoundError traceback."""
+    assert load_config("h3") == load_config(os.path.join(ROOT, "configs", "h3.toml"))
+    assert load_config("tiny") == load_config(None)
+    with pytest.raises(ValueError, match=r"config 'configs/nope.toml' does not exist \(the shipped "
+                                         r"configs, by name: 'tiny', 'h3'\)"):
+        load_config("configs/nope.toml")
+
+
 def test_default_config_is_the_tiny_file():
+    # the clone's configs/ points into the package, where the one copy of each config lives
     assert str(DEFAULT_CONFIG_PATH) == os.path.realpath(TINY_TOML)
+    assert os.path.realpath(TINY_TOML).endswith(os.path.join("dist_attn", "serve", "configs", "tiny.toml"))
     cfg = load_config(None)
     assert cfg == load_config(TINY_TOML)
     r = cfg.request
@@ -47,11 +60,14 @@ def test_default_config_is_the_tiny_file():
 def test_heads_vs_ulysses_degree():
     # Uneven heads are valid, as in the core (4 heads on 3 ranks: 2, 1, 1) ...
     load_config(None).check_world(3)
-    # ... but every rank needs one head: the core's rule, with the config field named.
-    with pytest.raises(ValueError, match=r"model.num_attention_heads=4 cannot be split over "
-                                         r"the Ulysses degree 8: num_heads=4 must be >= the Ulysses "
-                                         r"world size 8"):
+    # ... but every rank needs one head: the core's rule, with the config field named and the
+    # fix in the launch's terms (the rule alone left the user to work out what to change)
+    with pytest.raises(ValueError) as err:
         load_config(None).check_world(8)
+    assert str(err.value) == (
+        "model.num_attention_heads=4 cannot be split over the Ulysses degree 8: every rank needs "
+        "at least one head; launch at most 4 ranks (--nproc-per-node), or raise "
+        "parallel.ring_degree so that the Ulysses degree (world size / ring_degree) is at most 4")
 
 
 def test_ulysses_times_ring_times_tp_is_world():
@@ -152,6 +168,28 @@ def test_unknown_fields_and_sections_are_named(tmp_path):
     bad.write_text(tiny + "\n[modle]\nx = 1\n")
     with pytest.raises(ValueError, match=r"bad.toml: unknown config section\(s\) \['modle'\]"):
         load_config(bad)
+
+
+def test_a_misspelt_override_or_field_suggests_the_one_meant():
+    """--set runtime.backnd=sdpa named the rule only; the nearest field or section is offered."""
+    from dist_attn.serve.launch import cli as launcher
+
+    args = launcher.build_parser().parse_args(["--set", "runtime.backnd=sdpa"])
+    with pytest.raises(ValueError) as err:
+        launcher.config_from_args(args)
+    assert "override 'runtime.backnd': no such config field (did you mean 'runtime.backend'?" \
+        in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=r"override 'runtim.backend': no such config field \(did you "
+                                         r"mean 'runtime.backend'\?"):
+        apply_overrides(load_config(None), {"runtim.backend": "sdpa"})
+    data = tomllib.loads(open(TINY_TOML, encoding="utf-8").read())
+    data["model"]["num_head"] = 4
+    with pytest.raises(ValueError, match=r"\['num_head'\] in \[model\] \(did you mean "
+                                         r"'num_attention_heads'\?\)"):
+        parse_config(data)
+    data = {"modle": {}}
+    with pytest.raises(ValueError, match=r"\['modle'\] \(did you mean 'model'\?\)"):
+        parse_config(data)
 
 
 def test_request_geometry_rules():
@@ -300,3 +338,17 @@ def test_an_integer_too_long_for_python_names_its_field(tmp_path):
     with pytest.raises(ValueError, match=rf"long.toml: \[serve\] max_int_digits \(line {line}\) "
                                          r"holds an integer of 5000 digits: Exceeds the limit"):
         load_config(bad)
+
+
+def test_tiny_tomls_duration_comment_says_which_route_it_governs():
+    """The comment said "the CPU default generates a second", but /v1/videos keeps H3's 5-15 s
+    whatever [tokens] says (its VideoRules); only /v1/generate and --once read min_duration_s."""
+    from dist_attn.serve.jobs.videos import VideoRules
+
+    with open(TINY_TOML, encoding="utf-8") as f:
+        (line,) = [ln for ln in f if ln.startswith("min_duration_s")]
+    comment = line.split("#", 1)[1]
+    assert "/v1/generate" in comment and "/v1/videos" in comment and "5-15 s" in comment, line
+    rules = VideoRules()
+    assert (rules.min_duration_s, rules.max_duration_s) == (5.0, 15.0)
+    assert rules.frames_ok(22) and rules.frames_ok(124) is None  # the tiny request's 22 frames: refused

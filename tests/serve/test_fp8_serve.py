@@ -189,5 +189,5 @@ def test_launch_check_names_the_extra_without_torchao(monkeypatch):
     (failure,) = checks.linear_precision_failures(cfg, env)
     assert failure.startswith("model.linear_precision='fp8' cannot run here: FP8 linear layers run "
                               "torchao's float8 inference, and torchao is not installed")
-    assert "pip install 'dist-attn[fp8]'" in failure
+    assert "pip install -e '.[fp8]'" in failure
     assert checks.linear_precision_failures(load_config(None), env) == []

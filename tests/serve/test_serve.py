@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import socket
 import sys
@@ -121,6 +122,12 @@ def test_server_under_torchrun(tmp_path, world):
         log = srv.log()
         for rank in range(world):
             assert f"[rank {rank}] INFO dist_attn.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
+        # the launch log reads at a glance: the backend choice in one short INFO line (it was
+        # ~1,200 characters of reasons and TRITON_INTERPRET advice), the tiny model's size in a
+        # unit that fits (it was "0.00B parameters")
+        chose = [ln for ln in log.splitlines() if "backend='auto' chose" in ln]
+        assert chose and all(len(ln) < 220 and "TRITON_INTERPRET" not in ln for ln in chose), chose
+        assert "0.00B" not in log and re.search(r"built tiny .*, \d+\.\d+M parameters", log), log[-3000:]
 
 
 # --------------------------------------------------------------------------- launch checks
@@ -215,3 +222,11 @@ def test_max_restarts_is_the_supervisors_and_must_be_non_negative(capsys):
             "restart)") in capsys.readouterr().err
     assert cli.main(["--max-restarts", "2"]) == 1
     assert "--max-restarts=2 is the supervisor's (with --nproc-per-node)" in capsys.readouterr().err
+
+
+def test_parameter_counts_are_logged_in_a_unit_that_fits():
+    """The tiny model was logged as "0.00B parameters"."""
+    from dist_attn.serve.launch.logs import count_in_units
+
+    assert [count_in_units(n) for n in (999, 12_345, 4_567_890, 15_400_000_000)] == [
+        "999", "12.35K", "4.57M", "15.40B"]

@@ -33,12 +33,14 @@ it swaps weights in place and has no undo, whereas ``enable_ulysses`` is undone 
 
 from __future__ import annotations
 
+from dist_attn.extras import install_hint
+
 try:
     import diffusers as _diffusers
 except ImportError as _exc:  # optional dependency: only this subpackage needs it
     raise ImportError(
         "dist_attn.integrations.diffusers needs the diffusers package, which is not installed: "
-        "pip install 'dist-attn[diffusers]'"
+        + install_hint("diffusers")
     ) from _exc
 
 import contextlib

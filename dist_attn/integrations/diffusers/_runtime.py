@@ -26,6 +26,7 @@ from torch import nn
 from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_rows, ulysses_attention
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.mesh import parallel_groups
+from dist_attn.plan import too_few_heads_fix
 from dist_attn.sharding import bucket_multiple
 from dist_attn.integrations.diffusers._spec import ModelSpec, ShardPoint
 
@@ -408,7 +409,7 @@ def _forward_pre_hook(rt: Runtime):
             raise ValueError(
                 f"batch={inputs.batch} samples x num_heads={heads} = {inputs.batch * heads} folded "
                 f"heads, fewer than the W={groups.ulysses_size} ranks of {groups.desc}; each rank "
-                f"needs one"
+                f"needs one: {too_few_heads_fix(inputs.batch * heads, groups.ulysses_size, pad=False)}"
             )
         rt.plan(inputs.seq_len)
         logger.debug("S=%d tokens over W=%d ranks: %d rows each, %d padding rows", rt.shard.valid_len,

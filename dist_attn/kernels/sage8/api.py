@@ -61,14 +61,11 @@ def _gluon_missing() -> str | None:
     return None
 
 
-#: the pip command that installs CuTe DSL for the CUDA 13 builds of torch (the ``cute`` extra)
-CUTE_INSTALL = "pip install -e '.[cute]'  (nvidia-cutlass-dsl[cu13])"
-
-
 def _cute_missing() -> str | None:
+    from dist_attn.extras import install_hint
     if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None:
-        return (f"the CuTe DSL loop (backend 'sage8_cute') needs CuTe DSL (nvidia-cutlass-dsl): "
-                f"{CUTE_INSTALL}")
+        return (f"the CuTe DSL loop (backend 'sage8_cute') needs CuTe DSL (nvidia-cutlass-dsl, for "
+                f"a CUDA 13 torch): {install_hint('cute')}")
     return None
 
 

@@ -3,8 +3,8 @@ and the loader. Imports the dist_attn library only; every other part of the serv
 
 from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.config.jobs import JobsConfig
-from dist_attn.serve.config.load import (DEFAULT_CONFIG_PATH, apply_overrides, load_config,
-                                         parse_config)
+from dist_attn.serve.config.load import (DEFAULT_CONFIG_PATH, SHIPPED_CONFIGS, apply_overrides,
+                                         load_config, parse_config)
 from dist_attn.serve.config.sections import (H3_ARCHITECTURE, ModelConfig, ParallelConfig,
                                              RequestConfig, RuntimeConfig, ServeConfig)
 from dist_attn.serve.config.tokens import PackedLayout, TokenConfig
@@ -19,6 +19,7 @@ __all__ = [
     "ParallelConfig",
     "RequestConfig",
     "RuntimeConfig",
+    "SHIPPED_CONFIGS",
     "ServeConfig",
     "TokenConfig",
     "apply_overrides",

@@ -118,11 +118,15 @@ class Config:
             raise field_error("ParallelConfig", "ulysses_degree", ulysses,
                         f"times ring_degree={p.ring_degree} times tensor_parallel="
                         f"{p.tensor_parallel} must equal the world size {world_size}")
-        try:
-            heads_per_rank(self.model.num_heads, ulysses)
-        except ValueError as e:
-            raise field_error("ModelConfig", "num_attention_heads", self.model.num_heads,
-                        f"cannot be split over the Ulysses degree {ulysses}: {e}") from None
+        heads = self.model.num_heads
+        if heads < ulysses:  # heads_per_rank's rule, with the fix in this config's terms
+            most = heads * p.ring_degree * p.tensor_parallel
+            raise field_error("ModelConfig", "num_attention_heads", heads,
+                              f"cannot be split over the Ulysses degree {ulysses}: every rank needs "
+                              f"at least one head; launch at most {most} ranks (--nproc-per-node), "
+                              "or raise parallel.ring_degree so that the Ulysses degree (world "
+                              f"size / ring_degree) is at most {heads}")
+        heads_per_rank(heads, ulysses)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (for logs and benchmark result files)."""

@@ -15,19 +15,22 @@ breaks. Rules that need the world size (heads vs Ulysses degree, the parallel de
 are checked by :meth:`Config.check_world`, which the launcher calls on every rank before the
 process group is used.
 
-``load_config(None)`` reads the repository's ``configs/tiny.toml`` (the one copy of the default),
-so ``torchrun --nproc-per-node 4 launch/serve.py`` works with no arguments from a checkout or an
-editable install (``pip install -e .``).
+The shipped configs (``tiny``, the CPU default, and ``h3``, the real model) are package data,
+``dist_attn/serve/configs/*.toml`` (the clone's ``configs/`` points there): ``load_config(None)``
+reads ``tiny.toml`` through :mod:`importlib.resources`, so ``python -m dist_attn.serve`` works
+with no arguments from a clone, an editable install or a plain ``pip install .``, and
+``--config h3`` names the shipped H3 config wherever the package is installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib.resources
 import os
 import re
 import sys
 import tomllib
-from pathlib import Path
 from typing import Any
 
 from dist_attn.serve.config.deployment import Config
@@ -36,13 +39,15 @@ from dist_attn.serve.config.sections import (ModelConfig, ParallelConfig, Reques
                                              RuntimeConfig, ServeConfig)
 from dist_attn.serve.config.tokens import TokenConfig
 
-__all__ = ["DEFAULT_CONFIG_PATH", "load_config", "parse_config", "apply_overrides",
+__all__ = ["DEFAULT_CONFIG_PATH", "SHIPPED_CONFIGS", "load_config", "parse_config", "apply_overrides",
            "parse_override"]
 
-#: The default config: the repository's configs/tiny.toml (found from this file, so a checkout or
-#: an editable install reads the one copy; a plain wheel install has no configs/ and must pass a
-#: path).
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[3] / "configs" / "tiny.toml"
+#: The folder of the shipped configs, inside the installed package.
+_SHIPPED = importlib.resources.files("dist_attn.serve") / "configs"
+#: The shipped configs by name (``--config h3``): the one copy of each, package data.
+SHIPPED_CONFIGS = {"tiny": _SHIPPED / "tiny.toml", "h3": _SHIPPED / "h3.toml"}
+#: The default config: the shipped ``tiny.toml``.
+DEFAULT_CONFIG_PATH = SHIPPED_CONFIGS["tiny"]
 
 
 _SECTIONS: dict[str, type] = {
@@ -61,8 +66,8 @@ def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
     fields are errors that name them."""
     unknown = set(data) - set(_SECTIONS)
     if unknown:
-        raise ValueError(f"{source}: unknown config section(s) {sorted(unknown)}; "
-                         f"valid: {sorted(_SECTIONS)}")
+        raise ValueError(f"{source}: unknown config section(s) {sorted(unknown)}"
+                         f"{_did_you_mean(unknown, _SECTIONS)}; valid: {sorted(_SECTIONS)}")
     sections = {}
     for name, cls in _SECTIONS.items():
         table = data.get(name, {})
@@ -71,20 +76,23 @@ def parse_config(data: dict[str, Any], *, source: str = "<dict>") -> Config:
         names = {f.name for f in dataclasses.fields(cls)}
         bad = set(table) - names
         if bad:
-            raise ValueError(f"{source}: unknown field(s) {sorted(bad)} in [{name}]; "
-                             f"valid: {sorted(names)}")
+            raise ValueError(f"{source}: unknown field(s) {sorted(bad)} in [{name}]"
+                             f"{_did_you_mean(bad, names)}; valid: {sorted(names)}")
         sections[name] = cls(**table)
     return Config(**sections)
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:
-    """Loads a TOML config file; ``None`` loads :data:`DEFAULT_CONFIG_PATH`."""
+    """Loads a TOML config file: a path, the name of a shipped config (:data:`SHIPPED_CONFIGS`,
+    when no file of that name exists), or ``None`` for :data:`DEFAULT_CONFIG_PATH`."""
     if path is None:
-        if not DEFAULT_CONFIG_PATH.is_file():
-            raise ValueError(f"no default config: {DEFAULT_CONFIG_PATH} does not exist (the "
-                             "package was installed without its repository); pass a config path")
         path = DEFAULT_CONFIG_PATH
-    with open(path, "rb") as f:
+    elif not os.path.exists(path):
+        if str(path) not in SHIPPED_CONFIGS:
+            raise ValueError(f"config {os.fspath(path)!r} does not exist (the shipped configs, by "
+                             f"name: {', '.join(map(repr, SHIPPED_CONFIGS))})")
+        path = SHIPPED_CONFIGS[str(path)]
+    with (open(path, "rb") if isinstance(path, (str, os.PathLike)) else path.open("rb")) as f:
         text = f.read().decode()  # as tomllib.load decodes
     try:
         data = tomllib.loads(text)
@@ -141,8 +149,17 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         section, _, name = key.partition(".")
         if section not in _SECTIONS or name not in {f.name for f in
                                                     dataclasses.fields(_SECTIONS[section])}:
-            raise ValueError(f"override {key!r}: no such config field (use section.field, "
-                             f"sections {sorted(_SECTIONS)})")
+            every = [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+            raise ValueError(f"override {key!r}: no such config field{_did_you_mean([key], every)} "
+                             f"(use section.field, sections {sorted(_SECTIONS)})")
         data[section][name] = value
     return parse_config(data, source="<overrides>")
 
+
+
+def _did_you_mean(words, choices) -> str:
+    """`` (did you mean 'x'?)`` for the nearest of ``choices`` to each of ``words`` (difflib),
+    or "" when none is near."""
+    near = [m[0] for w in sorted(words) if (m := difflib.get_close_matches(w, list(choices), n=1,
+                                                                         cutoff=0.5))]
+    return f" (did you mean {', '.join(map(repr, near))}?)" if near else ""

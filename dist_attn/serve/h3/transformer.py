@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dist_attn.extras import install_hint
+
 __all__ = ["H3_CLASS_NAME", "h3_class"]
 
 #: The diffusers class the server runs.
@@ -15,5 +17,5 @@ def h3_class() -> type:
         from diffusers import MiniMaxH3Transformer3DModel
     except ImportError as e:
         raise ImportError("the served DiT is diffusers' MiniMaxH3Transformer3DModel, and diffusers is "
-                          "not installed: pip install 'dist-attn[serve,diffusers]'") from e
+                          f"not installed: {install_hint('serve')}") from e
     return MiniMaxH3Transformer3DModel

@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from dist_attn.extras import install_hint
 from dist_attn.serve.config.sections import H3_ARCHITECTURE, ModelConfig
 from dist_attn.serve.h3.transformer import H3_CLASS_NAME, h3_class
 
@@ -82,7 +83,7 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig, *, device: torch.
         import accelerate  # noqa: F401 - diffusers' device_map loading needs it
     except ImportError:
         raise WeightsError("--checkpoint needs the accelerate package (diffusers loads a checkpoint "
-                           "into place with it): pip install 'dist-attn[serve]'") from None
+                           f"into place with it): {install_hint('serve')}") from None
     try:
         return h3_class().from_pretrained(os.fspath(path), torch_dtype=dtype,
                                           device_map={"": str(device)})

@@ -1,5 +1,5 @@
-"""The server process, from flags to the rank loops: the CLI, checks, logging, the OS (parent
-death, port, API key), warm-up, the ``--nproc-per-node`` supervisor. Exports ``main``, ``run``."""
+"""The server process, from flags to the rank loops: the CLI, checks, the model build, logging, the
+OS (parent death, port, API key), warm-up, the ``--nproc-per-node`` supervisor. Exports ``main``, ``run``."""
 
 from dist_attn.serve.launch.cli import main, run
 

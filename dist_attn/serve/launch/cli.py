@@ -50,7 +50,8 @@ _FLAG_FIELDS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML config (default: configs/tiny.toml)")
+    p.add_argument("--config", help="TOML config: a path, or a shipped config by name: tiny (the "
+                                    "default, CPU) or h3 (the real model; configs/h3.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field; VALUE is a TOML value (repeatable)")
     p.add_argument("--quality", default=None,
@@ -112,14 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _block_linears(cfg: Any, dtype: Any) -> str:
-    """What the blocks' linear layers run in: "fp8" (with " fast-accum"), or, for
-    ``linear_precision = "bf16"`` (not FP8), the blocks' own dtype, which is float32 on a CPU."""
-    if cfg.model.linear_precision == "fp8":
-        return "fp8" + (" fast-accum" if cfg.model.fp8_fast_accum else "")
-    return str(dtype).removeprefix("torch.")
-
-
 def config_from_args(args: argparse.Namespace) -> Any:
     """The validated config: file (or embedded default), then --set, then dedicated flags."""
     from dist_attn.serve.config import apply_overrides, load_config
@@ -150,7 +143,10 @@ def run() -> NoReturn:
     usual."""
     from dist_attn.serve.launch.supervise import under_torchrun
 
-    code = main()
+    try:
+        code = main()
+    except (Exception, KeyboardInterrupt) as exc:
+        code = _stopped(exc)  # re-raises unless a stop signal came first
     if under_torchrun():
         logging.shutdown()
         sys.stdout.flush()
@@ -159,12 +155,32 @@ def run() -> NoReturn:
     sys.exit(code)
 
 
+def _stopped(exc: BaseException) -> int:
+    """The exit status of a rank that ``exc`` ended after a SIGINT/SIGTERM reached it (Ctrl-C
+    reaches every rank: one stops in its start-up, a peer then finds it gone), with one line on
+    rank 0 instead of a traceback per rank; without such a signal, ``exc`` is a fault: raised."""
+    from dist_attn.serve.ranks.lifecycle import stop_signal
+
+    sig = stop_signal()
+    if sig is None:
+        raise exc
+    why = "" if isinstance(exc, KeyboardInterrupt) else f" ({type(exc).__name__} as the ranks stopped)"
+    _rank0_error(int(os.environ.get("RANK", 0)), f"stopped by {sig.name}{why}")
+    return 128 + int(sig)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from dist_attn.extras import install_hint, missing_modules
     from dist_attn.serve.launch.supervise import (restore_default_signals, strip_flag, supervise,
-                                           under_torchrun)
+                                                  under_torchrun)
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    missing = missing_modules("serve")  # before anything imports them (the HTTP app: uvicorn)
+    if missing:
+        _rank0_error(int(os.environ.get("RANK", 0)), f"the server needs the 'serve' extra, and "
+                     f"{', '.join(missing)} cannot be imported: {install_hint('serve')}")
+        return 1
     if args.nproc_per_node is not None:
         if under_torchrun():
             print("launch/serve.py: error: --nproc-per-node starts torchrun itself; under "
@@ -183,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return 1
     restore_default_signals()  # a rank under the supervisor inherits them ignored
+    from dist_attn.serve.ranks.lifecycle import interrupt_start_up
+
+    interrupt_start_up()  # Ctrl-C before the rank serves: one line, not a traceback (run)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
 
@@ -251,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         from dist_attn.serve.h3.engine import Engine
         from dist_attn.serve.ranks.loop import serve
 
-        model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank)
+        from dist_attn.serve.launch.build import block_linears, build_model
+
+        model, timer = build_model(cfg, env, dtype, backend, _transformer_dir(args.checkpoint),
+                                   report=lambda message: _rank0_error(rank, message))
         if model is None:
             return 1
         engine = Engine(cfg, env, model, timer, backend=backend, output_dir=args.output_dir)
@@ -271,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
                 "linear_precision": cfg.model.linear_precision,
-                "block_linears": _block_linears(cfg, dtype),
+                "block_linears": block_linears(cfg, dtype),
                 "fp8_fast_accum": cfg.model.fp8_fast_accum,
                 "fp8_fused_kernels": (cfg.model.linear_precision == "fp8"
                                       and cfg.model.fp8_fused_kernels),
@@ -291,43 +313,6 @@ def main(argv: list[str] | None = None) -> int:
             store.close()
         if env.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
-           rank: int) -> tuple[Any, Any]:
-    """Builds the sequence-parallel H3 on every rank; a bad checkpoint fails on every rank alike
-    (all read the same files, before any collective) and is reported once."""
-    from dist_attn.profiling import PhaseTimer
-    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
-    from dist_attn.serve.h3.weights import WeightsError
-
-    try:
-        model = build_h3(cfg.model, device=env.device, dtype=dtype, checkpoint=checkpoint)
-    except (WeightsError, ImportError) as e:
-        _rank0_error(rank, str(e))
-        return None, None
-    timer = PhaseTimer(env.device)
-    mesh = None
-    if cfg.parallel.ring_degree > 1:
-        from dist_attn.mesh import init_usp_mesh
-
-        # global rank r*U + u sits at mesh coordinate (r, u) and holds shard r*U + u: the rows
-        # enable_ulysses gives it over the default group
-        mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
-                             device_type=env.device.type)
-    parallelize(model, mesh=mesh, backend=backend, timer=timer,
-                overlap_chunks=cfg.parallel.overlap_chunks,
-                sequence_bucket=cfg.runtime.bucket(env.device.type))
-    if cfg.runtime.compiled(env.device.type):
-        compile_blocks(model)
-    log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
-             "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
-             "backend %s%s", cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
-             sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
-             _block_linears(cfg, dtype),
-             f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
-             backend, ", blocks compiled" if cfg.runtime.compiled(env.device.type) else "")
-    return model, timer
 
 
 def _transformer_dir(checkpoint: str | None) -> str | None:

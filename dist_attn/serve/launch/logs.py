@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["setup_logging"]
+__all__ = ["setup_logging", "count_in_units"]
 
 
 class _RankFilter(logging.Filter):
@@ -30,3 +30,12 @@ def setup_logging(rank: int, *, level: str = "INFO", all_ranks: bool = False) ->
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if rank == 0 or all_ranks else logging.WARNING)
     logging.getLogger("uvicorn.access").disabled = True
+
+
+def count_in_units(n: int) -> str:
+    """``n`` with two decimals in the largest unit of K, M, B it reaches (a parameter count: the
+    tiny model has a few million, H3 about 33 billion)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)

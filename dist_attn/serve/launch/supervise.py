@@ -13,9 +13,10 @@ SIGTERM/SIGINT it signals **rank 0** only. Rank 0 drains (queued /v1/generate re
 503, the running job finished or aborted between steps) and sends every rank the shutdown
 message; all ranks exit 0, so the agent exits 0, and so does the supervisor. The ranks reset both
 signals to their defaults at start (:func:`restore_default_signals`), so the disposition the agent
-inherited does not reach them. A SIGTERM that comes while the ranks start waits until rank 0 no
-longer ignores it; rank 0 handles it only once it serves, so before that it ends the launch (the
-job exits non-zero: nothing was serving).
+inherited does not reach them. A SIGTERM or SIGINT that comes before rank 0 serves has nothing to
+drain: the supervisor kills the agent and the ranks at once and exits 128 + the signal, with one
+line (a rank stopped mid start-up left its peers failing with tracebacks, and the agent printed
+its own ``ChildFailedError``).
 
 If the supervisor is killed (``kill -9``), the kernel kills the agent (parent-death signal
 SIGKILL: it ignores SIGTERM) and each rank gets its own parent-death SIGTERM and drains.
@@ -47,7 +48,6 @@ import time
 from typing import Any
 
 from dist_attn.serve.launch.keeper import KEEPER_ENV, PortKeeper
-from dist_attn.serve.ranks.lifecycle import READY_ENV
 
 __all__ = ["under_torchrun", "strip_flag", "restore_default_signals", "rank_pids", "supervise",
            "DEFAULT_MAX_RESTARTS", "RESTART_WINDOW_S"]
@@ -144,13 +144,27 @@ def supervise(nproc: int, serve_argv: list[str], *,
     agent: subprocess.Popen | None = None
     stop: list[str] = []  # the signal's name once one arrived
     undelivered = False
+    ready: str | None = None  # the file rank 0 writes once it serves
+    early: list[int] = []  # the exit status of a launch stopped before it served
 
     def deliver() -> bool:
         """SIGTERM to rank 0 (or every rank when rank 0 is gone); False before the ranks exist
         or while a target still ignores SIGTERM: a rank inherits SIG_IGN from the agent until
         :func:`restore_default_signals` runs, and a SIGTERM sent before that was lost (the job
         kept serving; found by killing the soak driver, whose server got its parent-death
-        SIGTERM while the ranks started)."""
+        SIGTERM while the ranks started). Before the job serves there is nothing to drain: the
+        agent and the ranks are killed at once, quietly (a rank stopped mid start-up left its
+        peers failing with tracebacks, and the agent printed its own)."""
+        if agent is not None and not (ready and os.path.exists(ready)):
+            print(f"supervisor: {stop[0]} before the server was up: ending the launch",
+                  file=sys.stderr, flush=True)
+            for pid in [agent.pid, *rank_pids(agent.pid).values()]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            early.append(128 + int(signal.Signals[stop[0]]))
+            return True
         ranks = rank_pids(agent.pid) if agent is not None else {}
         # Rank 0 decides; the others follow its shutdown message.
         targets = [ranks[0]] if 0 in ranks else list(ranks.values())
@@ -175,6 +189,10 @@ def supervise(nproc: int, serve_argv: list[str], *,
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    # here, not at the top: the launch imports this module before it checks the serve extra,
+    # and the ranks' package imports the HTTP app (uvicorn)
+    from dist_attn.serve.ranks.lifecycle import READY_ENV
+
     restarts: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dist_attn-supervisor-") as tmp:
         ready = os.path.join(tmp, "ready")
@@ -183,6 +201,8 @@ def supervise(nproc: int, serve_argv: list[str], *,
         why = "starting"
         try:
             while True:
+                if stop:  # before the first start, or between a failure and its restart
+                    return 128 + int(signal.Signals[stop[0]])
                 keeper.launched(why)
                 # preexec_fn runs before exec only (no threads exist yet in the child)
                 agent = subprocess.Popen(cmd, preexec_fn=_agent_preexec, env=env)  # noqa: PLW1509
@@ -194,6 +214,8 @@ def supervise(nproc: int, serve_argv: list[str], *,
                         if undelivered:
                             undelivered = not deliver()
                 status = 128 - code if code < 0 else code
+                if early:
+                    return early[0]
                 if status == 0 or stop:
                     return status
                 if not os.path.exists(ready):

@@ -3,6 +3,9 @@
 - SIGTERM/SIGINT (:class:`Shutdown`): the first one starts a drain (the rank loops' business) and
   arms a hard exit, so a rank stuck anyway leaves before torchrun's SIGKILL; a second one is
   logged and ignored.
+- Before it serves (:func:`interrupt_start_up`): SIGINT raises KeyboardInterrupt, as Python's
+  default does, and is remembered (:func:`stop_signal`, as :class:`Shutdown`'s signals are), so
+  the launch ends with one line instead of a traceback per rank (``launch.cli.run``).
 - Readiness (:func:`mark_ready`): rank 0 tells the ``--nproc-per-node`` supervisor that the
   server serves, after which a failure is a fault to restart from, not a launch failure.
 """
@@ -16,12 +19,31 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["READY_ENV", "Shutdown", "mark_ready"]
+__all__ = ["READY_ENV", "Shutdown", "interrupt_start_up", "mark_ready", "stop_signal"]
 
 log = logging.getLogger(__name__)
 
 #: The variable naming the file rank 0 writes once it serves (set by the supervisor).
 READY_ENV = "DIST_ATTN_SUPERVISOR_READY"
+#: The stop signals this process received, first first.
+_STOPS: list[signal.Signals] = []
+
+
+def stop_signal() -> signal.Signals | None:
+    """The first SIGTERM/SIGINT this process received through :func:`interrupt_start_up` or
+    :class:`Shutdown` (None: none): an error after it is the stop's, not a fault."""
+    return _STOPS[0] if _STOPS else None
+
+
+def interrupt_start_up() -> None:
+    """Until :class:`Shutdown` takes over: SIGINT (Ctrl-C reaches every rank) is remembered and
+    raises KeyboardInterrupt (main thread only)."""
+    signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    _STOPS.append(signal.Signals(signum))
+    raise KeyboardInterrupt
 
 
 class Shutdown:
@@ -62,6 +84,7 @@ class Shutdown:
         return self.since is not None and time.perf_counter() - self.since > seconds
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        _STOPS.append(signal.Signals(signum))
         self.request(f"received {signal.Signals(signum).name}")
 
     def _hard_exit(self) -> None:
