@@ -44,7 +44,7 @@ def test_the_extras_table_is_pyprojects():
 
     declared = _project()["optional-dependencies"]
     assert list(EXTRAS) == list(declared)
-    imports = {"prometheus-client": "prometheus_client", "pytest-xdist": "xdist"}
+    imports = {"prometheus-client": "prometheus_client", "pytest-xdist": "xdist", "nvidia-cutlass-dsl": "cutlass"}
     for extra, reqs in declared.items():
         names = [re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] for r in reqs]
         assert EXTRAS[extra] == tuple(imports.get(n, n) for n in names), extra
