@@ -175,10 +175,7 @@ def test_cancel_queued_and_running_and_finished(api):
     api.runner.step_s = 0.05
     t = threading.Thread(target=api.run_next)
     t.start()
-    deadline = time.monotonic() + 10
-    while api.call("GET", f"/v1/videos/{b['id']}")[1]["progress"]["step"] < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    _wait_for_step(api, b["id"], 2)
     status, marked, _ = api.call("DELETE", f"/v1/videos/{b['id']}")
     assert status == 200 and marked["status"] == "running" and marked["cancel_requested"]
     t.join(10)
@@ -417,6 +414,14 @@ def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
         api.close()
 
 
+def _wait_for_step(api, job_id: str, step: int, timeout_s: float = 10.0) -> None:
+    """Polls the job until its progress reaches ``step`` (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while api.call("GET", f"/v1/videos/{job_id}")[1]["progress"]["step"] < step:
+        assert time.monotonic() < deadline, f"{job_id} never reached step {step}"
+        time.sleep(0.02)
+
+
 def _fill_the_store(api) -> None:
     """Caps the store's file at its current pages and fills them: every commit that needs a
     page more then fails with SQLite's real SQLITE_FULL."""
@@ -467,10 +472,7 @@ def test_a_job_whose_end_cannot_be_stored_still_ends(tmp_path):
         api.runner.step_s = 0.05
         t = threading.Thread(target=api.rank0.video.run, args=(running,))
         t.start()
-        deadline = time.monotonic() + 10
-        while api.call("GET", f"/v1/videos/{stopped}")[1]["progress"]["step"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _wait_for_step(api, stopped, 1)
         status, answer, _ = api.call("DELETE", f"/v1/videos/{stopped}")
         assert status == 200 and answer["cancel_requested"], answer
         t.join(10)
