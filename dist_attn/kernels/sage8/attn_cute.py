@@ -51,7 +51,6 @@ BLOCK_N = 128
 #: query rows per CTA: two consumer warpgroups of 64 rows
 BLOCK_M = 128
 _LN2 = math.log(2.0)
-_DEBUG = False
 
 
 @dataclass(frozen=True)
@@ -254,9 +253,6 @@ class _Sage8Cute:
                                    cutlass.Float8E4M3FN)
         p8_as_acc = cute.make_tensor(p8.iterator, acc_s.layout)
         p8_words = cute.recast_tensor(p8, Uint32)
-        if const_expr(_DEBUG):
-            print("acc_s", acc_s.layout, "p8", p8.layout, "words", p8_words.layout, "tOrV", tOrV.layout,
-                  "tSrQ", tSrQ.layout, "acc_o", acc_o.layout, "tvA", mma_pv.tv_layout_A)
         f_s = cute.recast_tensor(acc_s, Float32)
         # (row, column) of each accumulator element within the CTA tile
         cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
@@ -476,7 +472,7 @@ class _Sage8Cute:
                 part = part + cute.arch.shuffle_sync_bfly(part, offset=1)
                 part = part + cute.arch.shuffle_sync_bfly(part, offset=2)
                 if row < L:
-                    if tidx_in_quad() == 0:
+                    if _lane_in_quad() == 0:
                         lse = (m_i[r] + cute.math.log2(l_i[r], fastmath=False) - numerics.LOG2_PSCALE) * _LN2
                         mLse[b, h, lo + row] = lse + part * inv_len * qk_scale
 
@@ -490,7 +486,7 @@ def _advanced(state):
 
 
 @cute.jit
-def tidx_in_quad():
+def _lane_in_quad():
     tidx, _, _ = cute.arch.thread_idx()
     return tidx % 4
 
@@ -515,11 +511,12 @@ def compile_seconds() -> dict:
 
 
 def compiled(key, args):
-    """The compiled kernel for ``key`` = (head_dim, dense, with_lse, out dtype, config), compiling
+    """The compiled kernel for ``key`` = (head_dim, dense, with_lse, out dtype, cu_seqlens dtype,
+    config), compiling
     it on first use with ``args`` (CuTe tensors and scalars of a real call)."""
     fn = _CACHE.get(key)
     if fn is None:
-        D, dense, with_lse, _, cfg = key
+        D, dense, with_lse, _, _, cfg = key
         t0 = time.perf_counter()
         fn = cute.compile(_Sage8Cute(D, dense, with_lse, cfg), *args)
         _COMPILE_SECONDS[key] = time.perf_counter() - t0
@@ -543,5 +540,5 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
             _dyn(out, 2), _dyn(q, 2), _dyn(lse_t, 4), _dyn(cu, 4),
             Int32(lay.used), Int32(lay.total), Int32(R), Float32(softmax_scale),
             Int32(-(-lay.max_seqlen // BLOCK_M)), Int32(lay.nseg), Int32(H), stream]
-    key = (D, lay.dense, lse is not None, out.dtype, cfg)
+    key = (D, lay.dense, lse is not None, out.dtype, cu.dtype, cfg)
     compiled(key, args)(*args)
