@@ -301,37 +301,16 @@ def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
            rank: int) -> tuple[Any, Any]:
     """Builds the sequence-parallel H3 on every rank; a bad checkpoint fails on every rank alike
     (all read the same files, before any collective) and is reported once."""
-    from dist_attn.profiling import PhaseTimer
-    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.serve.h3.build import build_served
     from dist_attn.serve.h3.weights import WeightsError
 
     try:
-        model = build_h3(cfg.model, device=env.device, dtype=dtype, checkpoint=checkpoint)
+        served = build_served(cfg, env, dtype, backend, checkpoint,
+                              shard=cfg.parallel.shard_weights is True)
     except (WeightsError, ImportError) as e:
         _rank0_error(rank, str(e))
         return None, None
-    timer = PhaseTimer(env.device)
-    mesh = None
-    if cfg.parallel.ring_degree > 1:
-        from dist_attn.mesh import init_usp_mesh
-
-        # global rank r*U + u sits at mesh coordinate (r, u) and holds shard r*U + u: the rows
-        # enable_ulysses gives it over the default group
-        mesh = init_usp_mesh(cfg.parallel.ring_degree, cfg.parallel.resolved_ulysses(env.world_size),
-                             device_type=env.device.type)
-    parallelize(model, mesh=mesh, backend=backend, timer=timer,
-                overlap_chunks=cfg.parallel.overlap_chunks,
-                sequence_bucket=cfg.runtime.bucket(env.device.type))
-    if cfg.runtime.compiled(env.device.type):
-        compile_blocks(model)
-    log.info("built %s (MiniMaxH3Transformer3DModel): %d blocks + %d refiner blocks, %.2fB "
-             "parameters, %s on %s (fp32 modules kept, block linears %s), %s, attention "
-             "backend %s%s", cfg.model.name, cfg.model.num_layers, cfg.model.num_refiner_layers,
-             sum(p.numel() for p in model.parameters()) / 1e9, dtype, env.device,
-             _block_linears(cfg, dtype),
-             f"checkpoint {checkpoint}" if checkpoint else f"own init, seed {cfg.model.weight_seed}",
-             backend, ", blocks compiled" if cfg.runtime.compiled(env.device.type) else "")
-    return model, timer
+    return served.model, served.timer
 
 
 def _transformer_dir(checkpoint: str | None) -> str | None:
