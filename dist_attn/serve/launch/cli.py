@@ -365,7 +365,8 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
                              "text_encoder/, tokenizer/, scheduler/, audio_scheduler/), or pass "
                              "--video-runner off")
         runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint,
-                                transformer=transformer)
+                                transformer=transformer,
+                                shard_text=cfg.parallel.shard_weights is True)
     if rank != 0:
         return runner, None
     return runner, VideoJobs(store=store, rules=runner.rules, max_queued=jobs.max_queued,
