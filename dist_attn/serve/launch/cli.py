@@ -240,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         for warning in exposure_warnings(host, api_key):
             log.warning("%s", warning)
         store = _open_store(cfg, local_failures)
+    from dist_attn.serve.launch.preflight import log_measured, memory_preflight
+
+    # before any weight is loaded; its one message joins the launch checks' failures
+    pre = memory_preflight(cfg, env, dtype, args.checkpoint)
+    local_failures += [pre.failure] if pre.failure else []
     try:
         backend, failures = run_launch_checks(cfg, env, dtype, local_failures)
         if failures:
@@ -257,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         from dist_attn.serve.h3.engine import Engine
         from dist_attn.serve.ranks.loop import serve
 
-        model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank)
+        model, timer = _build(cfg, env, dtype, backend, _transformer_dir(args.checkpoint), rank,
+                              shard=pre.shard)
         if model is None:
             return 1
         engine = Engine(cfg, env, model, timer, backend=backend, output_dir=args.output_dir)
@@ -265,14 +271,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.once:  # --once runs one /v1/generate request: no jobs
             try:
                 runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank,
-                                             model, store)
+                                             model, store, shard_text=pre.shard)
             except (ValueError, FileNotFoundError) as e:  # every rank reads the same files
                 _rank0_error(rank, f"video pipeline: {e}")
                 return 1
         if cfg.runtime.warmup_shapes:  # every rank, before HTTP answers /health
             from dist_attn.serve.launch.warmup import warm_up
 
-            warm_up(engine, cfg)
+            warm_up(engine, cfg, decoder=getattr(runner, "pipe", None))
+            log_measured(pre, env.device)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
@@ -298,15 +305,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
-           rank: int) -> tuple[Any, Any]:
+           rank: int, *, shard: bool) -> tuple[Any, Any]:
     """Builds the sequence-parallel H3 on every rank; a bad checkpoint fails on every rank alike
     (all read the same files, before any collective) and is reported once."""
     from dist_attn.serve.h3.build import build_served
     from dist_attn.serve.h3.weights import WeightsError
 
     try:
-        served = build_served(cfg, env, dtype, backend, checkpoint,
-                              shard=cfg.parallel.shard_weights is True)
+        served = build_served(cfg, env, dtype, backend, checkpoint, shard=shard)
     except (WeightsError, ImportError) as e:
         _rank0_error(rank, str(e))
         return None, None
@@ -341,7 +347,7 @@ def _open_store(cfg: Any, failures: list[str]) -> Any:
 
 
 def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
-                rank: int, transformer: Any, store: Any) -> tuple[Any, Any]:
+                rank: int, transformer: Any, store: Any, *, shard_text: bool) -> tuple[Any, Any]:
     """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
     and, on rank 0, what HTTP shares about the jobs over ``store`` (opened by
     :func:`_open_store`); ``(None, None)`` with ``jobs.runner = "off"``."""
@@ -365,8 +371,7 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
                              "text_encoder/, tokenizer/, scheduler/, audio_scheduler/), or pass "
                              "--video-runner off")
         runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint,
-                                transformer=transformer,
-                                shard_text=cfg.parallel.shard_weights is True)
+                                transformer=transformer, shard_text=shard_text)
     if rank != 0:
         return runner, None
     return runner, VideoJobs(store=store, rules=runner.rules, max_queued=jobs.max_queued,

@@ -70,7 +70,7 @@ def bucket_text_rows(base: int, prompt_tokens: int, extra: int, *, world: int,
     return [chosen[k] for k in sorted(chosen)]
 
 
-def warm_up(engine: Any, cfg: Config) -> list[WarmupRun]:
+def warm_up(engine: Any, cfg: Config, *, decoder: Any = None) -> list[WarmupRun]:
     """Runs :data:`WARMUP_STEPS` denoise steps of every ``runtime.warmup_shapes`` geometry, once
     for each sequence bucket its prompts reach (:func:`bucket_text_rows`), on this rank (call it on
     every rank, in the same place); returns what each run took. Empty list when none is
