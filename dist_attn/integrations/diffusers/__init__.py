@@ -20,7 +20,7 @@ and heads (times the batch) are spread unevenly. Forward only. With ``mesh=`` (a
 
 The video VAE's decode goes over the same ranks with :func:`enable_parallel_decode`: every rank
 calls ``vae.decode(z)`` with the same latents and gets the same video, each rank having decoded
-1/W of the (clip, tile) decoder calls.
+1/W of the (clip, tile) decoder calls; :func:`compile_vae_decoder` compiles the decoder's blocks.
 
 Supported models are those listed by :func:`supported_models`; any other transformer is refused
 with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
@@ -62,6 +62,7 @@ from dist_attn.integrations.diffusers._wan import WAN
 from dist_attn.integrations.diffusers._vae_decode import (DecodeStats, ParallelDecodeHandle,
                                                           enable_parallel_decode, supported_vaes)
 from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
+from dist_attn.integrations.diffusers.vae_compile import compile_vae_decoder
 from dist_attn.integrations.diffusers.weight_sharding import (ShardedWeights, shard_weights,
                                                               sharded_weights, weight_units)
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
@@ -70,7 +71,8 @@ from dist_attn.validation import check_overlap_chunks, positive_int
 from dist_attn.weight_sharding import refuse_sharded
 
 __all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "ShardedWeights",
-           "UlyssesHandle", "disable_ulysses", "enable_parallel_decode", "enable_ulysses",
+           "UlyssesHandle", "compile_vae_decoder", "disable_ulysses", "enable_parallel_decode",
+           "enable_ulysses",
            "quantize_linears", "shard_weights", "sharded_weights", "supported_models",
            "supported_vaes", "ulysses_handle", "weight_units"]
 

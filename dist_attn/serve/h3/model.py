@@ -23,7 +23,7 @@ from dist_attn.serve.h3.transformer import h3_class
 from dist_attn.serve.h3.weights import load_checkpoint
 
 __all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_names", "meta_h3",
-           "parallelize", "shard_h3"]
+           "parallelize", "raise_recompile_limit", "shard_h3"]
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,21 @@ def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any 
                           overlap_chunks=overlap_chunks, sequence_bucket=sequence_bucket)
 
 
+def raise_recompile_limit() -> None:
+    """Dynamo's ``recompile_limit`` raised to :data:`SERVED_RECOMPILE_LIMIT` for the whole
+    process (never lowered, never restored; logged as a warning): the served sequence lengths
+    take two cache entries each, the compiled decoder one per tile batch shape."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    if getattr(config, name) < SERVED_RECOMPILE_LIMIT:
+        log.warning("torch._dynamo.config.%s %d -> %d for this process (two entries a served "
+                    "sequence length, one a decoder batch shape)", name, getattr(config, name),
+                    SERVED_RECOMPILE_LIMIT)
+        setattr(config, name, SERVED_RECOMPILE_LIMIT)
+
+
 def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     """``torch.compile(fullgraph=True, dynamic=False)`` of every transformer block (what diffusers'
     ``compile_repeated_blocks`` does for each block class it lists): the blocks share their code,
@@ -212,14 +227,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     :data:`SERVED_RECOMPILE_LIMIT` for the whole process, never lowers it, never restores it
     (logged as a warning), so that the sequence lengths a server meets do not run out of cache
     entries before the 33rd."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
-    if getattr(config, name) < SERVED_RECOMPILE_LIMIT:
-        log.warning("compile_blocks: torch._dynamo.config.%s %d -> %d for this process (two entries "
-                    "a served sequence length)", name, getattr(config, name), SERVED_RECOMPILE_LIMIT)
-        setattr(config, name, SERVED_RECOMPILE_LIMIT)
+    raise_recompile_limit()
     compile_kwargs.setdefault("dynamic", False)
     compile_kwargs.setdefault("fullgraph", True)
     for block in model.transformer_blocks:

@@ -72,7 +72,7 @@ class H3Pipeline:
     the MP4 on rank 0)."""
 
     def __init__(self, comps: H3Components, env: DistEnv, dtype: torch.dtype, *,
-                 decode_tiles_per_call: int | None = None) -> None:
+                 decode_tiles_per_call: int | None = None, decode_compile: bool = False) -> None:
         from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
 
         self.comps, self.env, self.dtype = comps, env, dtype
@@ -90,7 +90,7 @@ class H3Pipeline:
         p = self.denoise
         self.decoder = JobDecoder(comps.vae, comps.audio_vae if env.rank == 0 else None, env,
                                   pixel_mean=p.pixel_mean, pixel_std=p.pixel_std, fps=p.fps,
-                                  tiles_per_call=decode_tiles_per_call)
+                                  tiles_per_call=decode_tiles_per_call, compile=decode_compile)
 
     def rules(self, *, max_steps: int, max_rows: int, default_steps: int,
               default_height: int | None = None, default_width: int | None = None) -> VideoRules:
@@ -177,7 +177,8 @@ class H3Runner:
 
             enable_ulysses(comps.transformer, backend=backend,
                            overlap_chunks=cfg.parallel.overlap_chunks)
-        pipe = H3Pipeline(comps, env, dtype)
+        pipe = H3Pipeline(comps, env, dtype, decode_tiles_per_call=cfg.decode.tiles(),
+                          decode_compile=cfg.decode.compiled(env.device.type, cfg.runtime.quality))
         rules = None
         if env.rank == 0:
             tiny = checkpoint_is_tiny(checkpoint)

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.runtime.warmup_shapes:  # every rank, before HTTP answers /health
             from dist_attn.serve.launch.warmup import warm_up
 
-            warm_up(engine, cfg, decoder=getattr(runner, "pipe", None))
+            warm_up(engine, cfg, pipeline=getattr(runner, "pipe", None))
             log_measured(pre, env.device)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
                 "world_size": env.world_size, "backend": backend,
