@@ -164,10 +164,11 @@ def estimate_peak(sizes: ModelSizes, geo: Geometry, plan: Plan) -> MemoryEstimat
                "block activations": rows * elt * (_ATTN_HIDDEN * sizes.hidden + _ATTN_INNER * sizes.inner),
                "full-sequence buffers": geo.rows * sizes.hidden * _FULL_ROW_BYTES}
     c = geo.spatial_compression
-    tile_px = 256  # diffusers' tile_sample_min_{height,width} for H3's VAE
-    tile_tokens = geo.latent_frames_per_clip * (tile_px // c) ** 2
+    # diffusers' tile_sample_min_{height,width} for H3's VAE: 256, or the whole smaller video
+    tile_h, tile_w = min(256, geo.height), min(256, geo.width)
+    tile_tokens = geo.latent_frames_per_clip * (tile_h // c) * (tile_w // c)
     tile_act = tile_tokens * sizes.vae_width * (_TILE_FP32_BYTES + (3 * sizes.vae_ffn_mult + 4) * sizes.vae_elt)
-    tile_out = 3 * geo.latent_frames_per_clip * 4 * tile_px * tile_px * sizes.vae_elt
+    tile_out = 3 * geo.latent_frames_per_clip * 4 * tile_h * tile_w * sizes.vae_elt
     video = 3 * geo.frames * geo.height * geo.width * sizes.vae_elt
     decode = {"decoder activations": plan.tiles_per_call * tile_act,
               "exchange buffers": 2 * w * plan.tiles_per_call * tile_out if w > 1 else 0,

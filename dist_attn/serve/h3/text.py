@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 __all__ = ["H3_TEXT_LAYER", "TextOnlyQwen3VLProcessor", "load_processor", "load_text_encoder",
-           "load_text_encoder_sharded", "text_encoder_units"]
+           "load_text_encoder_sharded", "shard_text_encoder", "text_encoder_units"]
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +90,26 @@ def load_text_encoder_sharded(cls: Any, path: str, *, dtype: torch.dtype, device
         WeightsError: the checkpoint lacks a tensor of the encoder or has another shape.
     """
     from dist_attn.serve.h3.weights import CheckpointTensors
+
+    reader = CheckpointTensors(path)
+    return shard_text_encoder(cls, _cut_config(path), dtype=dtype, device=device, group=group,
+                              materialize=lambda name, module: reader.fill(
+                                  f"model.{name}" if name else "model", module))
+
+
+def shard_text_encoder(cls: Any, config: Any, *, dtype: torch.dtype, device: torch.device,
+                       materialize: Any, group: Any = None) -> Any:
+    """``cls`` of ``config`` built on the meta device, its ``model`` materialised one decoder
+    layer at a time by ``materialize(name, module)`` (names relative to ``model``) and sharded
+    over ``group`` (FSDP2, :func:`text_encoder_units`); the LM head stays on meta. What
+    :func:`load_text_encoder_sharded` runs with a checkpoint's tensors, and a benchmark with a
+    random fill."""
     from dist_attn.weight_sharding import parameters_on_meta, shard_module
 
-    config = _cut_config(path)
     with torch.device(device), parameters_on_meta():
         model = cls._from_config(config, dtype=dtype)
     model = model.eval().requires_grad_(False)
-    reader = CheckpointTensors(path)
-    shard_module(model.model, text_encoder_units(model), group,
-                 materialize=lambda name, module: reader.fill(f"model.{name}" if name else "model", module),
+    shard_module(model.model, text_encoder_units(model), group, materialize=materialize,
                  device=device)
     return model
 
