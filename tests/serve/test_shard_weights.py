@@ -1,6 +1,6 @@
 """parallel.shard_weights: the served tiny H3 built on the meta device and materialised block by
 block into FSDP2 shards (the class's own initialisation, a checkpoint, FP8 linears) serves what the
-whole replica serves, bit for bit, on 2 and 3 gloo ranks; the denoise engine runs a request twice
+whole replica serves, bit for bit, on 3 gloo ranks; the denoise engine runs a request twice
 (the second job too: every block gathered again)."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _worker(rank, world, ckpt_root):
     return res
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # uneven heads; tests/integrations covers 1-4 ranks
 def test_sharded_build_serves_the_replicas_outputs(tmp_path, world):
     for res in run_ranks(_worker, world, tmp_path, str(tmp_path), timeout=300):
         for dtype in ("torch.float32", "torch.bfloat16"):

@@ -55,7 +55,7 @@ def _worker(rank, world, path):
             "units": len(layers), "head_unloaded": te.lm_head.weight.is_meta}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2])
 def test_every_rank_runs_its_share_of_the_encoder_and_gets_rank0s_output(tmp_path, world):
     from dist_attn.serve.config import load_config
     from dist_attn.serve.h3.tiny import build_tiny_checkpoint, tiny_spec
