@@ -4,7 +4,7 @@
 #   bash benchmarks/h200.sh [--dry-run] SUBCOMMAND [SUBCOMMAND ...]   # run in order; a failed step
 #                                                                     # does not stop the next one
 #   tests               GPU tests of the core and the kernels -> gpu-tests_<gpu>_<date>.log      (~5 min)
-#   fp8-tests           tests/integrations/test_fp8_gpu.py -> fp8-gpu-tests_<gpu>_<date>.log      (~1.5 min)
+#   fp8-tests           tests/integrations/test_fp8_gpu.py, test_weight_sharding_gpu.py -> fp8-gpu-tests_<gpu>_<date>.log (~2 min)
 #   kernels             kernels: every kernel at W = 4, 1, 8, 2: speed, error, bridge overhead   (~2 min)
 #   kernels-side        kernels: sage8 vs SageAttention 2 vs cuDNN side by side, each half apart (~5 min + build)
 #   accuracy            accuracy: every kernel against float64, served-DiT drift                 (~3 min)
@@ -26,12 +26,15 @@
 #   job-full-fp8        serve_h3_gpu: 50 blocks x 2 steps compiled, FP8 linears                 (~2 min)
 #   job-full-fp8fast    serve_h3_gpu: the same, FP8 linears with fast accumulation              (~2 min)
 #   job-outside         serve_h3_gpu: the served step with every block the identity (job_model) (~2 min)
+#   job-decode-eager    serve_h3_gpu: the served job, 8 x 3, its decode eager (as before)        (~3 min)
+#   decode-compiled     vae_decode_compiled: compiled vs eager fp16 decode at h3-ref, W = 1      (~4 min)
+#   memory              h3_memory: full-size H3 as rank 0 of W = 4, 8 (fake PG), bf16 and FP8   (~6 min)
 #   cute-a              CuTe DSL, call 1 of 2: copy its wheels and the first half of the cu13 library
 #                       wheel (carry .whl: split -b 46000000, see below) to /tmp/cute-wheels       (~5 s)
 #   cute-b              CuTe DSL, call 2 of 2 (at once, carry .whl2): join the halves, install into
 #                       /tmp/site; later steps then see cutlass (PYTHONPATH adds its dsl_packages) (~20 s)
 #   cute-check          dev/sage8_cute_check: the CuTe loop against the Triton loop, float64, cuDNN (~3 min)
-#   all                 every subcommand above but cute-*, in this order (~67 min: several device calls)
+#   all                 every subcommand above but cute-*, in this order (~80 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
 # CuTe DSL (the cute extra): its cu13 library wheel (~92 MB) is more than one call carries (64 MiB),
@@ -65,7 +68,8 @@ HW=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | 
 HW=${HW:-gpu}
 ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-variants ncu sage8-dev
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
-     job-full-compiled job-full-fp8 job-full-fp8fast job-outside)
+     job-full-compiled job-full-fp8 job-full-fp8fast job-outside job-decode-eager decode-compiled
+     memory)
 CUTE=(cute-a cute-b cute-check)  # named only, never by "all"
 DRY=0
 
@@ -160,8 +164,9 @@ step() {
             tests/core/test_kernel_accuracy.py \
             -rs -q -s -p no:cacheprovider ;;
     fp8-tests)
-        run 90 fp8-tests --log "$RES/fp8-gpu-tests_${HW}_$TODAY.log" "$PY" -m pytest \
-            tests/integrations/test_fp8_gpu.py -rs -q -s -p no:cacheprovider ;;
+        run 120 fp8-tests --log "$RES/fp8-gpu-tests_${HW}_$TODAY.log" "$PY" -m pytest \
+            tests/integrations/test_fp8_gpu.py tests/integrations/test_weight_sharding_gpu.py \
+            -rs -q -s -p no:cacheprovider ;;
     kernels)
         run 130 kernels "$PY" -m benchmarks.kernels --out "$RES" --budget-s 110 --iters 20 --warmup 3 ;;
     kernels-side)
@@ -242,6 +247,14 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
     job-outside)
         run 240 job-outside "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 1 --steps 3 --jobs 1 \
             --diffusers off --compile on --blocks identity --theme serve-h3-job-outside --budget-s 210 ;;
+    job-decode-eager)
+        run 280 job-decode-eager "$PY" -m benchmarks.serve_h3_gpu --out "$RES" --layers 8 --steps 3 --jobs 1 \
+            --diffusers off --decode-compile off --theme serve-h3-job-8x3-decode-eager --budget-s 250 ;;
+    decode-compiled)
+        run 300 decode-compiled "$PY" -m benchmarks.vae_decode_compiled --out "$RES" --rounds 3 ;;
+    memory)
+        run 480 memory "$PY" -m benchmarks.h3_memory --out "$RES" --worlds 4 8 --precisions bf16 fp8 \
+            --budget-s 420 ;;
     esac
 }
 

@@ -164,6 +164,9 @@ def main() -> None:
     p.add_argument("--diffusers", choices=("auto", "on", "off"), default="auto",
                    help="also run diffusers' own t2va pipeline first (auto: on the GPU)")
     p.add_argument("--decode-tiles-per-call", type=int, default=None)
+    p.add_argument("--decode-compile", choices=("auto", "on", "off"), default="auto",
+                   help="compile the video decoder's blocks (auto: as the server's decode.compile "
+                        "default, on CUDA); the warm-up job compiles them")
     p.add_argument("--blocks", choices=("real", "identity"), default="real",
                    help="identity: every transformer block returns its input, so a step's seconds "
                         "are the part of the served step outside the blocks (the refiner, "
@@ -228,7 +231,9 @@ def main() -> None:
             block.forward = _identity_block
     if compiled:
         compile_blocks(comps.transformer)
-    pipe = H3Pipeline(comps, env, dtype, decode_tiles_per_call=args.decode_tiles_per_call)
+    decode_compiled = args.decode_compile == "on" or (args.decode_compile == "auto" and cuda)
+    pipe = H3Pipeline(comps, env, dtype, decode_tiles_per_call=args.decode_tiles_per_call,
+                      decode_compile=decode_compiled)
     rules = pipe.rules(max_steps=100, max_rows=65536, default_steps=args.steps)
     runner = H3Runner(pipe, rules)
     req = parse_video_request({"prompt": "a" * args.prompt_tokens, "steps": args.steps,
@@ -269,7 +274,8 @@ def main() -> None:
     config = {"layers": args.layers, "steps": args.steps, "request": req.to_json(),
               "dtype": str(dtype), "device": str(device), "jobs_timed": len(timed),
               "built_s": built_s, "real_configs": cuda, "backend": args.backend,
-              "compile": compiled, "linear_precision": args.linear_precision,
+              "compile": compiled, "decode_compile": decode_compiled,
+              "linear_precision": args.linear_precision,
               "fp8_fast_accum": args.fp8_fast_accum, "blocks": args.blocks,
               "transformer_blocks": len(comps.transformer.transformer_blocks),
               # what quantize_linears fused in the served blocks (its defaults: on CUDA, both)

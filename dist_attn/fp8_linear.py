@@ -48,6 +48,7 @@ __all__ = [
     "Fp8SwiGLUFeedForward",
     "SWIGLU_MAX_INNER",
     "LinearPrecision",
+    "QuantizedTensors",
     "fix_zero_rows",
     "fused_input_dtype_error",
     "fp8_linear_emulated",
@@ -199,23 +200,35 @@ def fused_input_dtype_error(got: str, fused: str, option: str) -> ValueError:
                       f"bfloat16, or quantize a fresh model with {option}=False")
 
 
-class _QuantizedBuffers(nn.Module):
+class QuantizedTensors(nn.Module):
     """A module whose e4m3 codes and float32 scales keep their dtype through ``.to(dtype)``,
     ``.half()`` or ``.bfloat16()``: those casts move them to the new device but never re-round
     them (float8 counts as floating point, so ``nn.Module.to`` would cast the codes to bf16, and
-    bf16 scales would lose bits). Other parameters (a bias) follow the cast as usual."""
+    bf16 scales would lose bits). Other parameters (a bias) follow the cast as usual.
+
+    The codes and scales are buffers, or frozen parameters of the same names once
+    :func:`dist_attn.weight_sharding.shard_module` has made them shardable (:attr:`quantized`
+    names them either way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quantized: tuple[str, ...] = ()
+        """Names of the codes and scales (set by each subclass)."""
 
     def _apply(self, fn, recurse=True):
-        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        before = {name: t for name in self.quantized
+                  if (t := self._buffers.get(name, self._parameters.get(name))) is not None}
         super()._apply(fn, recurse)
         for name, old in before.items():
-            new = self._buffers[name]
+            store = self._buffers if name in self._buffers else self._parameters
+            new = store[name]
             if new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
+                kept = old.to(device=new.device)
+                store[name] = nn.Parameter(kept, requires_grad=False) if store is self._parameters else kept
         return self
 
 
-class EmulatedFp8Linear(_QuantizedBuffers):
+class EmulatedFp8Linear(QuantizedTensors):
     """An ``nn.Linear`` replaced by the FP8 recipe in float32 emulation (tests and CPU checks).
 
     Holds the weight's e4m3 codes (``weight_codes [N, K]``) and scales (``weight_scales [N, 1]``)
@@ -228,6 +241,7 @@ class EmulatedFp8Linear(_QuantizedBuffers):
         self.out_features, self.in_features = weight_codes.shape
         self.register_buffer("weight_codes", weight_codes)
         self.register_buffer("weight_scales", weight_scales)
+        self.quantized = ("weight_codes", "weight_scales")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
@@ -249,7 +263,7 @@ class EmulatedFp8Linear(_QuantizedBuffers):
                 f"bias={self.bias is not None}, fp8=e4m3 per-row (float32 emulation)")
 
 
-class Fp8Linear(_QuantizedBuffers):
+class Fp8Linear(QuantizedTensors):
     """A bias-free FP8 linear of the recipe on CUDA that also takes :class:`Fp8Rows`.
 
     torchao's FP8 ``nn.Linear`` quantizes its bf16 input itself; this one holds the same e4m3
@@ -265,6 +279,7 @@ class Fp8Linear(_QuantizedBuffers):
         self.out_features, self.in_features = weight_codes.shape
         self.register_buffer("weight_codes", weight_codes)
         self.register_buffer("weight_scales", weight_scales.reshape(1, -1))  # [1, N], as _scaled_mm takes
+        self.quantized = ("weight_codes", "weight_scales")
         self.fast_accum = fast_accum
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
@@ -280,7 +295,7 @@ class Fp8Linear(_QuantizedBuffers):
                 f"fast_accum={self.fast_accum}, fp8=e4m3 per-row, takes Fp8Rows")
 
 
-class Fp8SwiGLUFeedForward(_QuantizedBuffers):
+class Fp8SwiGLUFeedForward(QuantizedTensors):
     """A SwiGLU feed-forward whose two linears are FP8 (the recipe above), with the SwiGLU and the
     quantization of its output in one kernel (:func:`dist_attn.kernels.swiglu_fp8.swiglu_e4m3_rows`).
 
@@ -306,6 +321,7 @@ class Fp8SwiGLUFeedForward(_QuantizedBuffers):
         self.proj = proj
         self.register_buffer("down_codes", down_codes)
         self.register_buffer("down_scales", down_scales.reshape(1, -1))  # [1, N], as _scaled_mm takes
+        self.quantized = ("down_codes", "down_scales")
         self.fast_accum = fast_accum
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:

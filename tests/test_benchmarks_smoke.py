@@ -200,6 +200,34 @@ def test_vae_decode_smoke(tmp_path):
     assert all(0 < r["tail_s"] <= r["s"] for r in mux)
 
 
+def test_h3_memory_smoke(tmp_path):
+    """The tiny served model as rank 0 of W = 2 and 4 over a fake process group: every phase
+    runs through the served code, each row holds the measured phases (no device memory on CPU),
+    the pre-flight's estimate for the same plan and the gather model from the blocks' times."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from benchmarks import h3_memory
+
+    h3_memory.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"])
+    rows = _check_result(tmp_path, "h3-memory")["rows"]
+    assert [(r["world"], r["precision"]) for r in rows] == [(2, "bf16"), (4, "bf16")]
+    for r in rows:
+        assert set(r["phases"]) == set(h3_memory.PHASES) and r["estimate_gb"] > 0, r
+        assert r["weights_rank_gb"] <= r["weights_total_gb"] / r["world"] * 1.05, r
+        assert r["blocks"] == 4 and len(r["gather"]) == 4, r  # 2 bandwidths x 2 block bases
+        assert all(g["gather_ms"] > 0 and g["slowdown"] >= 0 for g in r["gather"]), r
+
+
+def test_vae_decode_compiled_smoke(tmp_path):
+    pytest.importorskip("diffusers")
+    from benchmarks import vae_decode_compiled
+
+    vae_decode_compiled.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--rounds", "1"])
+    data = _check_result(tmp_path, "vae-decode-compiled")
+    assert [r["decode"] for r in data["rows"]] == ["eager", "compiled"]
+    assert data["pixels"]["share_off_1_255"] <= 1e-4 and data["config"]["compile_backend"] == "aot_eager"
+
+
 def test_h3_fp8_smoke(tmp_path):
     """The FP8 benchmark on CPU (the float32 emulation): every section has rows, FP8 GEMMs show
     an FP8-sized error and bf16 a bf16-sized one, the W = 4 model adds up, the served latents of

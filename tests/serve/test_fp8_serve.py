@@ -152,8 +152,8 @@ def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, caps
     events = []
     real_warm, real_serve = warmup.warm_up, loop.serve
 
-    def warm_spy(engine, cfg):
-        runs = real_warm(engine, cfg)
+    def warm_spy(engine, cfg, **kwargs):
+        runs = real_warm(engine, cfg, **kwargs)
         events.append(("warm_up", [(r.frames, r.height, r.width, r.rows) for r in runs]))
         return runs
 

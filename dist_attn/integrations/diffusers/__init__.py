@@ -20,7 +20,7 @@ and heads (times the batch) are spread unevenly. Forward only. With ``mesh=`` (a
 
 The video VAE's decode goes over the same ranks with :func:`enable_parallel_decode`: every rank
 calls ``vae.decode(z)`` with the same latents and gets the same video, each rank having decoded
-1/W of the (clip, tile) decoder calls.
+1/W of the (clip, tile) decoder calls; :func:`compile_vae_decoder` compiles the decoder's blocks.
 
 Supported models are those listed by :func:`supported_models`; any other transformer is refused
 with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
@@ -29,6 +29,9 @@ model runs on one rank with dist_attn's attention kernel and no collectives.
 FP8 linear layers are a separate, explicit call, :func:`quantize_linears` (``transformer, "fp8"``):
 it swaps weights in place and has no undo, whereas ``enable_ulysses`` is undone by
 ``handle.remove()``; the two may be applied in either order.
+
+:func:`shard_weights` shards the transformer's weights over the ranks with FSDP2 (each rank keeps
+1/W; a block gathers its weights just before it runs): after both of the above, before compiling.
 """
 
 from __future__ import annotations
@@ -61,13 +64,19 @@ from dist_attn.integrations.diffusers._wan import WAN
 from dist_attn.integrations.diffusers._vae_decode import (DecodeStats, ParallelDecodeHandle,
                                                           enable_parallel_decode, supported_vaes)
 from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
+from dist_attn.integrations.diffusers.vae_compile import compile_vae_decoder
+from dist_attn.integrations.diffusers.weight_sharding import (ShardedWeights, shard_weights,
+                                                              sharded_weights, weight_units)
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.profiling import PhaseTimer
 from dist_attn.validation import check_overlap_chunks, positive_int
+from dist_attn.weight_sharding import refuse_sharded
 
-__all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "UlyssesHandle",
-           "disable_ulysses", "enable_parallel_decode", "enable_ulysses", "quantize_linears",
-           "supported_models", "supported_vaes", "ulysses_handle"]
+__all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "ShardedWeights",
+           "UlyssesHandle", "compile_vae_decoder", "disable_ulysses", "enable_parallel_decode",
+           "enable_ulysses",
+           "quantize_linears", "shard_weights", "sharded_weights", "supported_models",
+           "supported_vaes", "ulysses_handle", "weight_units"]
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +205,7 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
     if not isinstance(transformer, nn.Module):
         raise TypeError(f"transformer={type(transformer).__name__!r} must be a diffusers model "
                         f"(a torch.nn.Module); supported: {', '.join(supported_models())}")
+    refuse_sharded(transformer, "enable_ulysses")  # FSDP2 changed the model's class
     spec = _SPECS.get(type(transformer).__name__)
     if spec is None or type(transformer) is not spec.model_class:
         raise TypeError(

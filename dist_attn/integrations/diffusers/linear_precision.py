@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import (LINEAR_PRECISIONS, SWIGLU_MAX_INNER, EmulatedFp8Linear,
-                                  Fp8Linear, Fp8SwiGLUFeedForward, LinearPrecision, fix_zero_rows,
+from dist_attn.fp8_linear import (LINEAR_PRECISIONS, EmulatedFp8Linear,
+                                  Fp8Linear, LinearPrecision, fix_zero_rows,
                                   fp8_unsupported_reason, torchao_fp8_config)
-from dist_attn.integrations.diffusers._h3_fp8_block import adaln_unfusable_reason, fuse_adaln_blocks
+from dist_attn.integrations.diffusers._fp8_fusions import adaln_blocks, fuse_swiglu_ffns, swiglu_blocks
+from dist_attn.integrations.diffusers._h3_fp8_block import fuse_adaln_blocks
+from dist_attn.weight_sharding import refuse_sharded
 
 __all__ = ["LINEAR_PRECISIONS", "LinearPrecision", "LinearQuantization", "fp8_linear_names",
            "quantize_linears"]
@@ -115,10 +118,8 @@ class LinearQuantization:
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+                 if abs(n) >= s), f"{n} B")
 
 
 def _fp32_names(transformer: nn.Module) -> list[str]:
@@ -191,7 +192,8 @@ def _check_targets(transformer: nn.Module, names: list[str]) -> None:
 def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8", *,
                      emulate: bool = False, fast_accum: bool = False,
                      fuse_swiglu: bool | str = "auto",
-                     fuse_adaln: bool | str = "auto") -> LinearQuantization:
+                     fuse_adaln: bool | str = "auto",
+                     blocks: Collection[int] | None = None) -> LinearQuantization:
     """Puts the transformer's block linears (:func:`fp8_linear_names`) in ``precision``, in place.
 
     Args:
@@ -230,6 +232,10 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             True: every block or an error naming the first that cannot (with ``emulate`` too: the
             kernel's torch reference on CPU, or the kernel under Triton's interpreter); False:
             none.
+        blocks: indices of the ``transformer_blocks`` to quantize (None: all), the others left
+            as they are (possibly still on the meta device): a model materialised and sharded
+            block by block (:func:`dist_attn.weight_sharding.shard_module`) quantizes each block
+            between the two. The summary covers those blocks and is logged at DEBUG.
 
     Returns:
         A :class:`LinearQuantization` (also logged at INFO).
@@ -259,7 +265,9 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
     for name, flag in (("fuse_swiglu", fuse_swiglu), ("fuse_adaln", fuse_adaln)):
         if not isinstance(flag, bool) and flag != "auto":
             raise TypeError(f"{name}={flag!r} must be True, False or 'auto'")
-    names = fp8_linear_names(transformer)
+    refuse_sharded(transformer, "quantize_linears")  # a shard of a weight cannot be quantized
+    only = None if blocks is None else frozenset(blocks)
+    names = [n for n in fp8_linear_names(transformer) if only is None or int(n.split(".")[1]) in only]
     kept = _KEPT[type(transformer).__name__]
     fp32, cast = _fp32_dtypes(transformer)
     if precision == "bf16":
@@ -272,6 +280,9 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         logger.info("quantize_linears: %s%s", summary.describe(),
                     f" ({', '.join(unused)}: no effect without FP8)" if unused else "")
         return summary
+    if not names:
+        raise ValueError(f"blocks={sorted(only or ())} selects no block of "
+                         f"{len(transformer.transformer_blocks)}")
     _check_targets(transformer, names)
     device = transformer.get_submodule(names[0]).weight.device
     if not emulate:
@@ -280,8 +291,8 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
             raise RuntimeError(f"quantize_linears(precision='fp8'): {reason}. (Tests may pass "
                                "emulate=True: the same recipe in float32 emulation.)")
         config = torchao_fp8_config(fast_accum=fast_accum)  # ImportError naming the extra
-    swiglu = [] if fuse_swiglu is False else _swiglu_blocks(transformer, fuse_swiglu is True, emulate, device)
-    adaln = [] if fuse_adaln is False else _adaln_blocks(transformer, fuse_adaln is True, emulate, device)
+    swiglu = [] if fuse_swiglu is False else swiglu_blocks(transformer, fuse_swiglu is True, emulate, device, only)
+    adaln = [] if fuse_adaln is False else adaln_blocks(transformer, fuse_adaln is True, emulate, device, only)
     before = sum(_bytes(transformer.get_submodule(n)) for n in names)
     if emulate:
         for name in names:
@@ -299,7 +310,7 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
                 raise RuntimeError(f"torchao left {name} unquantized ({type(w).__name__})")
             fix_zero_rows(w.qdata, w.scale)
     after = sum(_bytes(transformer.get_submodule(n)) for n in names)
-    fused = _fuse_swiglu(swiglu, fast_accum) if swiglu else ()
+    fused = fuse_swiglu_ffns(swiglu, fast_accum) if swiglu else ()
     adaln_names = fuse_adaln_blocks(adaln, fast_accum) if adaln else ()
     # a fused FFN's linears under their new names: the projection at ff.proj, the down
     # projection's FP8 weight held by the fused module itself
@@ -309,95 +320,6 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         precision=precision, kernel="emulated" if emulate else "torchao", layers=tuple(names),
         bytes_before=before, bytes_after=after, fast_accum=fast_accum, kept_fp32=fp32,
         kept_other=kept, cast_fp32=cast, fused_ffns=fused, fused_adaln=adaln_names)
-    logger.info("quantize_linears: %s", summary.describe())
+    logger.log(logging.INFO if only is None else logging.DEBUG, "quantize_linears: %s",
+               summary.describe())
     return summary
-
-
-def _swiglu_blocks(transformer: nn.Module, strict: bool, emulate: bool,
-                   device: torch.device) -> list[tuple[int, nn.Module]]:
-    """``(index, block)`` of the blocks whose ``ff`` the fused kernel takes: diffusers' bias-free
-    SwiGLU ``FeedForward`` (``net = [SwiGLU(proj), Dropout, Linear]``; the dropout is the identity
-    in eval) of inner size <= ``SWIGLU_MAX_INNER``, on CUDA, not emulated. ``strict``
-    (``fuse_swiglu=True``): every block or an error, raised before anything changes; otherwise
-    ("auto") the others are left as they are."""
-    from diffusers.models.activations import SwiGLU
-
-    if not strict and (emulate or device.type != "cuda"):
-        return []
-    found = []
-    for i, block in enumerate(transformer.transformer_blocks):
-        net = getattr(block.ff, "net", None)
-        if (net is None or len(net) != 3 or not isinstance(net[0], SwiGLU)
-                or not isinstance(net[1], nn.Dropout) or not isinstance(net[2], nn.Linear)
-                or net[2].bias is not None):
-            if strict:
-                raise TypeError(f"fuse_swiglu=True: transformer_blocks.{i}.ff is not diffusers' "
-                                f"bias-free SwiGLU FeedForward ({type(block.ff).__name__}); pass "
-                                "fuse_swiglu='auto' or False")
-            continue
-        if net[2].in_features > SWIGLU_MAX_INNER:
-            if strict:
-                raise ValueError(f"fuse_swiglu=True: transformer_blocks.{i}.ff's inner size "
-                                 f"{net[2].in_features} is over the fused kernel's {SWIGLU_MAX_INNER}; "
-                                 "pass fuse_swiglu='auto' or False")
-            continue
-        found.append((i, block))
-    if emulate or device.type != "cuda":
-        if strict:
-            raise ValueError(f"fuse_swiglu=True needs torchao on a CUDA device (the kernel is Triton); "
-                             f"emulate={emulate}, weights on {device}: pass fuse_swiglu='auto' or False")
-        return []
-    if found:
-        try:  # triton missing: True fails here, before any change; "auto" fuses nothing, and says so
-            import dist_attn.kernels.swiglu_fp8  # noqa: F401
-        except ImportError as exc:
-            if strict:
-                raise
-            logger.info("quantize_linears: FFNs not fused (fuse_swiglu='auto'): %s", exc)
-            return []
-    return found
-
-
-def _adaln_blocks(transformer: nn.Module, strict: bool, emulate: bool,
-                  device: torch.device) -> list[tuple[int, nn.Module]]:
-    """``(index, block)`` of the blocks that take the fused AdaLN forward, checked before the
-    quantization (whose targets include the linears the forward feeds). ``strict``
-    (``fuse_adaln=True``): every block or an error, raised before anything changes; "auto": the
-    blocks it applies to, only with torchao on CUDA."""
-    if not strict and (emulate or device.type != "cuda"):
-        return []
-    found = []
-    for i, block in enumerate(transformer.transformer_blocks):
-        reason = adaln_unfusable_reason(block, quantized=False)
-        if reason is None:
-            found.append((i, block))
-        elif strict:
-            raise TypeError(f"fuse_adaln=True: transformer_blocks.{i}: {reason}; pass "
-                            "fuse_adaln='auto' or False")
-    if found:
-        try:  # triton missing: True fails here; "auto" fuses nothing, and says so
-            import dist_attn.kernels.adaln_fp8  # noqa: F401
-        except ImportError as exc:
-            if strict:
-                raise ImportError(f"fuse_adaln=True runs a Triton kernel and triton cannot be "
-                                  f"imported ({exc}); pass fuse_adaln='auto' or False") from exc
-            logger.info("quantize_linears: AdaLN inputs not fused (fuse_adaln='auto'): %s", exc)
-            return []
-        import diffusers
-
-        from dist_attn.integrations.diffusers import TESTED_DIFFUSERS
-
-        if diffusers.__version__ != TESTED_DIFFUSERS:
-            logger.warning("quantize_linears(fuse_adaln): the fused H3 block forward follows "
-                           "diffusers %s's MiniMaxH3TransformerBlock.forward; diffusers %s is "
-                           "installed", TESTED_DIFFUSERS, diffusers.__version__)
-    return found
-
-
-def _fuse_swiglu(blocks: list[tuple[int, nn.Module]], fast_accum: bool) -> tuple[str, ...]:
-    """Each (torchao-quantized) block FFN -> :class:`Fp8SwiGLUFeedForward`, same weights."""
-    for _, block in blocks:
-        net = block.ff.net
-        down = net[2].weight
-        block.ff = Fp8SwiGLUFeedForward(net[0].proj, down.qdata, down.scale, fast_accum=fast_accum)
-    return tuple(f"transformer_blocks.{i}.ff" for i, _ in blocks)

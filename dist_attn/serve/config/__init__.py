@@ -5,12 +5,15 @@ from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.config.jobs import JobsConfig
 from dist_attn.serve.config.load import (DEFAULT_CONFIG_PATH, SHIPPED_CONFIGS, apply_overrides,
                                          load_config, parse_config)
+from dist_attn.serve.config.memory import DecodeConfig, MemoryConfig
 from dist_attn.serve.config.sections import (H3_ARCHITECTURE, ModelConfig, ParallelConfig,
                                              RequestConfig, RuntimeConfig, ServeConfig)
 from dist_attn.serve.config.tokens import PackedLayout, TokenConfig
 
 __all__ = [
     "Config",
+    "DecodeConfig",
+    "MemoryConfig",
     "DEFAULT_CONFIG_PATH",
     "H3_ARCHITECTURE",
     "JobsConfig",

@@ -12,6 +12,7 @@ from dist_attn.plan import heads_per_rank
 from dist_attn.serve.config.compiling import warmup_bound_rule
 from dist_attn.serve.config.fields import field_error, steps_rule
 from dist_attn.serve.config.jobs import JobsConfig
+from dist_attn.serve.config.memory import DecodeConfig, MemoryConfig
 from dist_attn.serve.config.quality import tier_linear_rule
 from dist_attn.serve.config.sections import (WARMUP_STEPS, ModelConfig, ParallelConfig, RequestConfig,
                                              RuntimeConfig, ServeConfig, registered_backend)
@@ -32,6 +33,8 @@ class Config:
     request: RequestConfig = field(default_factory=RequestConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
         self.check_backend(self.runtime.backend)
@@ -45,6 +48,10 @@ class Config:
                               "(torchao's per-row FP8 quantizes bf16 weights; use 'auto' or "
                               "'bfloat16')")
         self._check_warmup_shapes()
+        if self.parallel.shard_weights == "auto" and self.memory.preflight is False:
+            raise field_error("ParallelConfig", "shard_weights", "auto",
+                              "decides from the memory pre-flight, which memory.preflight=false "
+                              "turns off: set shard_weights to true or false")
         r = self.request
         try:
             rows = self.layout(frames=r.frames, height=r.height, width=r.width)

@@ -11,7 +11,7 @@ __all__ = ["field_error", "require_positive", "require_non_negative"]
 #: the section of the TOML file and of ``--set`` that each config class is read from.
 SECTIONS = {"ModelConfig": "model", "TokenConfig": "tokens", "ParallelConfig": "parallel",
             "RuntimeConfig": "runtime", "RequestConfig": "request", "ServeConfig": "serve",
-            "JobsConfig": "jobs"}
+            "JobsConfig": "jobs", "MemoryConfig": "memory", "DecodeConfig": "decode"}
 
 
 def field_error(cls: str, name: str, value: Any, rule: str) -> ValueError:

@@ -9,6 +9,8 @@ A config file has one table per dataclass::
     [request]   -> RequestConfig   (the default request: ``--once`` and the benchmark)
     [serve]     -> ServeConfig     (HTTP server and request limits)
     [jobs]      -> JobsConfig      (video jobs: store, output directory, runner)
+    [memory]    -> MemoryConfig    (the launch's memory pre-flight)
+    [decode]    -> DecodeConfig    (the video decode's batch and compilation)
 
 Every ``__post_init__`` raises :class:`ValueError` naming the field, its value and the rule it
 breaks. Rules that need the world size (heads vs Ulysses degree, the parallel degrees)
@@ -35,6 +37,7 @@ from typing import Any
 
 from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.config.jobs import JobsConfig
+from dist_attn.serve.config.memory import DecodeConfig, MemoryConfig
 from dist_attn.serve.config.sections import (ModelConfig, ParallelConfig, RequestConfig,
                                              RuntimeConfig, ServeConfig)
 from dist_attn.serve.config.tokens import TokenConfig
@@ -58,6 +61,8 @@ _SECTIONS: dict[str, type] = {
     "request": RequestConfig,
     "serve": ServeConfig,
     "jobs": JobsConfig,
+    "memory": MemoryConfig,
+    "decode": DecodeConfig,
 }
 
 

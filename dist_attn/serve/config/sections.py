@@ -178,8 +178,20 @@ class ParallelConfig:
     kernel against the next chunk's all-to-alls (``enable_ulysses(overlap_chunks=C)``). 1 is one
     all-to-all each way; C > 1 pays C launches of everything for hiding all but one chunk's
     communication (docs/library.md). Same results for every C."""
+    shard_weights: bool | Literal["auto"] = "auto"
+    """Shard the transformer's and the text encoder's weights over every rank with FSDP2 (one
+    unit per block, each gathered just before it runs and freed after, the next one's gather
+    overlapping it): each rank keeps 1/W of them, built and loaded block by block so that no
+    rank ever holds a whole replica. Same outputs bit for bit; costs one all-gather of each block
+    per forward (docs/serving.md). false: every rank holds the transformer whole and rank 0 the
+    text encoder. "auto": sharded when the memory pre-flight estimates that a replica does not
+    fit with ``memory.headroom_fraction`` to spare (logged, with the estimate); not sharded
+    where the pre-flight does not run (a CPU without ``memory.device_gb``) or on one rank."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shard_weights, bool) and self.shard_weights != "auto":
+            raise field_error("ParallelConfig", "shard_weights", self.shard_weights,
+                              'must be true, false or "auto"')
         require_non_negative(self, "ulysses_degree")
         require_positive(self, "ring_degree", "tensor_parallel")
         rule = overlap_chunks_rule(self.overlap_chunks)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dist_attn.serve.h3.decode import video_vae_dtype
-from dist_attn.serve.h3.text import load_processor, load_text_encoder
+from dist_attn.serve.h3.text import load_processor, load_text_encoder, load_text_encoder_sharded
 from dist_attn.serve.h3.tiny import MARKER
 
 __all__ = ["H3Components", "load_components", "check_fit", "checkpoint_is_tiny"]
@@ -19,7 +19,8 @@ __all__ = ["H3Components", "load_components", "check_fit", "checkpoint_is_tiny"]
 
 @dataclass(kw_only=True)
 class H3Components:
-    """What one rank holds. ``text_encoder``/``tokenizer``/``processor`` are None off rank 0;
+    """What one rank holds. ``text_encoder``/``tokenizer``/``processor`` are None off rank 0
+    unless the text encoder is sharded (then every rank holds its share and runs it);
     ``audio_vae`` is on the meta device off rank 0 (geometry only)."""
 
     transformer: Any
@@ -39,10 +40,12 @@ def _meta_model(cls: Any, path: str) -> Any:
 
 
 def load_components(checkpoint: str, *, device: torch.device, dtype: torch.dtype, rank0: bool,
-                    transformer: Any = None) -> H3Components:
+                    transformer: Any = None, shard_text: bool = False) -> H3Components:
     """Loads a diffusers-format H3 directory, each component with its own ``from_pretrained``
     (the classes' ``_keep_in_fp32_modules`` stay float32). ``transformer`` reuses a transformer
-    already built (the served DiT's) instead of loading a second copy."""
+    already built (the served DiT's) instead of loading a second copy. ``shard_text``: every
+    rank holds 1/W of the text encoder (FSDP2, :func:`load_text_encoder_sharded`) and its
+    tokenizer, and every rank runs it; otherwise rank 0 alone holds it whole."""
     from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio,
                            MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel)
 
@@ -70,14 +73,19 @@ def load_components(checkpoint: str, *, device: torch.device, dtype: torch.dtype
         sub("vae"), torch_dtype=video_vae_dtype(device)).to(device).eval().requires_grad_(False)
     if not rank0:
         comps.audio_vae = _meta_model(AutoencoderKLMiniMaxH3Audio, sub("audio_vae"))
+    else:  # the audio VAE keeps its float32 modules (it degrades audibly in bf16, per its class)
+        comps.audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(sub("audio_vae")).to(
+            device).eval().requires_grad_(False)
+    if not (rank0 or shard_text):
         return comps
     from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
 
-    # The audio VAE keeps its float32 modules (it degrades audibly in bf16, per its class).
-    comps.audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(sub("audio_vae")).to(
-        device).eval().requires_grad_(False)
-    comps.text_encoder = load_text_encoder(Qwen3VLForConditionalGeneration, sub("text_encoder"),
-                                            dtype=dtype, device=device)
+    if shard_text:
+        comps.text_encoder = load_text_encoder_sharded(
+            Qwen3VLForConditionalGeneration, sub("text_encoder"), dtype=dtype, device=device)
+    else:
+        comps.text_encoder = load_text_encoder(Qwen3VLForConditionalGeneration,
+                                               sub("text_encoder"), dtype=dtype, device=device)
     comps.tokenizer = Qwen2TokenizerFast.from_pretrained(sub("tokenizer"))
     comps.processor = load_processor(checkpoint, comps.tokenizer)
     return comps

@@ -78,12 +78,15 @@ class JobDecoder:
         pixel_mean, pixel_std: the VAE's ImageNet pixel normalisation (the pipeline's).
         fps: video frame rate of the MP4.
         tiles_per_call: the decode's batch (None: from its memory budget).
+        compile: the decoder's repeated blocks under ``torch.compile``
+            (:func:`dist_attn.integrations.diffusers.compile_vae_decoder`; each batch shape
+            compiles on its first decode: warm it, as the launch's warm-up does).
     """
 
     def __init__(self, vae: nn.Module, audio_vae: nn.Module | None, env: DistEnv, *,
                  pixel_mean: Any, pixel_std: Any, fps: int,
-                 tiles_per_call: int | None = None) -> None:
-        from dist_attn.integrations.diffusers import enable_parallel_decode
+                 tiles_per_call: int | None = None, compile: bool = False) -> None:
+        from dist_attn.integrations.diffusers import compile_vae_decoder, enable_parallel_decode
 
         self.vae, self.audio_vae, self.env, self.fps = vae, audio_vae, env, fps
         # rank 0's one encoder thread for every job (see EncoderThread)
@@ -95,6 +98,12 @@ class JobDecoder:
             self._audio_step = MiniMaxH3AudioDecodeStep().init_pipeline()
             self._audio_step.update_components(audio_vae=audio_vae)
         self.handle = enable_parallel_decode(vae, tiles_per_call=tiles_per_call)
+        self.compiled = compile
+        if compile:
+            from dist_attn.serve.h3.model import raise_recompile_limit
+
+            raise_recompile_limit()
+            compile_vae_decoder(vae)
         device = env.device
         self._mean = torch.tensor(pixel_mean, dtype=torch.float32, device=device).view(3, 1, 1, 1)
         self._std = torch.tensor(pixel_std, dtype=torch.float32, device=device).view(3, 1, 1, 1)
@@ -119,6 +128,16 @@ class JobDecoder:
         x = frames[0].float() * self._std + self._mean  # [3, n, H, W]
         x = x.clamp_(0, 1).mul_(255).round_().to(torch.uint8)
         return x.permute(1, 2, 3, 0).contiguous()  # [3, n, H, W] -> [n, H, W, 3]
+
+    def warm(self, latent_shape: tuple[int, int, int], *, seed: int = 0) -> float:
+        """Every rank: one video decode of seeded random latents of ``[C, T, h, w]`` =
+        (the VAE's latent channels, ``latent_shape``), nothing written: compiles the decoder's
+        blocks for that geometry's batch shapes and JITs its kernels. Returns seconds."""
+        t0 = time.perf_counter()
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        z = torch.randn(1, self.vae.config.latent_channels, *latent_shape, generator=g)
+        self.decode(z.to(self._mean.device), None)
+        return time.perf_counter() - t0
 
     def decode(self, latents: torch.Tensor, audio_latents: torch.Tensor, *,
                mp4_path: str | None = None, png_path: str | None = None) -> DecodeResult:

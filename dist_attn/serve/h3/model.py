@@ -22,7 +22,8 @@ from dist_attn.serve.config.sections import SERVED_RECOMPILE_LIMIT, ModelConfig
 from dist_attn.serve.h3.transformer import h3_class
 from dist_attn.serve.h3.weights import load_checkpoint
 
-__all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_names", "parallelize"]
+__all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_names", "meta_h3",
+           "parallelize", "raise_recompile_limit", "shard_h3"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,78 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
     return model
 
 
+def meta_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+            fp32_modules: bool = False) -> nn.Module:
+    """The served class with its parameters on the meta device (no storage: H3's 66 GB are not
+    allocated) and its buffers on ``device`` (RoPE's frequencies, computed by the constructor),
+    in eval mode, no grad: what :func:`shard_h3` materialises block by block. The blocks' dtype
+    is ``dtype``; ``fp32_modules``: the class's float32 modules already float32 (for a
+    checkpoint; the own initialisation draws them in ``dtype`` first, as :func:`build_h3` does)."""
+    from dist_attn.weight_sharding import parameters_on_meta
+
+    with torch.device(device), _default_dtype(dtype), parameters_on_meta():
+        model = h3_class()(**cfg.diffusers_config())
+    if fp32_modules and dtype != torch.float32:
+        for name in fp32_module_names(model):
+            model.get_submodule(name).to(torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+def shard_h3(model: nn.Module, cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+             checkpoint: str | None = None, group: Any = None) -> Any:
+    """Materialises a :func:`meta_h3` model and shards it over ``group`` (FSDP2, one unit per
+    refiner and transformer block: :func:`dist_attn.integrations.diffusers.shard_weights`' plan),
+    one block at a time, so that no rank ever holds more than its shards and one block: the
+    weights are :func:`build_h3`'s, bit for bit (the class's own initialisation drawn from
+    ``cfg.weight_seed`` in the constructor's order, the float32 modules drawn again in float32;
+    or ``checkpoint``'s tensors, read block by block), and with FP8 linears each block is
+    quantized between its materialisation and its sharding. Call it after ``enable_ulysses``
+    (:func:`parallelize`) and before :func:`compile_blocks`. Returns the
+    :class:`dist_attn.weight_sharding.ShardedWeights`.
+
+    Raises:
+        WeightsError: the checkpoint lacks a tensor, has another shape, or holds tensors the
+            model has no parameter for.
+    """
+    from dist_attn.integrations.diffusers import quantize_linears, weight_units
+    from dist_attn.serve.h3.weights import CheckpointTensors, WeightsError, check_checkpoint
+    from dist_attn.weight_sharding import shard_module
+
+    reader = None
+    if checkpoint is not None:
+        check_checkpoint(checkpoint, cfg)
+        reader = CheckpointTensors(checkpoint)
+    fp32 = fp32_module_names(model)
+    fused = "auto" if cfg.fp8_fused_kernels else False
+
+    def materialize(name: str, module: nn.Module) -> None:
+        if reader is not None:
+            reader.fill(name, module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    def prepare(name: str, module: nn.Module) -> None:
+        if name.startswith("transformer_blocks.") and cfg.linear_precision != "bf16":
+            quantize_linears(model, cfg.linear_precision, fast_accum=cfg.fp8_fast_accum,
+                             fuse_swiglu=fused, fuse_adaln=fused, blocks=(int(name.split(".")[1]),))
+        if name == "" and reader is None and dtype != torch.float32:
+            for fp32_name in fp32:  # drawn again in float32, after everything, as _own_init does
+                for sub in model.get_submodule(fp32_name).to(torch.float32).modules():
+                    if hasattr(sub, "reset_parameters"):
+                        sub.reset_parameters()
+
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.weight_seed)
+        summary = shard_module(model, weight_units(model), group, materialize=materialize,
+                               prepare=prepare, device=device)
+    if reader is not None and reader.unread():
+        raise WeightsError(f"--checkpoint {checkpoint}: tensors the served model has no "
+                           f"parameter for: {', '.join(reader.unread()[:8])}")
+    return summary
+
+
 def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any = None,
                 overlap_chunks: int = 1, sequence_bucket: int = 1) -> Any:
     """``enable_ulysses`` over the default group (or ``mesh`` for Ulysses x Ring), its attention
@@ -116,6 +189,21 @@ def parallelize(model: nn.Module, *, mesh: Any = None, backend: str, timer: Any 
 
     return enable_ulysses(model, mesh=mesh, backend=backend, timer=timer,
                           overlap_chunks=overlap_chunks, sequence_bucket=sequence_bucket)
+
+
+def raise_recompile_limit() -> None:
+    """Dynamo's ``recompile_limit`` raised to :data:`SERVED_RECOMPILE_LIMIT` for the whole
+    process (never lowered, never restored; logged as a warning): the served sequence lengths
+    take two cache entries each, the compiled decoder one per tile batch shape."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    if getattr(config, name) < SERVED_RECOMPILE_LIMIT:
+        log.warning("torch._dynamo.config.%s %d -> %d for this process (two entries a served "
+                    "sequence length, one a decoder batch shape)", name, getattr(config, name),
+                    SERVED_RECOMPILE_LIMIT)
+        setattr(config, name, SERVED_RECOMPILE_LIMIT)
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
@@ -139,14 +227,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> None:
     :data:`SERVED_RECOMPILE_LIMIT` for the whole process, never lowers it, never restores it
     (logged as a warning), so that the sequence lengths a server meets do not run out of cache
     entries before the 33rd."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
-    if getattr(config, name) < SERVED_RECOMPILE_LIMIT:
-        log.warning("compile_blocks: torch._dynamo.config.%s %d -> %d for this process (two entries "
-                    "a served sequence length)", name, getattr(config, name), SERVED_RECOMPILE_LIMIT)
-        setattr(config, name, SERVED_RECOMPILE_LIMIT)
+    raise_recompile_limit()
     compile_kwargs.setdefault("dynamic", False)
     compile_kwargs.setdefault("fullgraph", True)
     for block in model.transformer_blocks:

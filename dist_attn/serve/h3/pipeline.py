@@ -8,7 +8,10 @@ README's "Serve H3" section):
   DiT (H3 reads layer 50 of a 5,120-wide Qwen3-VL), so one copy instead of W saves (W - 1)
   copies of its weights, and rank 0's copy makes the ranks agree by construction. The broadcast
   is one [1, T, 5120] tensor (5 MB at 512 bf16 tokens): far below the encoder's own time, and the
-  other ranks would wait for an encoder of their own just as long.
+  other ranks would wait for an encoder of their own just as long. With
+  ``parallel.shard_weights`` the encoder is sharded over every rank instead (FSDP2, one decoder
+  layer gathered at a time): every rank holds 1/W of it and runs it on the same prompt (its
+  layers' gathers are collectives), and rank 0's output is still the one broadcast.
 - **Transformer on every rank**, sequence-parallel through ``enable_ulysses``: every rank calls
   it with the same full inputs and gets the same full outputs.
 - **Video VAE decode on every rank, audio decode and muxing on rank 0**
@@ -69,7 +72,7 @@ class H3Pipeline:
     the MP4 on rank 0)."""
 
     def __init__(self, comps: H3Components, env: DistEnv, dtype: torch.dtype, *,
-                 decode_tiles_per_call: int | None = None) -> None:
+                 decode_tiles_per_call: int | None = None, decode_compile: bool = False) -> None:
         from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
 
         self.comps, self.env, self.dtype = comps, env, dtype
@@ -78,14 +81,16 @@ class H3Pipeline:
                                        audio_scheduler=comps.audio_scheduler, vae=comps.vae,
                                        audio_vae=comps.audio_vae)
         self.text = None
-        if env.rank == 0:
+        # a sharded encoder runs on every rank (its layers' gathers are collectives)
+        self.text_everywhere = env.rank != 0 and comps.text_encoder is not None
+        if comps.text_encoder is not None:
             self.text = MiniMaxH3TextEncoderStep().init_pipeline()
             self.text.update_components(text_encoder=comps.text_encoder,
                                         tokenizer=comps.tokenizer, processor=comps.processor)
         p = self.denoise
         self.decoder = JobDecoder(comps.vae, comps.audio_vae if env.rank == 0 else None, env,
                                   pixel_mean=p.pixel_mean, pixel_std=p.pixel_std, fps=p.fps,
-                                  tiles_per_call=decode_tiles_per_call)
+                                  tiles_per_call=decode_tiles_per_call, compile=decode_compile)
 
     def rules(self, *, max_steps: int, max_rows: int, default_steps: int,
               default_height: int | None = None, default_width: int | None = None) -> VideoRules:
@@ -113,16 +118,19 @@ class H3Pipeline:
             torch.cuda.synchronize(self.env.device)
 
     def encode(self, prompt: str | None) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Rank 0 encodes ``prompt``; every rank gets the result. Returns (embeds [1, T, D],
-        tags [T], seconds of the encoder on rank 0 (0 elsewhere))."""
+        """Rank 0 encodes ``prompt`` (with a sharded encoder, every rank runs it on the same
+        ``prompt``, every rank's copy of the request's); every rank gets rank 0's result. Returns
+        (embeds [1, T, D], tags [T], seconds of the encoder on rank 0 (0 elsewhere))."""
         embeds = tags = None
         seconds = 0.0
-        if self.env.rank == 0:
+        if self.env.rank == 0 or self.text_everywhere:
             t0 = time.perf_counter()
             out = self.text(prompt=prompt, output=["prompt_embeds", "text_token_tags"])
             embeds, tags = out["prompt_embeds"], out["text_token_tags"]
             self._sync()
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0 if self.env.rank == 0 else 0.0
+            if self.env.rank != 0:
+                embeds = tags = None  # rank 0's, broadcast below, is what every rank uses
         embeds, tags = broadcast_prompt(embeds, tags, self.env, dtype=self.dtype,
                                         device=self.env.device)
         return embeds, tags, seconds
@@ -150,23 +158,27 @@ class H3Runner:
 
     @classmethod
     def build(cls, cfg: Any, env: DistEnv, *, dtype: torch.dtype, backend: str,
-              checkpoint: str | None, transformer: Any = None) -> "H3Runner":
+              checkpoint: str | None, transformer: Any = None,
+              shard_text: bool = False) -> "H3Runner":
         """Loads ``checkpoint`` (or the tiny random one, built once into the cache) on every
-        rank, makes the transformer sequence-parallel, and reads the request rules."""
+        rank, makes the transformer sequence-parallel, and reads the request rules.
+        ``shard_text``: the text encoder sharded over every rank (with ``parallel.shard_weights``)
+        instead of whole on rank 0."""
         if checkpoint is None:
             served = dict(transformer.config) if transformer is not None else None
             keys = set(cfg.model.diffusers_config()) if transformer is not None else set()
             checkpoint = ensure_tiny_checkpoint(
                 env, {k: v for k, v in served.items() if k in keys} if served else None)
         comps = load_components(checkpoint, device=env.device, dtype=dtype, rank0=env.rank == 0,
-                                transformer=transformer)
+                                transformer=transformer, shard_text=shard_text and env.distributed)
         check_fit(comps, checkpoint)
         if env.distributed and transformer is None:  # never compiled here: no sequence bucket
             from dist_attn.integrations.diffusers import enable_ulysses
 
             enable_ulysses(comps.transformer, backend=backend,
                            overlap_chunks=cfg.parallel.overlap_chunks)
-        pipe = H3Pipeline(comps, env, dtype)
+        pipe = H3Pipeline(comps, env, dtype, decode_tiles_per_call=cfg.decode.tiles(),
+                          decode_compile=cfg.decode.compiled(env.device.type, cfg.runtime.quality))
         rules = None
         if env.rank == 0:
             tiny = checkpoint_is_tiny(checkpoint)
@@ -174,9 +186,10 @@ class H3Runner:
                                default_steps=cfg.request.steps,
                                default_height=64 if tiny else None,
                                default_width=64 if tiny else None)
-        log.info("H3 pipeline from %s on %s (%s): text encoder, audio decode and MP4 on rank 0, "
-                 "transformer and video decode on %d rank(s)", checkpoint, env.device,
-                 str(dtype).removeprefix("torch."), env.world_size)
+        log.info("H3 pipeline from %s on %s (%s): text encoder %s, audio decode and MP4 on rank "
+                 "0, transformer and video decode on %d rank(s)", checkpoint, env.device,
+                 str(dtype).removeprefix("torch."), "sharded over every rank" if pipe.text_everywhere
+                 or (shard_text and env.distributed) else "on rank 0", env.world_size)
         return cls(pipe, rules)
 
     def _hook(self, on_step: StepHook | None) -> DenoiseHook:
@@ -223,7 +236,7 @@ class H3Runner:
         return outcome
 
     def follow(self, req: VideoRequest) -> None:
-        embeds, tags, _ = self.pipe.encode(None)
+        embeds, tags, _ = self.pipe.encode(req.prompt)  # runs only with a sharded encoder
         out = self.pipe.run_denoise(req, embeds, tags, self._hook(None))
         if out["aborted"] is not Abort.NONE:  # the same verdict on every rank
             return

@@ -13,7 +13,7 @@ import glob
 import json
 import logging
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -22,8 +22,8 @@ from dist_attn.extras import install_hint
 from dist_attn.serve.config.sections import H3_ARCHITECTURE, ModelConfig
 from dist_attn.serve.h3.transformer import H3_CLASS_NAME, h3_class
 
-__all__ = ["WeightsError", "check_checkpoint", "load_checkpoint", "save_output", "load_output",
-           "prune_outputs", "SERVED_OUTPUTS"]
+__all__ = ["CheckpointTensors", "WeightsError", "check_checkpoint", "load_checkpoint",
+           "save_output", "load_output", "prune_outputs", "SERVED_OUTPUTS"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,57 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig, *, device: torch.
                                           device_map={"": str(device)})
     except (OSError, ValueError, RuntimeError) as e:
         raise WeightsError(f"--checkpoint {path}: {type(e).__name__}: {e}") from None
+
+
+class CheckpointTensors:
+    """The tensors of a safetensors checkpoint directory (one file or an indexed set of shards,
+    as ``save_pretrained`` writes them), read one module at a time: what a model materialised
+    unit by unit (:func:`dist_attn.weight_sharding.shard_module`) copies in, so that no rank
+    holds more than one block of the checkpoint at once. Each tensor is read once; the copy
+    casts it to the parameter's dtype, as ``from_pretrained(torch_dtype=...)`` does."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        files = sorted(glob.glob(os.path.join(glob.escape(self.path), "*.safetensors")))
+        if not files:
+            raise WeightsError(f"--checkpoint {self.path}: no *.safetensors file (a "
+                               "diffusers-format checkpoint holds its weights in safetensors)")
+        from safetensors import safe_open
+
+        self._where: dict[str, str] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    self._where[key] = file
+        self._open: dict[str, Any] = {}
+        self.read: set[str] = set()
+
+    def fill(self, prefix: str, module: nn.Module) -> None:
+        """Copies ``<prefix>.<name>`` into each of ``module``'s own parameters; WeightsError
+        naming the keys the checkpoint lacks."""
+        from safetensors import safe_open
+
+        own = list(module.named_parameters(recurse=False))
+        keys = [f"{prefix}.{name}" if prefix else name for name, _ in own]
+        missing = [k for k in keys if k not in self._where]
+        if missing:
+            raise WeightsError(f"--checkpoint {self.path}: no tensor {', '.join(missing)} (the "
+                               "served class has it; is the checkpoint of another version?)")
+        with torch.no_grad():
+            for key, (_, param) in zip(keys, own):
+                file = self._where[key]
+                if file not in self._open:
+                    self._open[file] = safe_open(file, framework="pt", device="cpu")
+                t = self._open[file].get_tensor(key)
+                if tuple(t.shape) != tuple(param.shape):
+                    raise WeightsError(f"--checkpoint {self.path}: {key} has shape "
+                                       f"{tuple(t.shape)}, the served model {tuple(param.shape)}")
+                param.copy_(t)
+                self.read.add(key)
+
+    def unread(self) -> list[str]:
+        """Keys no :meth:`fill` copied (after a whole model: tensors it has no parameter for)."""
+        return sorted(set(self._where) - self.read)
 
 
 def save_output(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,

@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         for warning in exposure_warnings(host, api_key):
             log.warning("%s", warning)
         store = _open_store(cfg, local_failures)
+    from dist_attn.serve.launch.preflight import log_measured, memory_preflight
+
+    # before any weight is loaded; its one message joins the launch checks' failures
+    pre = memory_preflight(cfg, env, dtype, args.checkpoint)
+    local_failures += [pre.failure] if pre.failure else []
     try:
         backend, failures = run_launch_checks(cfg, env, dtype, local_failures)
         if failures:
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         from dist_attn.serve.launch.build import block_linears, build_model
 
         model, timer = build_model(cfg, env, dtype, backend, _transformer_dir(args.checkpoint),
-                                   report=lambda message: _rank0_error(rank, message))
+                                   shard=pre.shard, report=lambda message: _rank0_error(rank, message))
         if model is None:
             return 1
         engine = Engine(cfg, env, model, timer, backend=backend, output_dir=args.output_dir)
@@ -281,14 +286,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.once:  # --once runs one /v1/generate request: no jobs
             try:
                 runner, videos = _build_jobs(cfg, env, dtype, backend, args.checkpoint, rank,
-                                             model, store)
+                                             model, store, shard_text=pre.shard)
             except (ValueError, FileNotFoundError) as e:  # every rank reads the same files
                 _rank0_error(rank, f"video pipeline: {e}")
                 return 1
         if cfg.runtime.warmup_shapes:  # every rank, before HTTP answers /health
             from dist_attn.serve.launch.warmup import warm_up
 
-            warm_up(engine, cfg)
+            warm_up(engine, cfg, pipeline=getattr(runner, "pipe", None))
+            log_measured(pre, env.device)
         info = {"model": cfg.model.name, "layers": cfg.model.num_layers,
                 "world_size": env.world_size, "backend": backend,
                 "quality": cfg.runtime.quality, "dtype": str(dtype).removeprefix("torch."),
@@ -343,7 +349,7 @@ def _open_store(cfg: Any, failures: list[str]) -> Any:
 
 
 def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None,
-                rank: int, transformer: Any, store: Any) -> tuple[Any, Any]:
+                rank: int, transformer: Any, store: Any, *, shard_text: bool) -> tuple[Any, Any]:
     """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
     and, on rank 0, what HTTP shares about the jobs over ``store`` (opened by
     :func:`_open_store`); ``(None, None)`` with ``jobs.runner = "off"``."""
@@ -367,7 +373,7 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
                              "text_encoder/, tokenizer/, scheduler/, audio_scheduler/), or pass "
                              "--video-runner off")
         runner = H3Runner.build(cfg, env, dtype=dtype, backend=backend, checkpoint=checkpoint,
-                                transformer=transformer)
+                                transformer=transformer, shard_text=shard_text)
     if rank != 0:
         return runner, None
     return runner, VideoJobs(store=store, rules=runner.rules, max_queued=jobs.max_queued,

@@ -70,15 +70,18 @@ def bucket_text_rows(base: int, prompt_tokens: int, extra: int, *, world: int,
     return [chosen[k] for k in sorted(chosen)]
 
 
-def warm_up(engine: Any, cfg: Config) -> list[WarmupRun]:
+def warm_up(engine: Any, cfg: Config, *, pipeline: Any = None) -> list[WarmupRun]:
     """Runs :data:`WARMUP_STEPS` denoise steps of every ``runtime.warmup_shapes`` geometry, once
-    for each sequence bucket its prompts reach (:func:`bucket_text_rows`), on this rank (call it on
-    every rank, in the same place); returns what each run took. Empty list when none is
-    configured.
+    for each sequence bucket its prompts reach (:func:`bucket_text_rows`), then (with a video
+    pipeline) one video decode of each geometry's latents, on this rank (call it on every rank,
+    in the same place); returns what each denoise run took. Empty list when none is configured.
 
     Args:
         engine: the :class:`dist_attn.serve.h3.engine.Engine` that will serve.
         cfg: the validated config.
+        pipeline: the :class:`dist_attn.serve.h3.pipeline.H3Pipeline` of the video jobs (None:
+            no decode to warm): its decode of each geometry compiles the decoder's blocks
+            (``decode.compile``) for the geometry's tile batches and JITs its kernels.
     """
     device = engine.env.device.type
     world, bucket = engine.env.world_size, cfg.runtime.bucket(device)
@@ -102,4 +105,9 @@ def warm_up(engine: Any, cfg: Config) -> list[WarmupRun]:
             log.info("warm-up %d/%d: %d frames %dx%d, %d text rows (%d rows, padded to %d), %d "
                      "steps in %.2f s", i + 1, len(shapes), req.frames, req.width, req.height,
                      text, base + text, padded, req.steps, seconds)
+        if pipeline is not None:
+            seconds = pipeline.decoder.warm(layout.latent_shape)
+            log.info("warm-up %d/%d: the video decode of %d frames %dx%d (%s decoder blocks) in "
+                     "%.2f s", i + 1, len(shapes), req.frames, req.width, req.height,
+                     "compiled" if pipeline.decoder.compiled else "eager", seconds)
     return runs

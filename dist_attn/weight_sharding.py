@@ -1,0 +1,332 @@
+"""A model's weights sharded over a process group with torch's FSDP2, for inference.
+
+Each rank keeps 1/W of every parameter between forwards; a unit (a transformer block) gathers its
+parameters just before it runs and frees them after (``reshard_after_forward=True``), and the
+next unit's gather is issued while the current one computes (FSDP2's explicit forward prefetch,
+:meth:`FSDPModule.set_modules_to_forward_prefetch`). The engine is torch's
+(:func:`torch.distributed.fsdp.fully_shard`): no hand-written gather.
+
+    summary = shard_module(model, ["blocks.0", "blocks.1", ...], group)   # in place
+
+Contracts:
+
+- **Inference only.** Every parameter is frozen (``requires_grad_(False)``); a backward would
+  reduce-scatter gradients nobody asked for.
+- **Same numbers.** FSDP2 gathers the exact bytes of each shard (no mixed precision policy: each
+  parameter keeps its dtype, float32 modules stay float32), so a forward computes what the
+  unsharded model computes, bit for bit.
+- **FP8 weights stay FP8, in memory and on the wire.** FSDP2 shards parameters, not buffers, and
+  torchao's inference ``Float8Tensor`` has no FSDP2 all-gather extension. So before sharding,
+  every FP8 linear holds its e4m3 codes and float32 scales as plain frozen parameters: a torchao
+  FP8 linear becomes :class:`dist_attn.fp8_linear.Fp8Linear` on the same codes and scales (the
+  same recipe: per-row e4m3 activation codes, ``torch._scaled_mm``), and the codes and scales of
+  dist_attn's own FP8 modules (:class:`~dist_attn.fp8_linear.Fp8Linear`,
+  :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`,
+  :class:`~dist_attn.fp8_linear.EmulatedFp8Linear`) become parameters of the same names. A unit
+  whose parameters mix dtypes is gathered as raw bytes (FSDP2's uint8 path): the e4m3 codes
+  travel as one byte each.
+- **Order.** Shard after everything that swaps modules or parameters (quantizing, loading) and
+  after hooks that read module types (``enable_ulysses``), before compiling the units: a unit
+  compiled first is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_attn.distributed import group_size_and_rank
+from dist_attn.fp8_linear import Fp8Linear, QuantizedTensors
+
+__all__ = ["ShardedWeights", "parameter_bytes", "parameters_on_meta", "refuse_sharded",
+           "shard_module", "sharded_weights"]
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_dist_attn_sharded_weights"
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShardedWeights:
+    """What :func:`shard_module` did to one model, on this rank."""
+
+    units: tuple[str, ...]
+    """Dotted names of the units, each gathered alone, in the order they run; the root (the
+    parameters outside every unit) is one more, gathered for the whole forward."""
+    world: int
+    """Ranks the weights are sharded over (1: nothing was sharded)."""
+    bytes_total: int
+    """Bytes of every parameter of the unsharded model."""
+    bytes_per_rank: int
+    """Bytes of parameters this rank keeps between forwards (its shards, padding included)."""
+    largest_unit_bytes: int
+    """Bytes of the largest unit unsharded: what one gather materialises."""
+    root_bytes: int
+    """Bytes of the root's own parameters unsharded (held during the whole forward)."""
+    fp8_tensors: int
+    """FP8 codes and scales made parameters (and so sharded as raw e4m3 / float32 bytes)."""
+    torchao_linears: int
+    """torchao FP8 linears replaced by :class:`~dist_attn.fp8_linear.Fp8Linear` (same codes)."""
+    prefetch: int
+    """Units whose gather is issued ahead of the one running."""
+
+    def describe(self) -> str:
+        """One log line."""
+        if self.world == 1:
+            return (f"weights not sharded (one rank): {self.bytes_total / 1e9:.2f} GB of "
+                    "parameters on this rank")
+        return (f"weights sharded over {self.world} ranks with FSDP2: {len(self.units)} units + "
+                f"the root, {self.bytes_total / 1e9:.2f} GB -> {self.bytes_per_rank / 1e9:.2f} GB "
+                f"per rank between forwards; the largest unit gathers "
+                f"{self.largest_unit_bytes / 1e9:.3f} GB, the root {self.root_bytes / 1e9:.3f} GB "
+                f"(held for the forward); prefetch {self.prefetch}; {self.fp8_tensors} FP8 "
+                f"tensors sharded as raw bytes ({self.torchao_linears} torchao linears as "
+                "Fp8Linear)")
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s weights, unsharded: its parameters (a torchao FP8 weight: its codes
+    and scales; an FSDP2 parameter: its global size) and the FP8 codes and scales that
+    :class:`~dist_attn.fp8_linear.QuantizedTensors` modules hold as buffers."""
+    total = sum(t.numel() * t.element_size() for m in module.modules()
+                if isinstance(m, QuantizedTensors) for k in m.quantized
+                if (t := m._buffers.get(k)) is not None)
+    for p in module.parameters():
+        if hasattr(p, "qdata"):
+            total += p.qdata.numel() * p.qdata.element_size() + p.scale.numel() * p.scale.element_size()
+        else:
+            total += p.numel() * p.element_size()  # a DTensor's numel is the global one
+    return total
+
+
+def _local_bytes(module: nn.Module) -> int:
+    """Bytes of this rank's storage of ``module``'s parameters (an FSDP2 shard, padding
+    included, is one padded row block of the global tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def sharded_weights(module: nn.Module) -> ShardedWeights | None:
+    """The :class:`ShardedWeights` of a model :func:`shard_module` sharded, or None."""
+    return getattr(module, _ATTR, None)
+
+
+def refuse_sharded(module: nn.Module, call: str) -> None:
+    """Raises ValueError when :func:`shard_module` already sharded ``module``: ``call`` (a
+    function that swaps modules or reads the model's class) must come first."""
+    if sharded_weights(module) is not None:
+        raise ValueError(f"this model's weights are already sharded (shard_weights / "
+                         f"shard_module): call {call} first, then shard the weights")
+
+
+def _torchao_to_fp8_linear(root: nn.Module) -> int:
+    """Every ``nn.Linear`` whose weight is a torchao FP8 tensor (``qdata``/``scale``) -> an
+    :class:`Fp8Linear` on the same codes and scales (its ``fast_accum`` from the tensor's
+    ``mm_config``). Returns how many."""
+    swaps = []
+    for name, module in root.named_modules():
+        w = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and hasattr(w, "qdata"):
+            if module.bias is not None:
+                raise ValueError(f"{name}: a torchao FP8 linear with a bias; shard_module makes "
+                                 "torchao's FP8 linears Fp8Linear, which is bias-free")
+            if w.scale.numel() != w.qdata.shape[0]:
+                raise ValueError(f"{name}: torchao FP8 weight with scales of shape "
+                                 f"{tuple(w.scale.shape)}; shard_module takes the per-row recipe "
+                                 f"(one scale per output channel, {w.qdata.shape[0]})")
+            mm = getattr(w, "mm_config", None)
+            fast = bool(getattr(mm, "use_fast_accum", False))
+            swaps.append((name, Fp8Linear(w.qdata, w.scale, fast_accum=fast)))
+    for name, new in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(root.get_submodule(parent), child, new)
+    return len(swaps)
+
+
+def _fp8_buffers_to_parameters(root: nn.Module) -> int:
+    """The codes and scales of every :class:`QuantizedTensors` module become frozen parameters
+    of the same names (FSDP2 shards parameters only). Returns how many tensors."""
+    n = 0
+    for module in root.modules():
+        if isinstance(module, QuantizedTensors):
+            for name in [k for k in module.quantized if module._buffers.get(k) is not None]:
+                t = module._buffers.pop(name)
+                module.register_parameter(name, nn.Parameter(t, requires_grad=False))
+                n += 1
+    return n
+
+
+def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch: int = 1,
+                 materialize: Callable[[str, nn.Module], None] | None = None,
+                 prepare: Callable[[str, nn.Module], None] | None = None,
+                 device: torch.device | str | None = None) -> ShardedWeights:
+    """Shards ``root``'s parameters over the ranks of ``group`` with FSDP2, in place.
+
+    Afterwards every rank calls ``root`` as before, with the same inputs (each unit's gather is a
+    collective: every rank must run every unit, in the same order); the outputs are those of the
+    unsharded model. See the module docstring for the contracts (inference only, FP8 kept,
+    order).
+
+    A model built under :func:`parameters_on_meta` (its parameters on the meta device) is
+    materialised here one unit at a time, so that no rank ever holds more than its shards, the
+    root's parameters and one unit unsharded: the modules are visited in registration order
+    (``root.named_modules()``: the order a model's constructor draws its initialisation in), each
+    one whose own parameters are on meta is given storage on ``device`` and handed to
+    ``materialize``, and each unit is sharded as soon as its last module is filled.
+
+    Args:
+        root: the model, its parameters on the device it computes on (CUDA with NCCL, CPU with
+            gloo) or on the meta device (then ``materialize`` and ``device`` are required), every
+            rank holding (or materialising) the same weights.
+        units: dotted names of the submodules gathered one at a time, in the order they run
+            (each transformer block); their parameters must not be shared with other units.
+        group: process group to shard over (None = the default group). Without torch.distributed
+            initialised nothing is sharded (one rank holds the whole model) and the summary says
+            ``world=1``.
+        prefetch: how many units ahead each unit's gather is issued (1: the next, gathered while
+            the current unit computes; 0: each gather when its unit starts). Every prefetched
+            unit is held unsharded meanwhile.
+        materialize: ``materialize(name, module)`` fills ``module``'s own parameters (uninitialised
+            storage on ``device``, same shapes and dtypes), e.g. ``module.reset_parameters()``
+            under a seeded generator, or a copy from a checkpoint.
+        prepare: ``prepare(name, module)`` runs on each unit once it is materialised and before it
+            is sharded, then on the root (``name == ""``) before the root is: the place to
+            quantize a block or to re-draw modules in another dtype.
+        device: where ``materialize``'d storage lives (this rank's device).
+
+    Returns:
+        A :class:`ShardedWeights` (also logged at INFO).
+
+    Raises:
+        ValueError: ``units`` is empty, names a missing module, repeats or nests one; the model
+            is already sharded; a unit is already compiled; ``prefetch`` is not a non-negative
+            int; a torchao FP8 linear has a bias or non-per-row scales; meta parameters without
+            ``materialize`` and ``device``, or left on meta after it.
+    """
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} must be a non-negative int")
+    names = list(units)
+    if not names:
+        raise ValueError("units=[] names no unit; pass the dotted names of the blocks to gather "
+                         "one at a time")
+    if len(set(names)) != len(names):
+        raise ValueError(f"units={names!r} repeats a name")
+    if sharded_weights(root) is not None:
+        raise ValueError("this model's weights are already sharded (shard_module ran before)")
+    modules = {}
+    for name in names:
+        try:
+            module = root.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"units: {name!r} is not a submodule of {type(root).__name__}") from None
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            raise ValueError(f"units: {name!r} is already compiled; shard the weights before "
+                             "compiling the blocks (a compiled graph captured the unsharded "
+                             "parameters)")
+        modules[name] = module
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(f"units: {b!r} lies inside {a!r}; units must not nest")
+    on_meta = any(p.is_meta for p in root.parameters())
+    if on_meta and (materialize is None or device is None):
+        raise ValueError("the model's parameters are on the meta device: pass materialize= and "
+                         "device= to fill them unit by unit")
+    group, world, _ = group_size_and_rank(group)
+    root.requires_grad_(False)
+    mesh = None
+    if not (world == 1 and group is None):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if device is None:
+            device = next((p.device for p in root.parameters()), torch.device("cpu"))
+        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
+                                     torch.device(device).type)
+    counts = {"torchao": 0, "fp8": 0}
+    unit_bytes: list[int] = []
+
+    def finish(name: str, module: nn.Module) -> None:
+        if prepare is not None:
+            prepare(name, module)
+        left = [n for n, p in module.named_parameters() if p.is_meta]
+        if left:
+            raise ValueError(f"{name or type(root).__name__}: parameters still on the meta device "
+                             f"after materialize: {left[:5]}")
+        if mesh is not None:
+            counts["torchao"] += _torchao_to_fp8_linear(module)
+            counts["fp8"] += _fp8_buffers_to_parameters(module)
+        if name:
+            unit_bytes.append(parameter_bytes(module))
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+
+    open_unit = None
+    for name, module in list(root.named_modules()):
+        if open_unit is not None and not name.startswith(open_unit + "."):
+            finish(open_unit, modules[open_unit])
+            open_unit = None
+        if name in modules:
+            open_unit = name
+        if on_meta and any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device=device, recurse=False)
+            materialize(name, module)
+    if open_unit is not None:
+        finish(open_unit, modules[open_unit])
+    if len(unit_bytes) != len(names):
+        raise ValueError(f"units: {len(names) - len(unit_bytes)} of {names} were not reached in "
+                         "root.named_modules()")
+    total = parameter_bytes(root)
+    finish("", root)
+    total = max(total, parameter_bytes(root))  # the root's swaps made FP8 buffers parameters
+    if mesh is not None:
+        # FSDP2 keeps the root's parameters gathered after a forward (training's backward would
+        # gather them again at once); for inference they are freed like every unit's
+        root.set_reshard_after_forward(True)
+        ordered = [modules[n] for n in names]
+        if prefetch:
+            root.set_modules_to_forward_prefetch(ordered[:prefetch])
+            for i, module in enumerate(ordered[:-1]):
+                module.set_modules_to_forward_prefetch(ordered[i + 1:i + 1 + prefetch])
+    summary = ShardedWeights(units=tuple(names), world=world, bytes_total=total,
+                             bytes_per_rank=_local_bytes(root) if mesh is not None else total,
+                             largest_unit_bytes=max(unit_bytes),
+                             root_bytes=total - sum(unit_bytes), fp8_tensors=counts["fp8"],
+                             torchao_linears=counts["torchao"], prefetch=prefetch)
+    setattr(root, _ATTR, summary)
+    logger.info("shard_module: %s", summary.describe())
+    return summary
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside, every parameter a module registers goes to the meta device (no storage, no
+    initialisation drawn), while buffers stay where the constructor makes them (RoPE frequency
+    tables and the like keep their computed values). Build a model inside (under
+    ``torch.device(d)`` for buffers on ``d``), then let :func:`shard_module` materialise it unit
+    by unit. Parameters a constructor draws before registering them (``nn.Parameter(torch.randn(
+    ...))``) consume the generator here and lose their values: ``materialize`` must fill them."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original

@@ -1,0 +1,124 @@
+"""parallel.shard_weights: the served tiny H3 built on the meta device and materialised block by
+block into FSDP2 shards (the class's own initialisation, a checkpoint, FP8 linears) serves what the
+whole replica serves, bit for bit, on 3 gloo ranks; the denoise engine runs a request twice
+(the second job too: every block gathered again)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extra")
+
+from tests._multirank import run_ranks  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _inputs(cfg, dtype):
+    from tests.integrations.test_fp8_h3 import _inputs as served_inputs
+
+    inputs = served_inputs(cfg, dtype)
+    inputs.pop("return_dict")
+    return inputs
+
+
+def _forward(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _replica(cfg, dtype, checkpoint=None):
+    from dist_attn.serve.h3.model import build_h3, parallelize
+
+    model = build_h3(cfg.model, device=CPU, dtype=dtype, checkpoint=checkpoint)
+    parallelize(model, backend="sdpa")
+    return model
+
+
+def _sharded(cfg, dtype, checkpoint=None):
+    from dist_attn.serve.h3.model import meta_h3, parallelize, shard_h3
+
+    model = meta_h3(cfg.model, device=CPU, dtype=dtype, fp32_modules=checkpoint is not None)
+    parallelize(model, backend="sdpa")
+    summary = shard_h3(model, cfg.model, device=CPU, dtype=dtype, checkpoint=checkpoint)
+    return model, summary
+
+
+def _worker(rank, world, ckpt_root):
+    import dist_attn.integrations.diffusers as integration
+    from dist_attn.serve.config import apply_overrides, load_config
+
+    cfg = load_config(None)
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the fp32 modules are drawn again
+        inputs = _inputs(cfg, dtype)
+        want = _forward(_replica(cfg, dtype), inputs)
+        model, summary = _sharded(cfg, dtype)
+        res[f"own_{dtype}"] = (_equal(_forward(model, inputs), want), summary.world,
+                               len(summary.units), summary.bytes_per_rank / summary.bytes_total)
+    # a checkpoint read block by block: the same model from_pretrained loads
+    from dist_attn.serve.h3.model import build_h3
+
+    path = f"{ckpt_root}/rank{rank}"
+    build_h3(cfg.model, device=CPU, dtype=torch.float32).save_pretrained(path)
+    inputs = _inputs(cfg, torch.bfloat16)
+    want = _forward(_replica(cfg, torch.bfloat16, checkpoint=path), inputs)
+    model, _ = _sharded(cfg, torch.bfloat16, checkpoint=path)
+    res["checkpoint"] = _equal(_forward(model, inputs), want)
+    # FP8 linears (the recipe's float32 emulation on CPU), each block quantized before sharding
+    fp8 = apply_overrides(cfg, {"model.linear_precision": "fp8"})
+    real = integration.quantize_linears
+    integration.quantize_linears = functools.partial(real, emulate=True)
+    try:
+        want = _forward(_replica(fp8, torch.bfloat16), inputs)
+        model, summary = _sharded(fp8, torch.bfloat16)
+    finally:
+        integration.quantize_linears = real
+    res["fp8"] = (_equal(_forward(model, inputs), want), summary.fp8_tensors)
+    return res
+
+
+@pytest.mark.parametrize("world", [3])  # uneven heads; tests/integrations covers 1-4 ranks
+def test_sharded_build_serves_the_replicas_outputs(tmp_path, world):
+    for res in run_ranks(_worker, world, tmp_path, str(tmp_path), timeout=300):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            equal, w, units, share = res[f"own_{dtype}"]
+            assert equal and w == world and units == 4 and share <= 1 / world + 0.05, res
+        assert res["checkpoint"], res
+        assert res["fp8"] == (True, 2 * 6 * 2), res  # 2 blocks x 6 linears x (codes, scales)
+
+
+def _refusal_worker(rank, world, ckpt):
+    from dist_attn.serve.config import load_config
+    from dist_attn.serve.h3.weights import WeightsError
+
+    cfg = load_config(None)
+    try:
+        _sharded(cfg, torch.float32, checkpoint=ckpt)
+    except WeightsError as e:
+        return str(e)
+    return None
+
+
+def test_a_checkpoint_missing_a_tensor_fails_on_every_rank_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dist_attn.serve.config import load_config
+    from dist_attn.serve.h3.model import build_h3
+
+    cfg = load_config(None)
+    path = tmp_path / "ckpt"
+    build_h3(cfg.model, device=CPU, dtype=torch.float32).save_pretrained(path)
+    file = path / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(file)
+    del tensors["transformer_blocks.1.attn.to_k.weight"]
+    save_file(tensors, file)
+    for msg in run_ranks(_refusal_worker, 2, tmp_path, str(path), timeout=200):
+        assert msg and "no tensor transformer_blocks.1.attn.to_k.weight" in msg, msg

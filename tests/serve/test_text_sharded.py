@@ -1,0 +1,68 @@
+"""The text encoder sharded over the ranks (parallel.shard_weights): every rank holds 1/W of the
+tiny checkpoint's Qwen3-VL (FSDP2, one unit per decoder layer, read from the checkpoint one layer
+at a time), every rank runs it on the job's prompt, and every rank conditions on exactly what the
+whole encoder on rank 0 gives."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("av")
+
+from tests._multirank import run_ranks  # noqa: E402
+
+PROMPT = "a red fox runs through fresh snow at dawn"
+
+
+def _worker(rank, world, path):
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from dist_attn.distributed import DistEnv
+    from dist_attn.serve.config import load_config
+    from dist_attn.serve.h3.pipeline import H3Runner
+    from dist_attn.serve.h3.text import load_text_encoder
+
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
+                  backend="gloo")
+    runner = H3Runner.build(load_config(None), env, dtype=torch.float32, backend="sdpa",
+                            checkpoint=path, shard_text=True)
+    pipe = runner.pipe
+    te = pipe.comps.text_encoder
+    layers = te.model.language_model.layers
+    sharded = all(isinstance(p, DTensor) for p in te.model.parameters())
+    share = sum(p.to_local().numel() for p in te.model.parameters()) / sum(
+        p.numel() for p in te.model.parameters())
+    # every rank runs the encoder (rank 0 as the job's lead, the others as followers)
+    embeds, tags, _ = pipe.encode(PROMPT)
+    again, _, _ = pipe.encode(PROMPT)  # a second job: every layer gathered again
+    # the reference: the whole encoder, as rank 0 alone loads it without sharding
+    whole = load_text_encoder(Qwen3VLForConditionalGeneration, os.path.join(path, "text_encoder"),
+                              dtype=torch.float32, device=torch.device("cpu"))
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
+
+    step = MiniMaxH3TextEncoderStep().init_pipeline()
+    step.update_components(text_encoder=whole, tokenizer=pipe.comps.tokenizer,
+                           processor=pipe.comps.processor)
+    out = step(prompt=PROMPT, output=["prompt_embeds", "text_token_tags"])
+    return {"equal": torch.equal(embeds, out["prompt_embeds"].float()) and torch.equal(
+                tags, out["text_token_tags"].to(tags.device)),
+            "again": torch.equal(again, embeds), "sharded": sharded, "share": share,
+            "units": len(layers), "head_unloaded": te.lm_head.weight.is_meta}
+
+
+@pytest.mark.parametrize("world", [2])
+def test_every_rank_runs_its_share_of_the_encoder_and_gets_rank0s_output(tmp_path, world):
+    from dist_attn.serve.config import load_config
+    from dist_attn.serve.h3.tiny import build_tiny_checkpoint, tiny_spec
+
+    path = build_tiny_checkpoint(str(tmp_path / "h3-tiny"),
+                                 tiny_spec(load_config(None).model.diffusers_config()))
+    for res in run_ranks(_worker, world, tmp_path, path, timeout=300):
+        assert res["equal"] and res["again"] and res["sharded"], res
+        assert res["units"] == 51 and res["head_unloaded"], res
+        assert res["share"] <= 1 / world + 0.05, res
