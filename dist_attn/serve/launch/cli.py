@@ -18,12 +18,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Any, NoReturn
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
 
 log = logging.getLogger(__name__)
+#: a SIGINT that came before ranks.lifecycle's handler was in place (its import is the slow part
+#: of a rank's start: the ranks package imports the HTTP stack)
+_EARLY_STOPS: list[signal.Signals] = []
+
+
+def _early_interrupt(signum: int, _frame: Any) -> None:
+    _EARLY_STOPS.append(signal.Signals(signum))
+    raise KeyboardInterrupt
 
 # flag dest -> config field it overrides
 _FLAG_FIELDS = {
@@ -159,9 +168,14 @@ def _stopped(exc: BaseException) -> int:
     """The exit status of a rank that ``exc`` ended after a SIGINT/SIGTERM reached it (Ctrl-C
     reaches every rank: one stops in its start-up, a peer then finds it gone), with one line on
     rank 0 instead of a traceback per rank; without such a signal, ``exc`` is a fault: raised."""
-    from dist_attn.serve.ranks.lifecycle import stop_signal
+    # torchrun forwards a second SIGINT to a rank the terminal's already reached: the exit path
+    # (which may still import the ranks package) must not be interrupted in its turn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sig = _EARLY_STOPS[0] if _EARLY_STOPS else None
+    if sig is None:
+        from dist_attn.serve.ranks.lifecycle import stop_signal
 
-    sig = stop_signal()
+        sig = stop_signal()
     if sig is None:
         raise exc
     why = "" if isinstance(exc, KeyboardInterrupt) else f" ({type(exc).__name__} as the ranks stopped)"
@@ -199,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return 1
     restore_default_signals()  # a rank under the supervisor inherits them ignored
+    signal.signal(signal.SIGINT, _early_interrupt)  # until interrupt_start_up's, below
     from dist_attn.serve.ranks.lifecycle import interrupt_start_up
 
     interrupt_start_up()  # Ctrl-C before the rank serves: one line, not a traceback (run)
