@@ -153,8 +153,8 @@ step() {
     case $1 in
     cute-a)
         run 30 cute-a bash -c 'mkdir -p /tmp/cute-wheels && cp "${WHEELS:-.whl}"/* /tmp/cute-wheels/ && ls /tmp/cute-wheels' ;;
-    cute-b)
-        run 90 cute-b bash -c 'cat /tmp/cute-wheels/cu13part.aa "${WHEELS:-.whl2}"/cu13part.ab > /tmp/cute-wheels/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/cute-wheels/cu13part.aa && "$0" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/cute-wheels/*.whl && "$0" -c "import cutlass.cute; print(cutlass.__version__)"' "$PY" ;;
+    cute-b)  # unzipped, not pip --target: its wheels share one top folder, which --target skips
+        run 90 cute-b bash -c 'cat /tmp/cute-wheels/cu13part.aa "${WHEELS:-.whl2}"/cu13part.ab > /tmp/cute-wheels/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/cute-wheels/cu13part.aa && for w in /tmp/cute-wheels/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages "$0" -c "import cutlass.cute; print(cutlass.__version__)"' "$PY" ;;
     cute-check)
         run 400 cute-check "$PY" -m benchmarks.dev.sage8_cute_check --out "$RES" ;;
     tests)

@@ -58,6 +58,8 @@ def correctness(cfg) -> list[dict]:
         # name, T, H, D, dtype, cu (None: dense), used
         ("dense-b1", 1000, 3, 128, torch.bfloat16, None, None),
         ("dense-1row", 1, 2, 128, torch.bfloat16, None, None),
+        ("dense-1block", 128, 2, 128, torch.bfloat16, None, None),  # one full key block: c1 hung
+        ("dense-2blocks", 129, 2, 128, torch.bfloat16, None, None),
         ("dense-d64", 300, 4, 64, torch.float16, None, None),
         ("varlen-3docs", 2000, 2, 128, torch.bfloat16, [0, 700, 701, 2000], None),
         ("bridge-pad", 1100, 5, 128, torch.bfloat16, [0, 1037, 1100], 1037),
@@ -145,6 +147,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cfg", default="", help="CuteConfig fields, e.g. stages=3,overlap=0")
     a = ap.parse_args()
+    os.environ.setdefault("DIST_ATTN_SAGE8_CUTE", "1")  # this script is the check the opt-in waits for
     from dist_attn.kernels.sage8.attn_cute import CuteConfig, compile_seconds
     kw = {}
     for item in filter(None, a.cfg.split(",")):

@@ -95,6 +95,12 @@ def _inputs(case, shape, dtype, seed=0, device="cuda"):
 impls = pytest.mark.parametrize("impl", IMPLS)
 
 
+@pytest.fixture(autouse=True)
+def _cute_opt_in(monkeypatch):
+    # the experimental CuTe DSL loop runs only when asked for; these tests ask (api.CUTE_OPT_IN)
+    monkeypatch.setenv("DIST_ATTN_SAGE8_CUTE", "1")
+
+
 @gpu
 @impls
 @pytest.mark.parametrize("case", ["normal", "bias", "outlier"])

@@ -60,6 +60,18 @@ def test_cute_impl_is_registered_and_says_what_it_needs_on_a_cpu():
     assert not backends.get_backend("sage8").supports_lse
 
 
+@pytest.fixture(autouse=True)
+def _opt_in(monkeypatch):
+    # the GPU tests are what verify the experimental loop: they run it
+    monkeypatch.setenv(api.CUTE_OPT_IN, "1")
+
+
+def test_the_experimental_loop_needs_its_opt_in(monkeypatch):
+    monkeypatch.delenv(api.CUTE_OPT_IN)
+    msg = api._cute_missing()
+    assert msg is not None and api.CUTE_OPT_IN in msg and "sage8" in msg
+
+
 def test_missing_cute_dsl_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -198,7 +198,9 @@ class _Sage8Cute:
 
         n_full = Lk // BLOCK_N
         lim = Lk - n_full * BLOCK_N
-        n_blocks = n_full + (1 if lim > 0 else 0)
+        # arithmetic, not a Python conditional on a traced value (c1's `n_full + (1 if lim > 0
+        # else 0)`, a suspect in its hang on one-block segments)
+        n_blocks = (Lk + BLOCK_N - 1) // BLOCK_N
         blk0 = (h * rows + pst) // BLOCK_N  # the segment's first 128-row block in [H * R, D]
 
         if warp_idx < 4:
@@ -286,10 +288,10 @@ class _Sage8Cute:
             self._issue_qk(pipe_k, state, mma, sync_turn=False)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            if n_full == 0:
-                self._softmax(f_s, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, True, rem)
-            else:
-                self._softmax(f_s, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, False, rem)
+            # block 0 is masked when it is the partial one, without a branch around the softmax
+            # (c1's branch is the other suspect in its hang): a full block masks no column
+            rem0 = cutlass.select_(n_full == 0, rem, Int32(BLOCK_N))
+            self._softmax(f_s, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, True, rem0)
             self._to_p8(f_s, p8_as_acc, p8_words)
             for j in cutlass.range(1, n_full, unroll=1):
                 state = self._overlap_step(st, alpha_prev, state, j, False)
