@@ -4,7 +4,8 @@ Modules: :mod:`.api` (entry points and checks; no triton), :mod:`.numerics` (the
 constants), :mod:`.reference` (the scheme in plain torch), :mod:`.ops` (torch.library custom ops),
 and, importing triton: :mod:`.quant` (pre-pass), :mod:`.attn_triton` and :mod:`.attn_gluon`
 (attention loops; the Gluon loop's warp partitions in :mod:`.attn_gluon_partitions`), :mod:`.launch`
-(one forward).
+(one forward); importing cutlass (extra ``cute``): :mod:`.attn_cute` (the CuTe DSL loop, its
+consumers' per-block steps in :mod:`.attn_cute_steps`).
 """
 
 from dist_attn.kernels.sage8 import api

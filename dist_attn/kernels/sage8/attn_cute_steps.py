@@ -1,0 +1,209 @@
+"""The per-block steps of the CuTe DSL sage8 loop's consumer warpgroups (:mod:`attn_cute`):
+issuing the two wgmmas, the online softmax, P to the e4m3 A operand, the warpgroups' turns, the
+fp32 promotion and the epilogue. Imports cutlass."""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from dist_attn.kernels.sage8 import numerics
+
+__all__ = ["BLOCK_M", "BLOCK_N", "BlockSteps", "advanced"]
+
+#: keys per block (the granularity of K's scales and of the P V promotion)
+BLOCK_N = 128
+#: query rows per CTA: two consumer warpgroups of 64 rows
+BLOCK_M = 128
+_LN2 = math.log(2.0)
+
+
+class BlockSteps:
+    """Methods of the consumer warpgroups; the kernel class (attn_cute) sets ``cfg`` and ``dense``
+    and ``with_lse``."""
+
+    @cute.jit
+    def _issue_qk(self, pipe_k, state, mma, sync_turn: cutlass.Constexpr):
+        """Waits for K's slot and issues S = Q K^T on top of MAGIC_I (the accumulator's bits then
+        read as the float MAGIC_F + s); does not wait for the result."""
+        mma_qk, _, tSrQ, tSrK, _, acc_s, _, _ = mma
+        pipe_k.consumer_wait(state)
+        if const_expr(sync_turn):
+            self._turn_wait()
+        acc_s.fill(numerics.MAGIC_I)
+        warpgroup.fence()
+        atom = cute.make_mma_atom(mma_qk.op)  # a fresh atom per call: its fields never outlive a loop body
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(atom, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, state.index], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_pv(self, pipe_v, state, mma):
+        """Waits for V^T's slot and issues acc_b = P V (a fresh accumulator); does not wait."""
+        _, mma_pv, _, _, tOrV, _, acc_b, p8 = mma
+        pipe_v.consumer_wait(state)
+        warpgroup.fence()
+        atom = cute.make_mma_atom(mma_pv.op)
+        for k in cutlass.range_constexpr(cute.size(p8, mode=[2])):
+            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom, acc_b, p8[None, None, k], tOrV[None, None, k, state.index], acc_b)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _to_p8(self, f_s, p8_as_acc, p8_words):
+        """P -> e4m3 in the accumulator's order, then each pair of words renamed into the A
+        operand's bytes (V's keys are stored in the matching order: no shuffles)."""
+        p8_as_acc.store(f_s.load().to(cutlass.Float8E4M3FN))
+        for w in cutlass.range_constexpr(0, cute.size(p8_words), 2):
+            w0 = p8_words[w]
+            w1 = p8_words[w + 1]
+            p8_words[w] = cute.arch.prmt(w0, w1, numerics.P8_PRMT[0])
+            p8_words[w + 1] = cute.arch.prmt(w0, w1, numerics.P8_PRMT[1])
+
+    # The two consumer warpgroups take turns issuing their MMAs: named barrier 1 + g is
+    # warpgroup g's turn (g = 0, 1); each waits on its own and, once its MMAs are issued, arrives
+    # on the other's. Warpgroup 0 opens by arriving on its own.
+    @cute.jit
+    def _wg(self):
+        tidx, _, _ = cute.arch.thread_idx()
+        return cute.arch.make_warp_uniform(tidx // 128 - 1)
+
+    @cute.jit
+    def _turn_init(self):
+        if self._wg() == 0:
+            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def _turn_wait(self):
+        cute.arch.barrier(barrier_id=1 + self._wg(), number_of_threads=256)
+
+    @cute.jit
+    def _turn_pass(self):
+        cute.arch.barrier_arrive(barrier_id=2 - self._wg(), number_of_threads=256)
+
+    @cute.jit
+    def _overlap_step(self, st, alpha_prev, state, j, masked: cutlass.Constexpr):
+        """Block j: issue its S and the previous block's P V, softmax of j while P V runs, add
+        P V into the output. Returns the pipeline state of block j."""
+        mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        state_v = state.clone()
+        state = advanced(state)
+        self._issue_qk(pipe_k, state, mma, sync_turn=True)
+        self._issue_pv(pipe_v, state_v, mma)
+        self._turn_pass()
+        warpgroup.wait_group(1)  # S of block j is in
+        pipe_k.consumer_release(state)
+        self._softmax(f_s, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, masked, rem)
+        warpgroup.wait_group(0)  # P V of block j - 1 is in: its P registers are free
+        pipe_v.consumer_release(state_v)
+        self._add_block(acc_o, alpha_prev, acc_b)
+        alpha_prev[0] = alpha[0]
+        alpha_prev[1] = alpha[1]
+        self._to_p8(f_s, p8_as_acc, p8_words)
+        return state
+
+    @cute.jit
+    def _plain_step(self, st, state, j, masked: cutlass.Constexpr):
+        """Block j with every wgmma waited for at once. Returns the next pipeline state."""
+        mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        self._issue_qk(pipe_k, state, mma, sync_turn=False)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        self._softmax(f_s, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, masked, rem)
+        self._to_p8(f_s, p8_as_acc, p8_words)
+        self._issue_pv(pipe_v, state, mma)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state)
+        self._add_block(acc_o, alpha, acc_b)
+        return advanced(state)
+
+    @cute.jit
+    def _add_block(self, acc_o, alpha, acc_b):
+        """acc_o = acc_o * alpha (per row) + acc_b: one FFMA per element (the fp32 promotion)."""
+        for v in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[v] = acc_o[v] * alpha[(v // 2) % 2] + acc_b[v]
+
+    @cute.jit
+    def _softmax(self, f_s, qs, ks, m_i, l_i, alpha, masked: cutlass.Constexpr, rem):
+        """Online softmax of one block in place: f_s (floats MAGIC_F + s) becomes
+        p = 2 ** (s * rs - m + LOG2_PSCALE); updates m_i, l_i (per-thread partial sums), alpha.
+        ``masked``: the segment's last, partial block: columns past ``rem`` get p = 0."""
+        n = cute.size(f_s)
+        if const_expr(masked):
+            for v in cutlass.range_constexpr(n):
+                off = 8 * (v // 4) + v % 2  # column of value v (e, r, i) past the thread's first
+                f_s[v] = cutlass.select_(Int32(off) >= rem, -Float32.inf, f_s[v])
+        for r in cutlass.range_constexpr(2):
+            rs = qs[r] * ks
+            mx = f_s[2 * r]
+            for i in cutlass.range_constexpr(n // 4):
+                for e in cutlass.range_constexpr(2):
+                    mx = cute.arch.fmax(mx, f_s[e + 2 * r + 4 * i])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            m_new = cute.arch.fmax(m_i[r], (mx - numerics.MAGIC_F) * rs)
+            bias = numerics.MAGIC_F * rs + m_new - numerics.LOG2_PSCALE
+            alpha[r] = cute.math.exp2(m_i[r] - m_new, fastmath=True)
+            s = Float32(0.0)
+            for i in cutlass.range_constexpr(n // 4):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * i
+                    p = cute.math.exp2(f_s[v] * rs - bias, fastmath=True)
+                    f_s[v] = p
+                    s = s + p
+            l_i[r] = l_i[r] * alpha[r] + s
+            m_i[r] = m_new
+
+    @cute.jit
+    def _epilogue(self, acc_o, cO, m_i, l_i, mVs, mKsum, mO, mQin, mLse, seg, h, lo, L, mb, qk_scale):
+        """out = acc / l * vscale (rows < L); with the LSE, the natural log of each row's sum with
+        K's smoothing undone (+ qk_scale * q . mean(K))."""
+        b = seg if const_expr(self.dense) else 0
+        for r in cutlass.range_constexpr(2):
+            l_i[r] = l_i[r] + cute.arch.shuffle_sync_bfly(l_i[r], offset=1)
+            l_i[r] = l_i[r] + cute.arch.shuffle_sync_bfly(l_i[r], offset=2)
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            inv[r] = Float32(1.0) / l_i[r]
+        for v in cutlass.range_constexpr(cute.size(acc_o)):
+            row = mb * BLOCK_M + cO[v][0]
+            col = cO[v][1]
+            if row < L:
+                o = acc_o[v] * inv[(v // 2) % 2] * Float32(mVs[seg, h, col])
+                mO[b, lo + row, h, col] = o.to(mO.element_type)
+        if const_expr(self.with_lse):
+            inv_len = Float32(1.0) / Float32(cutlass.max(L, 1))
+            for r in cutlass.range_constexpr(2):
+                row = mb * BLOCK_M + cO[2 * r][0]
+                # this thread's quarter of q . mean(K): columns of its accumulator values
+                part = Float32(0.0)
+                if row < L:
+                    for v in cutlass.range_constexpr(cute.size(acc_o)):
+                        if (v // 2) % 2 == r:
+                            col = cO[v][1]
+                            part = part + Float32(mQin[b, lo + row, h, col]) * Float32(mKsum[seg, h, col])
+                part = part + cute.arch.shuffle_sync_bfly(part, offset=1)
+                part = part + cute.arch.shuffle_sync_bfly(part, offset=2)
+                if row < L:
+                    if _lane_in_quad() == 0:
+                        lse = (m_i[r] + cute.math.log2(l_i[r], fastmath=False) - numerics.LOG2_PSCALE) * _LN2
+                        mLse[b, h, lo + row] = lse + part * inv_len * qk_scale
+
+
+@cute.jit
+def advanced(state):
+    """A copy of the pipeline ``state`` one slot on (rebound by callers, so loops carry it)."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
+
+
+@cute.jit
+def _lane_in_quad():
+    tidx, _, _ = cute.arch.thread_idx()
+    return tidx % 4
