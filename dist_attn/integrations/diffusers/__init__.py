@@ -61,8 +61,10 @@ from dist_attn.integrations.diffusers._spec import ModelSpec
 from dist_attn.integrations.diffusers._ltx import LTX
 from dist_attn.integrations.diffusers._minimax_h3 import MINIMAX_H3
 from dist_attn.integrations.diffusers._wan import WAN
-from dist_attn.integrations.diffusers._vae_decode import (DecodeStats, ParallelDecodeHandle,
-                                                          enable_parallel_decode, supported_vaes)
+from dist_attn.integrations.diffusers._vae_decode import (DEFAULT_DECODE_BUDGET_BYTES, DecodeStats,
+                                                          ParallelDecodeHandle, decoder_tile_bytes,
+                                                          enable_parallel_decode, supported_vaes,
+                                                          tiles_within_budget)
 from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
 from dist_attn.integrations.diffusers.vae_compile import compile_vae_decoder
 from dist_attn.integrations.diffusers.weight_sharding import (ShardedWeights, shard_weights,
@@ -72,11 +74,11 @@ from dist_attn.profiling import PhaseTimer
 from dist_attn.validation import check_overlap_chunks, positive_int
 from dist_attn.weight_sharding import refuse_sharded
 
-__all__ = ["DecodeStats", "LinearQuantization", "ParallelDecodeHandle", "ShardedWeights",
-           "UlyssesHandle", "compile_vae_decoder", "disable_ulysses", "enable_parallel_decode",
-           "enable_ulysses",
+__all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "DecodeStats", "LinearQuantization",
+           "ParallelDecodeHandle", "ShardedWeights", "UlyssesHandle", "compile_vae_decoder",
+           "decoder_tile_bytes", "disable_ulysses", "enable_parallel_decode", "enable_ulysses",
            "quantize_linears", "shard_weights", "sharded_weights", "supported_models",
-           "supported_vaes", "ulysses_handle", "weight_units"]
+           "supported_vaes", "tiles_within_budget", "ulysses_handle", "weight_units"]
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from dist_attn.distributed import group_size_and_rank
 from dist_attn.integrations.diffusers._vae_plan import (Plan, plan_decode, stitch_clip,
                                                         temporal_runs, write_run)
 
-__all__ = ["DecodeStats", "FrameSink", "ParallelDecodeHandle", "enable_parallel_decode",
-           "supported_vaes"]
+__all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "DecodeStats", "FrameSink", "ParallelDecodeHandle",
+           "decoder_tile_bytes", "enable_parallel_decode", "supported_vaes", "tiles_within_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,22 @@ _HANDLE_ATTR = "_dist_attn_parallel_decode"
 # token, as multiples of the model width: the float32 residual stream and its norm (2 x 4 B), the
 # SwiGLU's doubled up-projection and its product (3 x ffn_mult x elt), q/k/v/out (4 x elt).
 _FLOAT32_STREAM_WIDTHS = 8
+#: The activation budget of one batched decoder call when ``tiles_per_call`` is None.
+DEFAULT_DECODE_BUDGET_BYTES = 8 << 30
+# at most 8 tiles a call: on an H200 H3's 196 float16 tiles took 5.88 / 5.86 / 5.79 / 5.84 s at 4 / 8 / 16 /
+# 28 a call (vae-decode_h200_2026-12-04), the peak +0.16 GiB a tile; ~1.8k tokens fill the GPU
+_MAX_TILES_PER_CALL = 8
+
+
+def decoder_tile_bytes(tokens: int, *, width: int, ffn_mult: int | float, elt: int) -> int:
+    """One decoder tile's peak activations in bytes (a planning figure; the decode's batch and the
+    server's memory pre-flight both use it): ``tokens`` tokens, GEMMs in ``elt``-byte dtype."""
+    return int(tokens * width * (_FLOAT32_STREAM_WIDTHS + (3 * ffn_mult + 4) * elt))
+
+
+def tiles_within_budget(tile_bytes: int, budget: int = DEFAULT_DECODE_BUDGET_BYTES) -> int:
+    """The decode's batch when ``tiles_per_call`` is None: tiles of ``tile_bytes`` within ``budget``, 1 to 8."""
+    return max(1, min(_MAX_TILES_PER_CALL, budget // max(1, tile_bytes)))
 
 
 def supported_vaes() -> tuple[str, ...]:
@@ -88,7 +104,7 @@ class ParallelDecodeHandle:
     group: Any = None
     tiles_per_call: int | None = None
     """As given (None: from ``memory_budget_bytes`` and each video's tiles)."""
-    memory_budget_bytes: int = 8 << 30
+    memory_budget_bytes: int = DEFAULT_DECODE_BUDGET_BYTES
     sink: FrameSink | None = field(default=None, repr=False)
     last: DecodeStats | None = None
     """Statistics of the last decode (None before the first)."""
@@ -123,18 +139,8 @@ class ParallelDecodeHandle:
         self.remove()
 
 
-def _tile_bytes(vae: nn.Module, tokens: int) -> int:
-    """Planning figure of one decoder tile's peak activations (see _FLOAT32_STREAM_WIDTHS)."""
-    cfg = vae.config
-    width = cfg.decoder_num_attention_heads * cfg.decoder_attention_head_dim
-    blocks = vae.decoder.transformer_blocks
-    elt = blocks[0].attn.to_q.weight.element_size() if len(blocks) else 4  # the GEMMs' dtype
-    per_token = width * (_FLOAT32_STREAM_WIDTHS + (3 * cfg.decoder_ffn_mult + 4) * elt)
-    return tokens * per_token
-
-
 def enable_parallel_decode(vae: nn.Module, group=None, *, tiles_per_call: int | None = None,
-                           memory_budget_bytes: int = 8 << 30) -> ParallelDecodeHandle:
+                           memory_budget_bytes: int = DEFAULT_DECODE_BUDGET_BYTES) -> ParallelDecodeHandle:
     """Makes ``vae.decode`` run over the ranks of ``group``, in place.
 
     Afterwards every rank calls ``vae.decode(z)`` with the same ``z`` ``[B, C, T, h, w]`` and
@@ -245,12 +251,14 @@ def _tiles_per_call(handle: ParallelDecodeHandle, plan: Plan) -> int:
     """The batch: as given, or what ``memory_budget_bytes`` allows for this video's tiles."""
     if handle.tiles_per_call is not None:
         return handle.tiles_per_call
+    vae, cfg = handle.vae, handle.vae.config
     tokens = math.prod(plan.clips[0].shape[2:3]) * math.prod(plan.tile_out[3:]) \
-        // handle.vae.spatial_compression_ratio ** 2
-    # at most 8: on an H200 the float16 decode of H3's 196 tiles took 5.88 / 5.86 / 5.79 /
-    # 5.84 s at 4 / 8 / 16 / 28 tiles a call (vae-decode_h200_2026-12-04) while the peak grew
-    # by ~0.16 GiB a tile; a tile of ~1.8k tokens already fills the GPU
-    return max(1, min(8, handle.memory_budget_bytes // max(1, _tile_bytes(handle.vae, tokens))))
+        // vae.spatial_compression_ratio ** 2
+    blocks = vae.decoder.transformer_blocks
+    elt = blocks[0].attn.to_q.weight.element_size() if len(blocks) else 4  # the GEMMs' dtype
+    tile = decoder_tile_bytes(tokens, width=cfg.decoder_num_attention_heads * cfg.decoder_attention_head_dim,
+                              ffn_mult=cfg.decoder_ffn_mult, elt=elt)
+    return tiles_within_budget(tile, handle.memory_budget_bytes)
 
 
 def _detached(e: BaseException, where: str) -> BaseException:

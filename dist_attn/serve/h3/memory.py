@@ -45,10 +45,6 @@ _ATTN_HIDDEN, _ATTN_INNER = 2, 9
 # Full-sequence buffers before the cut, per row and hidden channel: the float32 input projection
 # and the packed bf16 buffer (4 + 2 bytes).
 _FULL_ROW_BYTES = 6
-# The decoder's activations per token and model width, the decode batch's own planning figure
-# (dist_attn.integrations.diffusers._vae_decode): the float32 residual stream and its norm (8 B),
-# the SwiGLU's doubled up-projection and its product and q/k/v/out in the decoder's dtype.
-_TILE_FP32_BYTES = 8
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -144,6 +140,8 @@ def _sharded(nbytes: int, world: int) -> int:
 
 def estimate_peak(sizes: ModelSizes, geo: Geometry, plan: Plan) -> MemoryEstimate:
     """``plan.rank``'s peak in a job of geometry ``geo`` (see the module docstring)."""
+    from dist_attn.integrations.diffusers import decoder_tile_bytes
+
     w, elt = plan.world, plan.elt
     units = sizes.transformer_units_fp8 if plan.fp8 else sizes.transformer_units
     if plan.shard:
@@ -167,7 +165,9 @@ def estimate_peak(sizes: ModelSizes, geo: Geometry, plan: Plan) -> MemoryEstimat
     # diffusers' tile_sample_min_{height,width} for H3's VAE: 256, or the whole smaller video
     tile_h, tile_w = min(256, geo.height), min(256, geo.width)
     tile_tokens = geo.latent_frames_per_clip * (tile_h // c) * (tile_w // c)
-    tile_act = tile_tokens * sizes.vae_width * (_TILE_FP32_BYTES + (3 * sizes.vae_ffn_mult + 4) * sizes.vae_elt)
+    # the decode batch's own planning figure (one owner: the parallel decode's)
+    tile_act = decoder_tile_bytes(tile_tokens, width=sizes.vae_width, ffn_mult=sizes.vae_ffn_mult,
+                                  elt=sizes.vae_elt)
     tile_out = 3 * geo.latent_frames_per_clip * 4 * tile_h * tile_w * sizes.vae_elt
     video = 3 * geo.frames * geo.height * geo.width * sizes.vae_elt
     decode = {"decoder activations": plan.tiles_per_call * tile_act,

@@ -29,9 +29,6 @@ __all__ = ["Preflight", "component_configs", "decide", "largest_geometry", "log_
 
 log = logging.getLogger(__name__)
 
-#: The decode's activation budget when ``decode.tiles_per_call = "auto"`` (enable_parallel_decode's).
-_DECODE_BUDGET = 8 << 30
-
 
 @dataclass(kw_only=True)
 class Preflight:
@@ -142,6 +139,7 @@ def decide(cfg: Config, sizes: Any, frees: list[int], *, rank: int, device_type:
     ``rank``'s estimate, and the one failure message (the worst rank's), the same on every rank."""
     from dataclasses import replace
 
+    from dist_attn.integrations.diffusers import tiles_within_budget
     from dist_attn.serve.h3.memory import Plan, estimate_peak, suggestions
 
     world, want = len(frees), cfg.parallel.shard_weights
@@ -150,7 +148,7 @@ def decide(cfg: Config, sizes: Any, frees: list[int], *, rank: int, device_type:
     tiles = cfg.decode.tiles()
     if tiles is None:
         one = estimate_peak(sizes, geo, Plan(world=1, rank=1, shard=False, fp8=False, tiles_per_call=1))
-        tiles = max(1, min(8, _DECODE_BUDGET // max(1, one.phases["decode"]["decoder activations"])))
+        tiles = tiles_within_budget(one.phases["decode"]["decoder activations"])  # the decode's rule
     plan = Plan(world=world, rank=0, shard=want is True, fp8=cfg.model.linear_precision == "fp8",
                 tiles_per_call=tiles, elt=elt)
 
