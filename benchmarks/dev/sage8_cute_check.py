@@ -1,6 +1,7 @@
 """The CuTe DSL sage8 loop on a GPU: correctness against the Triton loop and float64, then speed.
 
     python -m benchmarks.dev.sage8_cute_check [--out DIR] [--skip-speed] [--rounds 3] [--cfg k=v,...]
+                                              [--variants 'block_n=64;overlap=0;stages=3']
 
 1. Small cases (dense, varlen with several documents, the bridge's trailing padding, 1-56 heads,
    head_dim 64 and 128, fp16 and bf16, with and without the LSE): the CuTe loop's output against
@@ -8,7 +9,9 @@
    order and exp2 rounding) and both against float64 attention; every output row written, padding
    rows exactly zero.
 2. Speed at 38,016 rows x 128 (h3-ref), 14 / 56 / 7 heads, quantization included: cuDNN SDPA, the
-   Triton loop, the CuTe loop, interleaved rounds, median of round medians.
+   Triton loop, the CuTe loop and its --variants, interleaved rounds, median of round medians.
+Every case runs for the default config and each variant. Rows print as JSON lines as they come (a
+hung kernel leaves them in the log).
 Prints a table last; writes sage8-cute-check.json under --out.
 """
 
@@ -106,7 +109,7 @@ def correctness(cfg) -> list[dict]:
     return rows
 
 
-def speed(cfg, rounds: int) -> list[dict]:
+def speed(cfg, rounds: int, variants=()) -> list[dict]:
     import triton.testing
     from dist_attn.kernels.sage8 import sage8_dense
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -123,6 +126,8 @@ def speed(cfg, rounds: int) -> list[dict]:
         fns = {"cudnn": cudnn,
                "triton": lambda: sage8_dense(qb, kb, vb, impl="triton"),
                "cute": lambda: sage8_dense(qb, kb, vb, impl="cute", config=cfg)}
+        for name, vcfg in variants:  # more CuTe configs in the same rounds
+            fns[name] = lambda vcfg=vcfg: sage8_dense(qb, kb, vb, impl="cute", config=vcfg)
         for f in fns.values():
             f()
         torch.cuda.synchronize()
@@ -140,37 +145,48 @@ def speed(cfg, rounds: int) -> list[dict]:
     return out
 
 
+def _config(cls, text: str):
+    """A CuteConfig from 'field=value,...' (overlap takes 0/1)."""
+    kw = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=")
+        kw[k] = bool(int(v)) if k == "overlap" else int(v)
+    return cls(**kw)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cfg", default="", help="CuteConfig fields, e.g. stages=3,overlap=0")
+    ap.add_argument("--variants", default="block_n=64;overlap=0;stages=3",
+                    help="';'-separated CuteConfig changes also timed beside the default (speed only)")
     a = ap.parse_args()
     os.environ.setdefault("DIST_ATTN_SAGE8_CUTE", "1")  # this script is the check the opt-in waits for
     from dist_attn.kernels.sage8.attn_cute import CuteConfig, compile_seconds
-    kw = {}
-    for item in filter(None, a.cfg.split(",")):
-        k, v = item.split("=")
-        kw[k] = bool(int(v)) if k == "overlap" else int(v)
-    cfg = CuteConfig(**kw)
+    cfg = _config(CuteConfig, a.cfg)
+    variants = [(f"cute[{v}]", _config(CuteConfig, v)) for v in filter(None, a.variants.split(";"))]
     t0 = time.time()
-    rows = correctness(cfg)
+    rows = []
+    for name, c in [("cute", cfg), *variants]:
+        rows += [dict(r, config=name) for r in correctness(c)]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "config": repr(cfg),
            "correctness": rows, "correctness_s": time.time() - t0,
            "compile_s": {repr(k): v for k, v in compile_seconds().items()}}
     if not a.skip_speed:
-        res["speed"] = speed(cfg, a.rounds)
+        res["speed"] = speed(cfg, a.rounds, variants)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "sage8-cute-check.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print("\ncase            cute/f64  triton/f64  cute/triton  lse(cute)  pad0")
+    print("\nconfig             case            cute/f64  triton/f64  cute/triton  lse(cute)  pad0")
     for r in rows:
-        print(f"{r['case']:<15} {r['cute_vs_f64']:.5f}   {r['triton_vs_f64']:.5f}     {r['cute_vs_triton']:.5f}    "
+        print(f"{r['config'][:18]:<18} {r['case']:<15} {r['cute_vs_f64']:.5f}   {r['triton_vs_f64']:.5f}     {r['cute_vs_triton']:.5f}    "
               f"{r['lse_cute_vs_f64_max']:.2e}  {r['pad_rows_zero']}")
     for r in res.get("speed", []):
         print(f"H={r['heads']:>2}: cudnn {r['cudnn_ms']:.2f}  triton {r['triton_ms']:.2f} ({r['triton_x_cudnn']:.3f}x)  "
-              f"cute {r['cute_ms']:.2f} ({r['cute_x_cudnn']:.3f}x, {r['cute_tops']:.0f} TOPS)")
+              f"cute {r['cute_ms']:.2f} ({r['cute_x_cudnn']:.3f}x, {r['cute_tops']:.0f} TOPS)  "
+              + "  ".join(f"{k[:-3]} {v:.2f}" for k, v in r.items() if k.startswith("cute[") and k.endswith("_ms")))
     print("compile s:", res["compile_s"])
 
 

@@ -37,12 +37,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import from_dlpack
 
 from dist_attn.kernels.sage8 import numerics
-from dist_attn.kernels.sage8.attn_cute_steps import BLOCK_M, BLOCK_N, BlockSteps
+from dist_attn.kernels.sage8.attn_cute_steps import BLOCK_M, BlockSteps
 
 if TYPE_CHECKING:  # the pre-pass imports triton; this loop does not need it
     from dist_attn.kernels.sage8.quant import Quantized
 
-__all__ = ["CuteConfig", "V_ORDER", "BLOCK_M", "BLOCK_N", "attention", "compiled", "compile_seconds"]
+__all__ = ["CuteConfig", "V_ORDER", "BLOCK_M", "attention", "compiled", "compile_seconds"]
 
 #: the order of V's keys this loop reads (numerics.V_KEY_ORDERS)
 V_ORDER = "mma"
@@ -52,7 +52,10 @@ V_ORDER = "mma"
 class CuteConfig:
     """Launch parameters of the CuTe loop.
 
-    ``stages``: shared-memory slots of the K and V^T ring. ``overlap``: issue the next block's
+    ``stages``: shared-memory slots of the K and V^T ring. ``block_n``: keys per block (64 or
+    128; K's INT8 scales and the P V promotion follow it): 64 halves the score tile's and P's
+    registers, which the 240-register budget of a consumer needs for its softmax to run under the
+    in-flight P V wgmma (with 128, ptxas reuses P's registers and waits for P V first). ``overlap``: issue the next block's
     QK wgmma before this block's softmax and alternate the two warpgroups at the tensor cores
     (False: each warpgroup waits on every wgmma, the two interleave only by chance).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
@@ -61,12 +64,15 @@ class CuteConfig:
 
     stages: int = 2
     overlap: bool = True
+    block_n: int = 128
     consumer_regs: int = 240
     producer_regs: int = 24
 
     def __post_init__(self):
         if self.stages not in (2, 3, 4):
             raise ValueError(f"CuteConfig.stages={self.stages!r} must be 2, 3 or 4")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"CuteConfig.block_n={self.block_n!r} must be 64 or 128")
         for name in ("consumer_regs", "producer_regs"):
             val = getattr(self, name)
             if not isinstance(val, int) or val % 8 or not 24 <= val <= 256:
@@ -106,20 +112,20 @@ class _Sage8Cute(BlockSteps):
         # S = Q K^T: A = Q tile (M=128 rows, K=D), B = K tile (N=128 keys, K=D), int32 accumulator
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             cutlass.Int8, cutlass.Int8, row_major.sm90_mma_major_mode(), row_major.sm90_mma_major_mode(),
-            Int32, (2, 1, 1), (64, BLOCK_N))
+            Int32, (2, 1, 1), (64, self.cfg.block_n))
         # O += P V: A = P from registers (M=128, K=128 keys), B = V^T tile (N=D, K=128 keys)
         mma_pv = sm90_utils.make_trivial_tiled_mma(
             cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, row_major.sm90_mma_major_mode(),
             row_major.sm90_mma_major_mode(), Float32, (2, 1, 1), (64, D), warpgroup.OperandSource.RMEM)
-        tile_qk = (BLOCK_M, BLOCK_N, D)
-        tile_pv = (BLOCK_M, D, BLOCK_N)
+        tile_qk = (BLOCK_M, self.cfg.block_n, D)
+        tile_pv = (BLOCK_M, D, self.cfg.block_n)
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, tile_qk, cutlass.Int8, 1)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, tile_qk, cutlass.Int8, self.stages)
         sV_layout = sm90_utils.make_smem_layout_b(row_major, tile_pv, cutlass.Float8E4M3FN, self.stages)
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(sQ_layout, (None, None, 0)), (BLOCK_M, D))
-        tma_k, tK = cpasync.make_tiled_tma_atom(op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLOCK_N, D))
-        tma_v, tV = cpasync.make_tiled_tma_atom(op, mVt, cute.slice_(sV_layout, (None, None, 0)), (D, BLOCK_N))
+        tma_k, tK = cpasync.make_tiled_tma_atom(op, mK, cute.slice_(sK_layout, (None, None, 0)), (self.cfg.block_n, D))
+        tma_v, tV = cpasync.make_tiled_tma_atom(op, mVt, cute.slice_(sV_layout, (None, None, 0)), (D, self.cfg.block_n))
         self.q_bytes = cute.size_in_bytes(cutlass.Int8, cute.slice_(sQ_layout, (None, None, 0)))
         self.k_bytes = cute.size_in_bytes(cutlass.Int8, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(sV_layout, (None, None, 0)))
@@ -190,12 +196,15 @@ class _Sage8Cute(BlockSteps):
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, D, stages)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (D, 128, stages)
 
-        n_full = Lk // BLOCK_N
-        lim = Lk - n_full * BLOCK_N
+        BN = self.cfg.block_n
+        n_full = Lk // BN
+        lim = Lk - n_full * BN
         # arithmetic, not a Python conditional on a traced value (c1's `n_full + (1 if lim > 0
         # else 0)`, a suspect in its hang on one-block segments)
-        n_blocks = (Lk + BLOCK_N - 1) // BLOCK_N
-        blk0 = (h * rows + pst) // BLOCK_N  # the segment's first 128-row block in [H * R, D]
+        n_blocks = (Lk + BN - 1) // BN
+        # the segment's first Q tile and first K block in [H * R, D]
+        q0 = (h * rows + pst) // BLOCK_M
+        k0 = (h * rows + pst) // BN
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
@@ -204,8 +213,8 @@ class _Sage8Cute(BlockSteps):
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
                 gQ = cute.local_tile(tQ, (BLOCK_M, D), (None, 0))  # (128, D, H * R / 128)
-                gK = cute.local_tile(tK, (BLOCK_N, D), (None, 0))  # (128, D, H * R / 128)
-                gV = cute.local_tile(tV, (D, BLOCK_N), (None, None))  # (D, 128, H, R / 128)
+                gK = cute.local_tile(tK, (BN, D), (None, 0))  # (BN, D, H * R / BN)
+                gV = cute.local_tile(tV, (D, BN), (None, None))  # (D, BN, H, R / BN)
                 tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                  cute.group_modes(gQ, 0, 2))
                 tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
@@ -214,15 +223,15 @@ class _Sage8Cute(BlockSteps):
                                                  cute.group_modes(gV, 0, 2))
                 state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 pipe_q.producer_acquire(state_q)
-                cute.copy(tma_q, tQg[None, blk0 + mb], tQs[None, 0],
+                cute.copy(tma_q, tQg[None, q0 + mb], tQs[None, 0],
                           tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for j in cutlass.range(n_blocks, unroll=1):
                     pipe_k.producer_acquire(state)
-                    cute.copy(tma_k, tKg[None, blk0 + j], tKs[None, state.index],
+                    cute.copy(tma_k, tKg[None, k0 + j], tKs[None, state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(state))
                     pipe_v.producer_acquire(state)
-                    cute.copy(tma_v, tVg[None, h, pst // BLOCK_N + j], tVs[None, state.index],
+                    cute.copy(tma_v, tVg[None, h, pst // BN + j], tVs[None, state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(state))
                     state.advance()
                 pipe_k.producer_tail(state)
@@ -242,7 +251,7 @@ class _Sage8Cute(BlockSteps):
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, D / 32, 1)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, D / 32, stages)
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, 1, 128 / 32, stages)
-        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BLOCK_N)))  # int32
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, self.cfg.block_n)))  # int32
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))  # fp32
         acc_b = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))  # one block's P V
         p8 = cute.make_rmem_tensor(_a_shape_of_acc(acc_s.shape, mma_pv.tv_layout_A.shape[1]),
@@ -251,7 +260,7 @@ class _Sage8Cute(BlockSteps):
         p8_words = cute.recast_tensor(p8, Uint32)
         f_s = cute.recast_tensor(acc_s, Float32)
         # (row, column) of each accumulator element within the CTA tile
-        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, self.cfg.block_n)))
         cO = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
 
         # per row (two per thread: values v with (v // 2) % 2 == r): Q's scale, running max, sum
@@ -265,7 +274,7 @@ class _Sage8Cute(BlockSteps):
             m_i[r] = -Float32.inf
             l_i[r] = Float32(0.0)
         acc_o.fill(0.0)
-        ks_row = (h * rows + pst) // BLOCK_N
+        ks_row = (h * rows + pst) // self.cfg.block_n
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(state_q)
@@ -279,13 +288,14 @@ class _Sage8Cute(BlockSteps):
             alpha_prev = cute.make_rmem_tensor((2,), Float32)
             self._turn_init()
             # block 0: S, softmax, P (its P V is issued with the next block's S)
+            ks0 = Float32(mKs[ks_row])
             self._issue_qk(pipe_k, state, mma, sync_turn=False)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             # block 0 is masked when it is the partial one, without a branch around the softmax
             # (c1's branch is the other suspect in its hang): a full block masks no column
-            rem0 = cutlass.select_(n_full == 0, rem, Int32(BLOCK_N))
-            self._softmax(f_s, qs, Float32(mKs[ks_row]), m_i, l_i, alpha_prev, True, rem0)
+            rem0 = cutlass.select_(n_full == 0, rem, Int32(self.cfg.block_n))
+            self._softmax(f_s, qs, ks0, m_i, l_i, alpha_prev, True, rem0)
             self._to_p8(f_s, p8_as_acc, p8_words)
             for j in cutlass.range(1, n_full, unroll=1):
                 state = self._overlap_step(st, alpha_prev, state, j, False)
@@ -341,7 +351,7 @@ def attention(qz: Quantized, q: torch.Tensor, out: torch.Tensor, lse: torch.Tens
     """Launches the CuTe loop on ``qz``; writes ``out`` ([B, T, H, D] view) and, when given,
     ``lse`` ([B, H, T] fp32, natural log). ``q`` is the caller's query (read for the LSE only)."""
     lay = qz.layout
-    assert qz.kblock == BLOCK_N and qz.v_order == V_ORDER and numerics.PAD % BLOCK_M == 0
+    assert qz.kblock == cfg.block_n and qz.v_order == V_ORDER and numerics.PAD % BLOCK_M == 0
     H, R, D = qz.qi8.shape
     dummy = qz.qscale
     lse_t = lse if lse is not None else dummy.view(1, 1, -1)

@@ -13,10 +13,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from dist_attn.kernels.sage8 import numerics
 
-__all__ = ["BLOCK_M", "BLOCK_N", "BlockSteps", "advanced"]
+__all__ = ["BLOCK_M", "BlockSteps", "advanced"]
 
-#: keys per block (the granularity of K's scales and of the P V promotion)
-BLOCK_N = 128
 #: query rows per CTA: two consumer warpgroups of 64 rows
 BLOCK_M = 128
 _LN2 = math.log(2.0)
@@ -91,6 +89,7 @@ class BlockSteps:
         """Block j: issue its S and the previous block's P V, softmax of j while P V runs, add
         P V into the output. Returns the pipeline state of block j."""
         mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
         state_v = state.clone()
         state = advanced(state)
         self._issue_qk(pipe_k, state, mma, sync_turn=True)
@@ -98,7 +97,7 @@ class BlockSteps:
         self._turn_pass()
         warpgroup.wait_group(1)  # S of block j is in
         pipe_k.consumer_release(state)
-        self._softmax(f_s, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, masked, rem)
+        self._softmax(f_s, qs, ks, m_i, l_i, alpha, masked, rem)
         warpgroup.wait_group(0)  # P V of block j - 1 is in: its P registers are free
         pipe_v.consumer_release(state_v)
         self._add_block(acc_o, alpha_prev, acc_b)
@@ -111,10 +110,11 @@ class BlockSteps:
     def _plain_step(self, st, state, j, masked: cutlass.Constexpr):
         """Block j with every wgmma waited for at once. Returns the next pipeline state."""
         mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        ks = Float32(mKs[ks_row + j])  # loaded before the wgmma wait, which hides its latency
         self._issue_qk(pipe_k, state, mma, sync_turn=False)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
-        self._softmax(f_s, qs, Float32(mKs[ks_row + j]), m_i, l_i, alpha, masked, rem)
+        self._softmax(f_s, qs, ks, m_i, l_i, alpha, masked, rem)
         self._to_p8(f_s, p8_as_acc, p8_words)
         self._issue_pv(pipe_v, state, mma)
         warpgroup.wait_group(0)

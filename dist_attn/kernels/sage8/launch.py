@@ -48,7 +48,7 @@ def default_config(impl: str):
 
 def key_block(impl: str, config) -> int:
     """Keys per block of the attention loop: the granularity of K's quantization scales."""
-    return _loop(impl).BLOCK_N if impl in ("gluon", "cute") else config.block_n
+    return _loop(impl).BLOCK_N if impl == "gluon" else config.block_n
 
 
 def v_order(impl: str) -> str:
