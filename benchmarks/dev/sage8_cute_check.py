@@ -1,7 +1,7 @@
 """The CuTe DSL sage8 loop on a GPU: correctness against the Triton loop and float64, then speed.
 
     python -m benchmarks.dev.sage8_cute_check [--out DIR] [--skip-speed] [--rounds 3] [--cfg k=v,...]
-                                              [--variants 'block_n=64;overlap=0;stages=3']
+                                              [--variants 'p_smem=0;stages=3'] [--isolate S]
 
 1. Small cases (dense, varlen with several documents, the bridge's trailing padding, 1-56 heads,
    head_dim 64 and 128, fp16 and bf16, with and without the LSE): the CuTe loop's output against
@@ -146,12 +146,36 @@ def speed(cfg, rounds: int, variants=()) -> list[dict]:
 
 
 def _config(cls, text: str):
-    """A CuteConfig from 'field=value,...' (overlap takes 0/1)."""
+    """A CuteConfig from 'field=value,...' (boolean fields take 0/1)."""
+    import dataclasses
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
     kw = {}
     for item in filter(None, text.split(",")):
         k, v = item.split("=")
-        kw[k] = bool(int(v)) if k == "overlap" else int(v)
+        kw[k] = bool(int(v)) if kinds[k] in (bool, "bool") else int(v)
     return cls(**kw)
+
+
+def _isolated(text: str, timeout_s: float, out: str) -> tuple[list[dict], str]:
+    """One config's correctness cases in a child process under ``timeout_s`` (a hung kernel
+    cannot be interrupted in-process): its rows and 'ok', 'wrong', 'hung' or 'failed'."""
+    import subprocess
+    import sys
+    path = os.path.join(out, f"sage8-cute-check-cfg-{abs(hash(text)) % 10**8}.json")
+    cmd = [sys.executable, "-m", "benchmarks.dev.sage8_cute_check", "--cfg", text, "--variants", "",
+           "--skip-speed", "--json", path]
+    try:
+        r = subprocess.run(cmd, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(json.dumps({"config": text, "status": "hung", "timeout_s": timeout_s}), flush=True)
+        return [], "hung"
+    if r.returncode != 0 or not os.path.exists(path):
+        return [], "failed"
+    with open(path) as f:
+        rows = json.load(f)["correctness"]
+    bad = [r["case"] for r in rows
+           if not r["finite"] or not r["cute_vs_triton"] < 0.01 or r["pad_rows_zero"] is False]
+    return rows, ("wrong: " + ",".join(bad)) if bad else "ok"
 
 
 def main():
@@ -160,8 +184,12 @@ def main():
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cfg", default="", help="CuteConfig fields, e.g. stages=3,overlap=0")
-    ap.add_argument("--variants", default="block_n=64;overlap=0;stages=3",
-                    help="';'-separated CuteConfig changes also timed beside the default (speed only)")
+    ap.add_argument("--variants", default="p_smem=0;p_smem=0,defer_add=0;stages=3;block_n=64",
+                    help="';'-separated CuteConfig changes also checked and timed beside the default")
+    ap.add_argument("--isolate", type=float, default=0.0, metavar="S",
+                    help="check each config in a child process killed after S seconds (a hang "
+                         "costs S, not the run); only configs that pass are timed")
+    ap.add_argument("--json", default="", help="write the result to this file")
     a = ap.parse_args()
     os.environ.setdefault("DIST_ATTN_SAGE8_CUTE", "1")  # this script is the check the opt-in waits for
     from dist_attn.kernels.sage8.attn_cute import CuteConfig, compile_seconds
@@ -169,15 +197,26 @@ def main():
     variants = [(f"cute[{v}]", _config(CuteConfig, v)) for v in filter(None, a.variants.split(";"))]
     t0 = time.time()
     rows = []
-    for name, c in [("cute", cfg), *variants]:
-        rows += [dict(r, config=name) for r in correctness(c)]
+    status = {}
+    if a.isolate:
+        os.makedirs(a.out, exist_ok=True)
+        for name, text in [("cute", a.cfg), *((f"cute[{v}]", v) for v in filter(None, a.variants.split(";")))]:
+            got, status[name] = _isolated(text, a.isolate, a.out)
+            print(json.dumps({"config": name, "status": status[name]}), flush=True)
+            rows += [dict(r, config=name) for r in got]
+        variants = [(n, c) for n, c in variants if status.get(n) == "ok"]
+        if status["cute"] != "ok":
+            a.skip_speed = True
+    else:
+        for name, c in [("cute", cfg), *variants]:
+            rows += [dict(r, config=name) for r in correctness(c)]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "config": repr(cfg),
-           "correctness": rows, "correctness_s": time.time() - t0,
+           "correctness": rows, "status": status, "correctness_s": time.time() - t0,
            "compile_s": {repr(k): v for k, v in compile_seconds().items()}}
     if not a.skip_speed:
         res["speed"] = speed(cfg, a.rounds, variants)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sage8-cute-check.json"), "w") as f:
+    with open(a.json or os.path.join(a.out, "sage8-cute-check.json"), "w") as f:
         json.dump(res, f, indent=1)
     print("\nconfig             case            cute/f64  triton/f64  cute/triton  lse(cute)  pad0")
     for r in rows:

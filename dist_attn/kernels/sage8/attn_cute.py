@@ -58,12 +58,19 @@ class CuteConfig:
     in-flight P V wgmma (with 128, ptxas reuses P's registers and waits for P V first). ``overlap``: issue the next block's
     QK wgmma before this block's softmax and alternate the two warpgroups at the tensor cores
     (False: each warpgroup waits on every wgmma, the two interleave only by chance).
+    ``defer_add`` (with ``overlap``): a block's P V is added into the output one step later,
+    while the next S is in flight, so nothing independent of the softmax follows the P V wait
+    (False: added right after that wait, where ptxas hoists the wait above the softmax).
+    ``p_smem``: P goes to the P V wgmma through shared memory (two buffers) instead of registers,
+    so no register of an in-flight wgmma can be handed to the softmax (implies ``defer_add``).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers).
     """
 
     stages: int = 2
     overlap: bool = True
+    defer_add: bool = True
+    p_smem: bool = True
     block_n: int = 128
     consumer_regs: int = 240
     producer_regs: int = 24
@@ -117,11 +124,18 @@ class _Sage8Cute(BlockSteps):
         mma_pv = sm90_utils.make_trivial_tiled_mma(
             cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, row_major.sm90_mma_major_mode(),
             row_major.sm90_mma_major_mode(), Float32, (2, 1, 1), (64, D), warpgroup.OperandSource.RMEM)
+        # p_smem: the same product with P read from shared memory (its register layout above says
+        # where each thread stores its P values)
+        mma_pv_ss = sm90_utils.make_trivial_tiled_mma(
+            cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, row_major.sm90_mma_major_mode(),
+            row_major.sm90_mma_major_mode(), Float32, (2, 1, 1), (64, D))
         tile_qk = (BLOCK_M, self.cfg.block_n, D)
         tile_pv = (BLOCK_M, D, self.cfg.block_n)
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, tile_qk, cutlass.Int8, 1)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, tile_qk, cutlass.Int8, self.stages)
         sV_layout = sm90_utils.make_smem_layout_b(row_major, tile_pv, cutlass.Float8E4M3FN, self.stages)
+        sP_layout = sm90_utils.make_smem_layout_a(row_major, tile_pv, cutlass.Float8E4M3FN, 2)  # 2 buffers
+        p_elems = cute.cosize(sP_layout) if self.cfg.p_smem else 1024
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(sQ_layout, (None, None, 0)), (BLOCK_M, D))
         tma_k, tK = cpasync.make_tiled_tma_atom(op, mK, cute.slice_(sK_layout, (None, None, 0)), (self.cfg.block_n, D))
@@ -138,16 +152,20 @@ class _Sage8Cute(BlockSteps):
             sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, p_elems], 1024]
 
         self.storage = Storage
-        self.kernel(mma_qk, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+        self.kernel(mma_qk, mma_pv, mma_pv_ss, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout,
+                    sV_layout, sP_layout,
                     mQs, mKs, mVs, mKsum, mO, mQin, mLse, mCu, used, total, rows, qk_scale).launch(
             grid=[grid_m, nseg, nheads], block=[384, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
-    def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tma_q: cute.CopyAtom, tQ: cute.Tensor,
+    def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mma_pv_ss: cute.TiledMma,
+               tma_q: cute.CopyAtom, tQ: cute.Tensor,
                tma_k: cute.CopyAtom, tK: cute.Tensor, tma_v: cute.CopyAtom, tV: cute.Tensor,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout,
                mQs: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor, mKsum: cute.Tensor, mO: cute.Tensor,
                mQin: cute.Tensor, mLse: cute.Tensor, mCu: cute.Tensor, used: Int32, total: Int32,
                rows: Int32, qk_scale: Float32):
@@ -167,12 +185,13 @@ class _Sage8Cute(BlockSteps):
             Lk = L
             pst = ((lo + numerics.PAD - 1) // numerics.PAD) * numerics.PAD + numerics.PAD * seg
         if mb * BLOCK_M < L:
-            self._tile(mma_qk, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+            self._tile(mma_qk, (mma_pv, mma_pv_ss), tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout,
+                       (sV_layout, sP_layout),
                        mQs, mKs, mVs, mKsum, mO, mQin, mLse, tidx, warp_idx, mb, seg, h, lo, L, Lk, pst,
                        rows, qk_scale)
 
     @cute.jit
-    def _tile(self, mma_qk, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sV_layout,
+    def _tile(self, mma_qk, mma_pvs, tma_q, tQ, tma_k, tK, tma_v, tV, sQ_layout, sK_layout, sVP_layouts,
               mQs, mKs, mVs, mKsum, mO, mQin, mLse, tidx, warp_idx, mb, seg, h, lo, L, Lk, pst, rows,
               qk_scale):
         D = self.D
@@ -194,7 +213,9 @@ class _Sage8Cute(BlockSteps):
 
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (128, D, 1)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, D, stages)
+        sV_layout, sP_layout = sVP_layouts
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (D, 128, stages)
+        sP = st.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)  # (128, BN, 2); p_smem only
 
         BN = self.cfg.block_n
         n_full = Lk // BN
@@ -238,15 +259,16 @@ class _Sage8Cute(BlockSteps):
                 pipe_v.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self._consume(mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO,
+            self._consume(mma_qk, mma_pvs, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO,
                           mQin, mLse, tidx - 128, mb, seg, h, lo, L, pst, rows, n_full, lim, n_blocks,
                           qk_scale)
 
     @cute.jit
-    def _consume(self, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO, mQin,
+    def _consume(self, mma_qk, mma_pvs, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO, mQin,
                  mLse, tidx, mb, seg, h, lo, L, pst, rows, n_full, lim, n_blocks, qk_scale):
         D = self.D
         thr_qk = mma_qk.get_slice(tidx)
+        mma_pv, mma_pv_ss = mma_pvs
         thr_pv = mma_pv.get_slice(tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, D / 32, 1)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, D / 32, stages)
@@ -279,13 +301,21 @@ class _Sage8Cute(BlockSteps):
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(state_q)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        mma = (mma_qk, mma_pv, tSrQ, tSrK, tOrV, acc_s, acc_b, p8)
+        # p_smem: P's two shared-memory buffers as the SS wgmma reads them, and as this thread
+        # stores its register fragment into them
+        thr_pv_ss = mma_pv_ss.get_slice(tidx)
+        tOsP = thr_pv_ss.make_fragment_A(thr_pv_ss.partition_A(sP))  # (MMA, 1, BN / 32, 2)
+        tPsP = thr_pv.partition_A(sP)  # p8's shape, (.., 2)
+        mma = (mma_qk, mma_pv, tSrQ, tSrK, tOrV, acc_s, acc_b, p8, mma_pv_ss, tOsP, tPsP)
         # this thread's first score column; its columns 8 i + e past `rem` are padding keys
         rem = lim - 2 * (tidx % 4)
         st = (mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o,
               acc_b, rem)
         if const_expr(self.cfg.overlap):
-            alpha_prev = cute.make_rmem_tensor((2,), Float32)
+            # defer_add: the P V waiting in acc_b for its fp32 promotion, and its block's alpha
+            alpha_pend = cute.make_rmem_tensor((2,), Float32)
+            alpha_pend.fill(1.0)
+            acc_b.fill(0.0)
             self._turn_init()
             # block 0: S, softmax, P (its P V is issued with the next block's S)
             ks0 = Float32(mKs[ks_row])
@@ -295,17 +325,30 @@ class _Sage8Cute(BlockSteps):
             # block 0 is masked when it is the partial one, without a branch around the softmax
             # (c1's branch is the other suspect in its hang): a full block masks no column
             rem0 = cutlass.select_(n_full == 0, rem, Int32(self.cfg.block_n))
-            self._softmax(f_s, qs, ks0, m_i, l_i, alpha_prev, True, rem0)
+            alpha0 = alpha if const_expr(self.cfg.defer_add or self.cfg.p_smem) else alpha_pend
+            self._softmax(f_s, qs, ks0, m_i, l_i, alpha0, True, rem0)
             self._to_p8(f_s, p8_as_acc, p8_words)
-            for j in cutlass.range(1, n_full, unroll=1):
-                state = self._overlap_step(st, alpha_prev, state, j, False)
-            if lim > 0:
-                if n_full > 0:
-                    state = self._overlap_step(st, alpha_prev, state, n_full, True)
-            self._issue_pv(pipe_v, state, mma)
+            if const_expr(self.cfg.p_smem):
+                self._store_p(mma, 0)
+                for j in cutlass.range(1, n_full, unroll=1):
+                    state = self._smem_step(st, alpha_pend, state, j, False)
+                if lim > 0:
+                    if n_full > 0:
+                        state = self._smem_step(st, alpha_pend, state, n_full, True)
+            else:
+                for j in cutlass.range(1, n_full, unroll=1):
+                    state = self._overlap_step(st, alpha_pend, state, j, False)
+                if lim > 0:
+                    if n_full > 0:
+                        state = self._overlap_step(st, alpha_pend, state, n_full, True)
+            if const_expr(self.cfg.defer_add or self.cfg.p_smem):  # the P V in acc_b, then the last block's
+                self._add_block(acc_o, alpha_pend, acc_b)
+                alpha_pend[0] = alpha[0]
+                alpha_pend[1] = alpha[1]
+            self._issue_pv(pipe_v, state, mma, (n_blocks - 1) % 2)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
-            self._add_block(acc_o, alpha_prev, acc_b)
+            self._add_block(acc_o, alpha_pend, acc_b)
         else:
             for j in cutlass.range(n_full, unroll=1):
                 state = self._plain_step(st, state, j, False)

@@ -28,7 +28,7 @@ class BlockSteps:
     def _issue_qk(self, pipe_k, state, mma, sync_turn: cutlass.Constexpr):
         """Waits for K's slot and issues S = Q K^T on top of MAGIC_I (the accumulator's bits then
         read as the float MAGIC_F + s); does not wait for the result."""
-        mma_qk, _, tSrQ, tSrK, _, acc_s, _, _ = mma
+        mma_qk, _, tSrQ, tSrK, _, acc_s, _, _, _, _, _ = mma
         pipe_k.consumer_wait(state)
         if const_expr(sync_turn):
             self._turn_wait()
@@ -41,16 +41,33 @@ class BlockSteps:
         warpgroup.commit_group()
 
     @cute.jit
-    def _issue_pv(self, pipe_v, state, mma):
-        """Waits for V^T's slot and issues acc_b = P V (a fresh accumulator); does not wait."""
-        _, mma_pv, _, _, tOrV, _, acc_b, p8 = mma
+    def _issue_pv(self, pipe_v, state, mma, buf=None):
+        """Waits for V^T's slot and issues acc_b = P V (a fresh accumulator); does not wait. P:
+        its registers, or with ``cfg.p_smem`` its shared-memory buffer ``buf``."""
+        _, mma_pv, _, _, tOrV, _, acc_b, p8, mma_pv_ss, tOsP, _ = mma
         pipe_v.consumer_wait(state)
         warpgroup.fence()
-        atom = cute.make_mma_atom(mma_pv.op)
-        for k in cutlass.range_constexpr(cute.size(p8, mode=[2])):
-            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(atom, acc_b, p8[None, None, k], tOrV[None, None, k, state.index], acc_b)
+        if const_expr(self.cfg.p_smem):
+            atom = cute.make_mma_atom(mma_pv_ss.op)
+            for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
+                atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(atom, acc_b, tOsP[None, None, k, buf], tOrV[None, None, k, state.index], acc_b)
+        else:
+            atom = cute.make_mma_atom(mma_pv.op)
+            for k in cutlass.range_constexpr(cute.size(p8, mode=[2])):
+                atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(atom, acc_b, p8[None, None, k], tOrV[None, None, k, state.index], acc_b)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _store_p(self, mma, buf):
+        """P's register fragment into shared-memory buffer ``buf``, visible to the wgmma (each warp
+        stores the 16 rows its part of the wgmma reads, so a warp-level sync suffices)."""
+        p8 = mma[7]
+        tPsP = mma[10]
+        cute.autovec_copy(p8, tPsP[None, None, None, buf])
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
 
     @cute.jit
     def _to_p8(self, f_s, p8_as_acc, p8_words):
@@ -85,14 +102,21 @@ class BlockSteps:
         cute.arch.barrier_arrive(barrier_id=2 - self._wg(), number_of_threads=256)
 
     @cute.jit
-    def _overlap_step(self, st, alpha_prev, state, j, masked: cutlass.Constexpr):
-        """Block j: issue its S and the previous block's P V, softmax of j while P V runs, add
-        P V into the output. Returns the pipeline state of block j."""
+    def _overlap_step(self, st, alpha_pend, state, j, masked: cutlass.Constexpr):
+        """Block j: issue its S and the previous block's P V, softmax of j while that P V runs.
+        ``cfg.defer_add``: the P V of block j - 2 (in acc_b, its alpha in ``alpha_pend``) is
+        added into the output between the two issues, so after the P V wait only P's conversion
+        is left; otherwise block j - 1's P V is added after that wait. Returns the pipeline state
+        of block j."""
         mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
         ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
         state_v = state.clone()
         state = advanced(state)
         self._issue_qk(pipe_k, state, mma, sync_turn=True)
+        if const_expr(self.cfg.defer_add):
+            self._add_block(acc_o, alpha_pend, acc_b)
+            alpha_pend[0] = alpha[0]
+            alpha_pend[1] = alpha[1]
         self._issue_pv(pipe_v, state_v, mma)
         self._turn_pass()
         warpgroup.wait_group(1)  # S of block j is in
@@ -100,10 +124,37 @@ class BlockSteps:
         self._softmax(f_s, qs, ks, m_i, l_i, alpha, masked, rem)
         warpgroup.wait_group(0)  # P V of block j - 1 is in: its P registers are free
         pipe_v.consumer_release(state_v)
-        self._add_block(acc_o, alpha_prev, acc_b)
-        alpha_prev[0] = alpha[0]
-        alpha_prev[1] = alpha[1]
+        if const_expr(not self.cfg.defer_add):
+            self._add_block(acc_o, alpha_pend, acc_b)
+            alpha_pend[0] = alpha[0]
+            alpha_pend[1] = alpha[1]
         self._to_p8(f_s, p8_as_acc, p8_words)
+        return state
+
+    @cute.jit
+    def _smem_step(self, st, alpha_pend, state, j, masked: cutlass.Constexpr):
+        """Block j with P in shared memory (``cfg.p_smem``; two buffers, block j's is j % 2):
+        issue S of j; add the P V of block j - 2 (in acc_b, scaled by ``alpha_pend``) into the
+        output while S runs; issue P V of block j - 1; softmax of j and its P stored while that
+        P V runs; wait for it last. Every wgmma is waited for within the step (ptxas serializes
+        wgmmas whose results are read across the loop's back edge). Returns block j's state."""
+        mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
+        state_v = state.clone()
+        state = advanced(state)
+        self._issue_qk(pipe_k, state, mma, sync_turn=True)
+        self._add_block(acc_o, alpha_pend, acc_b)
+        alpha_pend[0] = alpha[0]
+        alpha_pend[1] = alpha[1]
+        self._issue_pv(pipe_v, state_v, mma, (j - 1) % 2)
+        self._turn_pass()
+        warpgroup.wait_group(1)  # S of block j is in
+        pipe_k.consumer_release(state)
+        self._softmax(f_s, qs, ks, m_i, l_i, alpha, masked, rem)
+        self._to_p8(f_s, p8_as_acc, p8_words)
+        self._store_p(mma, j % 2)
+        warpgroup.wait_group(0)  # P V of block j - 1 is in acc_b
+        pipe_v.consumer_release(state_v)
         return state
 
     @cute.jit
@@ -116,7 +167,9 @@ class BlockSteps:
         pipe_k.consumer_release(state)
         self._softmax(f_s, qs, ks, m_i, l_i, alpha, masked, rem)
         self._to_p8(f_s, p8_as_acc, p8_words)
-        self._issue_pv(pipe_v, state, mma)
+        if const_expr(self.cfg.p_smem):
+            self._store_p(mma, 0)
+        self._issue_pv(pipe_v, state, mma, 0)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(state)
         self._add_block(acc_o, alpha, acc_b)
