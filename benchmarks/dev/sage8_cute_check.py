@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import time
 
 import torch
@@ -54,7 +55,7 @@ def _inputs(T, H, D, dtype, seed, vmean=True):
     return tuple(t.to(dtype) for t in (q, k, v))
 
 
-def correctness(cfg) -> list[dict]:
+def correctness(cfg, only: str = "") -> list[dict]:
     from dist_attn.kernels.sage8 import sage8_dense, sage8_varlen
     rows = []
     cases = [
@@ -70,6 +71,8 @@ def correctness(cfg) -> list[dict]:
         ("h56", 384, 56, 128, torch.bfloat16, None, None),
     ]
     for name, T, H, D, dtype, cu, used in cases:
+        if only and not re.search(only, name):
+            continue
         q, k, v = _inputs(T, H, D, dtype, seed=T + H)
         scale = 1 / math.sqrt(D)
         if cu is None:
@@ -156,14 +159,14 @@ def _config(cls, text: str):
     return cls(**kw)
 
 
-def _isolated(text: str, timeout_s: float, out: str) -> tuple[list[dict], str]:
+def _isolated(text: str, timeout_s: float, out: str, only: str = "") -> tuple[list[dict], str]:
     """One config's correctness cases in a child process under ``timeout_s`` (a hung kernel
     cannot be interrupted in-process): its rows and 'ok', 'wrong', 'hung' or 'failed'."""
     import subprocess
     import sys
     path = os.path.join(out, f"sage8-cute-check-cfg-{abs(hash(text)) % 10**8}.json")
     cmd = [sys.executable, "-m", "benchmarks.dev.sage8_cute_check", "--cfg", text, "--variants", "",
-           "--skip-speed", "--json", path]
+           "--skip-speed", "--json", path, "--cases", only]
     try:
         r = subprocess.run(cmd, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -190,6 +193,7 @@ def main():
                     help="check each config in a child process killed after S seconds (a hang "
                          "costs S, not the run); only configs that pass are timed")
     ap.add_argument("--json", default="", help="write the result to this file")
+    ap.add_argument("--cases", default="", help="only the correctness cases whose name matches this regex")
     a = ap.parse_args()
     os.environ.setdefault("DIST_ATTN_SAGE8_CUTE", "1")  # this script is the check the opt-in waits for
     from dist_attn.kernels.sage8.attn_cute import CuteConfig, compile_seconds
@@ -201,7 +205,7 @@ def main():
     if a.isolate:
         os.makedirs(a.out, exist_ok=True)
         for name, text in [("cute", a.cfg), *((f"cute[{v}]", v) for v in filter(None, a.variants.split(";")))]:
-            got, status[name] = _isolated(text, a.isolate, a.out)
+            got, status[name] = _isolated(text, a.isolate, a.out, a.cases)
             print(json.dumps({"config": name, "status": status[name]}), flush=True)
             rows += [dict(r, config=name) for r in got]
         variants = [(n, c) for n, c in variants if status.get(n) == "ok"]
@@ -209,7 +213,7 @@ def main():
             a.skip_speed = True
     else:
         for name, c in [("cute", cfg), *variants]:
-            rows += [dict(r, config=name) for r in correctness(c)]
+            rows += [dict(r, config=name) for r in correctness(c, a.cases)]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "config": repr(cfg),
            "correctness": rows, "status": status, "correctness_s": time.time() - t0,
            "compile_s": {repr(k): v for k, v in compile_seconds().items()}}
