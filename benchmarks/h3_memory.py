@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import time
@@ -284,12 +285,37 @@ def _gather_model(summary, world: int, block_ms: list[float], bandwidths: list[f
     return rows
 
 
+def _in_child(world: int, precision: str, args) -> dict:
+    """One (W, precision) in a fresh process: a case's leftovers (caches, the previous model
+    until its last reference goes) never count in the next case's peaks, as they did when the
+    four ran in one process (the FP8 builds after bf16 ones then showed ~15-20 GB more)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "case.json")
+        cmd = [sys.executable, "-m", "benchmarks.h3_memory", "--worlds", str(world), "--precisions",
+               precision, "--backend", args.backend, "--bandwidth-gbs", *map(str, args.bandwidth_gbs),
+               "--case-json", path, "--out", tmp]
+        r = subprocess.run(cmd)
+        if r.returncode != 0 or not os.path.exists(path):
+            return {"status": "error", "world": world, "precision": precision,
+                    "reason": f"child process exited {r.returncode}"}
+        with open(path) as f:
+            return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], choices=("bf16", "fp8"))
     p.add_argument("--backend", default="sdpa", help="attention backend (sdpa: cuDNN)")
     p.add_argument("--bandwidth-gbs", type=float, nargs="+", default=[300.0, 360.0])
+    p.add_argument("--same-process", action="store_true",
+                   help="run every (W, precision) in this process (default on a GPU: each in a child "
+                        "process, so no case's leftovers count in the next one's peaks)")
+    p.add_argument("--case-json", default="", help=argparse.SUPPRESS)  # a child's one result
     add_common_args(p, iters=1, warmup=0, budget_s=450)
     args = p.parse_args(argv)
     refuse_unhonoured(p, args, smoke_on_cpu=True)
@@ -317,15 +343,23 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             t0 = time.perf_counter()
             try:
-                res = run_one(world, precision, smoke=not cuda, device=device,
-                              backend=args.backend, bandwidths=args.bandwidth_gbs)
-                res.update(status="ok", total_ms=(time.perf_counter() - t0) * 1e3)
+                if cuda and not args.same_process and not args.case_json:
+                    res = _in_child(world, precision, args)
+                else:
+                    res = run_one(world, precision, smoke=not cuda, device=device,
+                                  backend=args.backend, bandwidths=args.bandwidth_gbs)
+                    res.update(status="ok")
+                res.update(total_ms=(time.perf_counter() - t0) * 1e3)
             except Exception as e:  # noqa: BLE001 - a row, not a crash
                 import traceback
 
                 traceback.print_exc()
                 res = {"status": "error", "world": world, "precision": precision,
                        "reason": f"{type(e).__name__}: {e}"[:500]}
+            if args.case_json:
+                with open(args.case_json, "w") as f:
+                    json.dump(res, f)
+                return
             results.append(res)
             writer.rows.append(res)
             print({k: v for k, v in res.items() if k not in ("estimate", "gather")}, flush=True)
