@@ -35,7 +35,7 @@
 #                       /tmp/site; later steps then see cutlass (PYTHONPATH adds its dsl_packages) (~20 s)
 #   cute-check          dev/sage8_cute_check: the CuTe loop and its variants (CUTE_VARIANTS, ';'-separated
 #                       CuteConfig changes) against the Triton loop, float64, cuDNN; each config's
-#                       cases in a child process killed after 90 s if hung        (~4-8 min)
+#                       cases in a child process killed after 60 s if hung, then each timed in a child (~5-8 min)
 #   all                 every subcommand above but cute-*, in this order (~80 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
@@ -158,7 +158,7 @@ step() {
     cute-b)  # unzipped, not pip --target: its wheels share one top folder, which --target skips
         run 90 cute-b bash -c 'cat /tmp/cute-wheels/cu13part.aa "${WHEELS:-.whl2}"/cu13part.ab > /tmp/cute-wheels/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/cute-wheels/cu13part.aa && for w in /tmp/cute-wheels/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages "$0" -c "import cutlass.cute; print(cutlass.__version__)"' "$PY" ;;
     cute-check)
-        run 520 cute-check "$PY" -m benchmarks.dev.sage8_cute_check --out "$RES" --isolate 90 \
+        run 520 cute-check "$PY" -m benchmarks.dev.sage8_cute_check --out "$RES" --isolate 60 \
             ${CUTE_VARIANTS:+--variants "$CUTE_VARIANTS"} ;;
     tests)
         run 330 tests --log "$RES/gpu-tests_${HW}_$TODAY.log" "$PY" -m pytest tests/core/test_gpu_core.py \

@@ -159,26 +159,36 @@ def _config(cls, text: str):
     return cls(**kw)
 
 
-def _isolated(text: str, timeout_s: float, out: str, only: str = "") -> tuple[list[dict], str]:
-    """One config's correctness cases in a child process under ``timeout_s`` (a hung kernel
-    cannot be interrupted in-process): its rows and 'ok', 'wrong', 'hung' or 'failed'."""
+def _child(args: list[str], timeout_s: float) -> tuple[list[dict], bool]:
+    """This script in a child process under ``timeout_s`` (a hung kernel cannot be interrupted
+    in-process): the JSON lines it printed, even when killed, and whether it finished."""
     import subprocess
     import sys
-    path = os.path.join(out, f"sage8-cute-check-cfg-{abs(hash(text)) % 10**8}.json")
-    cmd = [sys.executable, "-m", "benchmarks.dev.sage8_cute_check", "--cfg", text, "--variants", "",
-           "--skip-speed", "--json", path, "--cases", only]
+    cmd = [sys.executable, "-m", "benchmarks.dev.sage8_cute_check", *args]
     try:
-        r = subprocess.run(cmd, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        print(json.dumps({"config": text, "status": "hung", "timeout_s": timeout_s}), flush=True)
-        return [], "hung"
-    if r.returncode != 0 or not os.path.exists(path):
-        return [], "failed"
-    with open(path) as f:
-        rows = json.load(f)["correctness"]
+        r = subprocess.run(cmd, timeout=timeout_s, stdout=subprocess.PIPE, text=True)
+        text, done = r.stdout, r.returncode == 0
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or ""
+        text, done = out.decode() if isinstance(out, bytes) else out, False
+    print(text, end="", flush=True)
+    lines = [json.loads(t) for t in text.splitlines() if t.startswith("{")]
+    return lines, done
+
+
+def _isolated(text: str, timeout_s: float, only: str = "") -> tuple[list[dict], str]:
+    """One config's correctness cases in a child process: its rows and 'ok', 'wrong: <cases>',
+    'hung after <case>' or 'failed'."""
+    rows, done = _child(["--cfg", text, "--variants", "", "--skip-speed", "--cases", only,
+                         "--json", os.devnull], timeout_s)
+    rows = [r for r in rows if "case" in r]
     bad = [r["case"] for r in rows
            if not r["finite"] or not r["cute_vs_triton"] < 0.01 or r["pad_rows_zero"] is False]
-    return rows, ("wrong: " + ",".join(bad)) if bad else "ok"
+    if bad:
+        return rows, "wrong: " + ",".join(bad)
+    if not done:
+        return rows, f"hung after {rows[-1]['case'] if rows else 'start'} ({timeout_s:.0f} s)"
+    return rows, "ok"
 
 
 def main():
@@ -187,13 +197,16 @@ def main():
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cfg", default="", help="CuteConfig fields, e.g. stages=3,overlap=0")
-    ap.add_argument("--variants", default="p_smem=0;p_smem=0,defer_add=0;stages=3;block_n=64",
+    ap.add_argument("--variants", default="p_smem=0;stages=3",
                     help="';'-separated CuteConfig changes also checked and timed beside the default")
     ap.add_argument("--isolate", type=float, default=0.0, metavar="S",
                     help="check each config in a child process killed after S seconds (a hang "
                          "costs S, not the run); only configs that pass are timed")
     ap.add_argument("--json", default="", help="write the result to this file")
     ap.add_argument("--cases", default="", help="only the correctness cases whose name matches this regex")
+    ap.add_argument("--speed-timeout", type=float, default=150.0,
+                    help="with --isolate: each config's timing child is killed after this")
+    ap.add_argument("--speed-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.environ.setdefault("DIST_ATTN_SAGE8_CUTE", "1")  # this script is the check the opt-in waits for
     from dist_attn.kernels.sage8.attn_cute import CuteConfig, compile_seconds
@@ -202,20 +215,32 @@ def main():
     t0 = time.time()
     rows = []
     status = {}
+    speed_by_config = {}
+    if a.speed_only:
+        for r in speed(cfg, a.rounds, ()):
+            print(json.dumps(dict(r, speed=True)), flush=True)
+        return
     if a.isolate:
-        os.makedirs(a.out, exist_ok=True)
-        for name, text in [("cute", a.cfg), *((f"cute[{v}]", v) for v in filter(None, a.variants.split(";")))]:
-            got, status[name] = _isolated(text, a.isolate, a.out, a.cases)
+        # each config's cases in a child; then each config that was not wrong timed in a child
+        # of its own beside cuDNN and the Triton loop (a config that hangs on short segments may
+        # still run h3-ref's, and a hang there costs --speed-timeout)
+        configs = [("cute", a.cfg), *((f"cute[{v}]", v) for v in filter(None, a.variants.split(";")))]
+        for name, text in configs:
+            got, status[name] = _isolated(text, a.isolate, a.cases)
             print(json.dumps({"config": name, "status": status[name]}), flush=True)
             rows += [dict(r, config=name) for r in got]
-        variants = [(n, c) for n, c in variants if status.get(n) == "ok"]
-        if status["cute"] != "ok":
-            a.skip_speed = True
+        for name, text in configs:
+            if a.skip_speed or status[name].startswith(("wrong", "failed")):
+                continue
+            got, done = _child(["--cfg", text, "--speed-only", "--rounds", str(a.rounds)], a.speed_timeout)
+            speed_by_config[name] = {"rows": [r for r in got if r.get("speed")], "finished": done}
+        a.skip_speed = True
     else:
         for name, c in [("cute", cfg), *variants]:
             rows += [dict(r, config=name) for r in correctness(c, a.cases)]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "config": repr(cfg),
-           "correctness": rows, "status": status, "correctness_s": time.time() - t0,
+           "correctness": rows, "status": status, "speed_by_config": speed_by_config,
+           "correctness_s": time.time() - t0,
            "compile_s": {repr(k): v for k, v in compile_seconds().items()}}
     if not a.skip_speed:
         res["speed"] = speed(cfg, a.rounds, variants)
@@ -230,6 +255,14 @@ def main():
         print(f"H={r['heads']:>2}: cudnn {r['cudnn_ms']:.2f}  triton {r['triton_ms']:.2f} ({r['triton_x_cudnn']:.3f}x)  "
               f"cute {r['cute_ms']:.2f} ({r['cute_x_cudnn']:.3f}x, {r['cute_tops']:.0f} TOPS)  "
               + "  ".join(f"{k[:-3]} {v:.2f}" for k, v in r.items() if k.startswith("cute[") and k.endswith("_ms")))
+    for name, got in speed_by_config.items():
+        for r in got["rows"]:
+            print(f"{name:<28} H={r['heads']:>2}: cudnn {r['cudnn_ms']:.2f}  triton {r['triton_ms']:.2f} "
+                  f"({r['triton_x_cudnn']:.3f}x)  cute {r['cute_ms']:.2f} ({r['cute_x_cudnn']:.3f}x)")
+        if not got["finished"]:
+            print(f"{name:<28} timing did not finish (hung or --speed-timeout)")
+    for name, st in status.items():
+        print(f"{name:<28} correctness: {st}")
     print("compile s:", res["compile_s"])
 
 

@@ -255,8 +255,10 @@ class _Sage8Cute(BlockSteps):
                     cute.copy(tma_v, tVg[None, h, pst // BN + j], tVs[None, state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(state))
                     state.advance()
-                pipe_k.producer_tail(state)
-                pipe_v.producer_tail(state)
+                # no producer_tail: it guards a cluster's CTAs against exiting while a peer still
+                # arrives on their barriers, and this kernel has no cluster. Both tails were called
+                # on one state, which the first advances in place: the prime suspect for the hang
+                # on segments of one key block (c1-c3; T = 129 and longer run)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self._consume(mma_qk, mma_pvs, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO,
