@@ -195,7 +195,8 @@ def kernels(smoke: bool) -> dict[str, Callable]:
     if smoke:
         return ks
     ks.update({"fa3": _bridge("fa3"), "sage": _bridge("sage"), "sage2_direct": _sage2_direct,
-               "sage8": _bridge("sage8"), "sage8_gluon": _bridge("sage8_gluon")})
+               "sage8": _bridge("sage8"), "sage8_gluon": _bridge("sage8_gluon"),
+               "sage8_cute": _bridge("sage8_cute")})  # the CuTe DSL loop (opt-in: DIST_ATTN_SAGE8_CUTE=1)
     for impl, name in (("triton", "sage8"), ("gluon", "sage8_gluon")):
         ks[f"{name}:v2-running"] = _sage8_variant(impl, "running")
     return ks

@@ -36,6 +36,9 @@
 #   cute-check          dev/sage8_cute_check: the CuTe loop and its variants (CUTE_VARIANTS, ';'-separated
 #                       CuteConfig changes) against the Triton loop, float64, cuDNN; each config's
 #                       cases in a child process killed after 60 s if hung, then each timed in a child (~5-8 min)
+#   cute-tests          tests/core/test_kernel_sage8_cute.py on the GPU (opted in)   -> cute-gpu-tests_<gpu>_<date>.log (~2 min)
+#   cute-accuracy       accuracy: sdpa, the Triton loop and the CuTe loop against float64 (needs
+#                       diffusers: WHEELS=".whl2 .gw" on cute-b's call)              (~3.5 min)
 #   all                 every subcommand above but cute-*, in this order (~80 min: several device calls)
 #
 # --dry-run prints each step's command and cap without setting up or running anything.
@@ -44,7 +47,8 @@
 # .whl/cu13part.` puts part .aa with nvidia-cutlass-dsl, -libs-base and -libs-core in .whl and part
 # .ab in .whl2 (move it there; both git-ignored). Call 1 (carry .whl): `bash benchmarks/h200.sh
 # cute-a`; call 2 at once, before the machine is released (carry .whl2):
-# `WHEELS=.whl2 bash benchmarks/h200.sh cute-b cute-check`. The machine keeps /tmp/site between warm calls.
+# `WHEELS=.whl2 bash benchmarks/h200.sh cute-b cute-check` (WHEELS may name several folders, e.g.
+# ".whl2 .gw", carried together). The machine keeps /tmp/site between warm calls.
 # Needs: ${WHEELS:-.whl}/*.whl, the wheels the image lacks (installed into /tmp/site; the machine
 # reaches no package index): diffusers 0.42.1, av, starlette, uvicorn, torchao 0.18.0 (fp8),
 # sageattention 1.0.6 and fa3-fwd 0.0.3 (their rows), importlib_metadata. kernels-side and
@@ -72,7 +76,7 @@ ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-varian
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
      job-full-compiled job-full-fp8 job-full-fp8fast job-outside job-decode-eager decode-compiled
      memory)
-CUTE=(cute-a cute-b cute-check)  # named only, never by "all"
+CUTE=(cute-a cute-b cute-check cute-tests cute-accuracy)  # named only, never by "all"
 DRY=0
 
 say() { echo "[h200 $(date -u +%T)] $*" | tee -a "$LOG"; }
@@ -103,12 +107,16 @@ run() {
 
 setup() {
     if [ "$DRY" = 1 ]; then
-        echo "setup: install ${WHEELS:-.whl}/*.whl into /tmp/site; PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD"
+        echo "setup: install the *.whl of ${WHEELS:-.whl} into /tmp/site; PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD"
         return 0
     fi
     mkdir -p "$RES"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "${WHEELS:-.whl}"/*.whl 2>&1 | tail -2 | tee -a "$LOG"
+    local d w wheels=()
+    for d in ${WHEELS:-.whl}; do  # WHEELS: one folder or several, space-separated
+        for w in "$d"/*.whl; do [ -f "$w" ] && wheels+=("$w"); done
+    done
+    [ ${#wheels[@]} -gt 0 ] && "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${wheels[@]}" 2>&1 | tail -2 | tee -a "$LOG"
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD  # a --target install: no .pth
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$LOG"
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
@@ -156,7 +164,13 @@ step() {
     cute-a)
         run 30 cute-a bash -c 'mkdir -p /tmp/cute-wheels && cp "${WHEELS:-.whl}"/* /tmp/cute-wheels/ && ls /tmp/cute-wheels' ;;
     cute-b)  # unzipped, not pip --target: its wheels share one top folder, which --target skips
-        run 90 cute-b bash -c 'cat /tmp/cute-wheels/cu13part.aa "${WHEELS:-.whl2}"/cu13part.ab > /tmp/cute-wheels/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/cute-wheels/cu13part.aa && for w in /tmp/cute-wheels/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages "$0" -c "import cutlass.cute; print(cutlass.__version__)"' "$PY" ;;
+        run 90 cute-b bash -c 'cat /tmp/cute-wheels/cu13part.aa $(for d in ${WHEELS:-.whl2}; do [ -f "$d/cu13part.ab" ] && echo "$d/cu13part.ab"; done) > /tmp/cute-wheels/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/cute-wheels/cu13part.aa && for w in /tmp/cute-wheels/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages "$0" -c "import cutlass.cute; print(cutlass.__version__)"' "$PY" ;;
+    cute-tests)
+        run 300 cute-tests --log "$RES/cute-gpu-tests_${HW}_$TODAY.log" env DIST_ATTN_SAGE8_CUTE=1 "$PY" -m pytest \
+            tests/core/test_kernel_sage8_cute.py -rs -q -s -p no:cacheprovider ;;
+    cute-accuracy)  # needs diffusers (the real-H3 family): WHEELS=".whl2 .gw"
+        run 220 cute-accuracy env DIST_ATTN_SAGE8_CUTE=1 "$PY" -m benchmarks.accuracy --out "$RES" \
+            --theme accuracy-cute --budget-s 200 --kernels sdpa,sage8,sage8_cute --drift-backends sage8,sage8_cute ;;
     cute-check)
         run 520 cute-check "$PY" -m benchmarks.dev.sage8_cute_check --out "$RES" --isolate 60 \
             ${CUTE_VARIANTS:+--variants "$CUTE_VARIANTS"} ;;
