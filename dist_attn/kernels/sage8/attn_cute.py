@@ -75,6 +75,11 @@ class CuteConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
 
+    @property
+    def adds_late(self) -> bool:
+        """Whether a block's P V is added one step later (``defer_add``, implied by ``p_smem``)."""
+        return self.defer_add or self.p_smem
+
     def __post_init__(self):
         if self.stages not in (2, 3, 4):
             raise ValueError(f"CuteConfig.stages={self.stages!r} must be 2, 3 or 4")
@@ -327,26 +332,18 @@ class _Sage8Cute(BlockSteps):
             # block 0 is masked when it is the partial one, without a branch around the softmax
             # (c1's branch is the other suspect in its hang): a full block masks no column
             rem0 = cutlass.select_(n_full == 0, rem, Int32(self.cfg.block_n))
-            alpha0 = alpha if const_expr(self.cfg.defer_add or self.cfg.p_smem) else alpha_pend
+            alpha0 = alpha if const_expr(self.cfg.adds_late) else alpha_pend
             self._softmax(f_s, qs, ks0, m_i, l_i, alpha0, True, rem0)
             self._to_p8(f_s, p8_as_acc, p8_words)
             if const_expr(self.cfg.p_smem):
                 self._store_p(mma, 0)
-                for j in cutlass.range(1, n_full, unroll=1):
-                    state = self._smem_step(st, alpha_pend, state, j, False)
-                if lim > 0:
-                    if n_full > 0:
-                        state = self._smem_step(st, alpha_pend, state, n_full, True)
-            else:
-                for j in cutlass.range(1, n_full, unroll=1):
-                    state = self._overlap_step(st, alpha_pend, state, j, False)
-                if lim > 0:
-                    if n_full > 0:
-                        state = self._overlap_step(st, alpha_pend, state, n_full, True)
-            if const_expr(self.cfg.defer_add or self.cfg.p_smem):  # the P V in acc_b, then the last block's
-                self._add_block(acc_o, alpha_pend, acc_b)
-                alpha_pend[0] = alpha[0]
-                alpha_pend[1] = alpha[1]
+            for j in cutlass.range(1, n_full, unroll=1):
+                state = self._overlap_step(st, alpha_pend, state, j, False)
+            if lim > 0:
+                if n_full > 0:
+                    state = self._overlap_step(st, alpha_pend, state, n_full, True)
+            if const_expr(self.cfg.adds_late):  # the P V in acc_b, then the last block's
+                self._promote(acc_o, alpha_pend, acc_b, alpha)
             self._issue_pv(pipe_v, state, mma, (n_blocks - 1) % 2)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)

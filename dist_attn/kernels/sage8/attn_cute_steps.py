@@ -104,58 +104,42 @@ class BlockSteps:
     @cute.jit
     def _overlap_step(self, st, alpha_pend, state, j, masked: cutlass.Constexpr):
         """Block j: issue its S and the previous block's P V, softmax of j while that P V runs.
-        ``cfg.defer_add``: the P V of block j - 2 (in acc_b, its alpha in ``alpha_pend``) is
+        With ``cfg.adds_late`` the P V of block j - 2 (in acc_b, its alpha in ``alpha_pend``) is
         added into the output between the two issues, so after the P V wait only P's conversion
-        is left; otherwise block j - 1's P V is added after that wait. Returns the pipeline state
-        of block j."""
+        (registers) or nothing (``p_smem``: block j's P is stored to buffer j % 2 before it) is
+        left; otherwise block j - 1's P V is added after that wait. Every wgmma is waited for
+        within the step (ptxas serializes wgmmas whose results are read across the loop's back
+        edge). Returns the pipeline state of block j."""
         mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
         ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
         state_v = state.clone()
         state = advanced(state)
         self._issue_qk(pipe_k, state, mma, sync_turn=True)
-        if const_expr(self.cfg.defer_add):
-            self._add_block(acc_o, alpha_pend, acc_b)
-            alpha_pend[0] = alpha[0]
-            alpha_pend[1] = alpha[1]
-        self._issue_pv(pipe_v, state_v, mma)
-        self._turn_pass()
-        warpgroup.wait_group(1)  # S of block j is in
-        pipe_k.consumer_release(state)
-        self._softmax(f_s, qs, ks, m_i, l_i, alpha, masked, rem)
-        warpgroup.wait_group(0)  # P V of block j - 1 is in: its P registers are free
-        pipe_v.consumer_release(state_v)
-        if const_expr(not self.cfg.defer_add):
-            self._add_block(acc_o, alpha_pend, acc_b)
-            alpha_pend[0] = alpha[0]
-            alpha_pend[1] = alpha[1]
-        self._to_p8(f_s, p8_as_acc, p8_words)
-        return state
-
-    @cute.jit
-    def _smem_step(self, st, alpha_pend, state, j, masked: cutlass.Constexpr):
-        """Block j with P in shared memory (``cfg.p_smem``; two buffers, block j's is j % 2):
-        issue S of j; add the P V of block j - 2 (in acc_b, scaled by ``alpha_pend``) into the
-        output while S runs; issue P V of block j - 1; softmax of j and its P stored while that
-        P V runs; wait for it last. Every wgmma is waited for within the step (ptxas serializes
-        wgmmas whose results are read across the loop's back edge). Returns block j's state."""
-        mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
-        ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
-        state_v = state.clone()
-        state = advanced(state)
-        self._issue_qk(pipe_k, state, mma, sync_turn=True)
-        self._add_block(acc_o, alpha_pend, acc_b)
-        alpha_pend[0] = alpha[0]
-        alpha_pend[1] = alpha[1]
+        if const_expr(self.cfg.adds_late):
+            self._promote(acc_o, alpha_pend, acc_b, alpha)
         self._issue_pv(pipe_v, state_v, mma, (j - 1) % 2)
         self._turn_pass()
         warpgroup.wait_group(1)  # S of block j is in
         pipe_k.consumer_release(state)
         self._softmax(f_s, qs, ks, m_i, l_i, alpha, masked, rem)
-        self._to_p8(f_s, p8_as_acc, p8_words)
-        self._store_p(mma, j % 2)
-        warpgroup.wait_group(0)  # P V of block j - 1 is in acc_b
+        if const_expr(self.cfg.p_smem):
+            self._to_p8(f_s, p8_as_acc, p8_words)
+            self._store_p(mma, j % 2)
+        warpgroup.wait_group(0)  # P V of block j - 1 is in: acc_b and P's registers are free
         pipe_v.consumer_release(state_v)
+        if const_expr(not self.cfg.adds_late):
+            self._promote(acc_o, alpha_pend, acc_b, alpha)
+        if const_expr(not self.cfg.p_smem):
+            self._to_p8(f_s, p8_as_acc, p8_words)
         return state
+
+    @cute.jit
+    def _promote(self, acc_o, alpha_pend, acc_b, alpha):
+        """The P V in acc_b added into the output (scaled by ``alpha_pend``), which then takes
+        the newest block's ``alpha``."""
+        self._add_block(acc_o, alpha_pend, acc_b)
+        alpha_pend[0] = alpha[0]
+        alpha_pend[1] = alpha[1]
 
     @cute.jit
     def _plain_step(self, st, state, j, masked: cutlass.Constexpr):
