@@ -24,7 +24,6 @@ def main():
     from benchmarks.dev.sage8_cute_check import _config
     from dist_attn.kernels.sage8 import sage8_dense
     from dist_attn.kernels.sage8.attn_cute import CuteConfig
-    from dist_attn.kernels.sage8.quant import quantize  # noqa: F401  (import cost before timing)
     cfg = _config(CuteConfig, text)
     q, k, v = (torch.randn((1, T, 2, 128), device="cuda", dtype=torch.bfloat16) for _ in range(3))
 

@@ -5,7 +5,6 @@ naming the device before the model is built, and the warm-up runs before the ser
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 import torch
@@ -114,18 +113,10 @@ def test_build_h3_fp8_on_cpu_names_the_device():
 
 
 @pytest.fixture
-def launcher(monkeypatch):
-    """launch/serve.py's main() in this process as world 1 on the CPU (also where a GPU is
-    visible: these tests pin the CPU launch), logging restored afterwards."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+def launcher(launcher, monkeypatch):
+    """The shared launcher pinned to the CPU launch (also where a GPU is visible)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    from dist_attn.serve.launch import cli
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield cli
-    root.handlers[:], root.level = handlers, level
+    return launcher
 
 
 def test_launch_refuses_fp8_before_the_model(launcher, capsys):

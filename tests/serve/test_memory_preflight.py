@@ -225,18 +225,6 @@ def test_launch_preflight_on_every_rank_before_any_weight(tmp_path):
     assert {r[:2] for r in results} == {(results[0][0], True)}
 
 
-@pytest.fixture
-def launcher(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    from dist_attn.serve.launch import cli
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield cli
-    root.handlers[:], root.level = handlers, level
-
-
 def test_check_only_plans_a_gpu_from_a_cpu(launcher, capsys):
     """--check-only with memory.device_gb: the launch checks report the pre-flight's message once;
     on the CPU without device_gb, preflight=true is refused the same way; the default plans

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
 import signal
 import socket
@@ -163,19 +162,6 @@ def test_port_in_use_fails_before_the_model_with_one_message():
 def test_single_process_check_only_ok():
     ok = run([sys.executable, SERVE, "--check-only"], STARTUP_S)
     assert ok.returncode == 0 and "check-only: OK" in ok.stdout, ok.stderr
-
-
-@pytest.fixture
-def launcher(monkeypatch):
-    """launch/serve.py's main() in this process as world 1 (no torchrun env), logging restored."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    from dist_attn.serve.launch import cli as serve
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield serve
-    root.handlers[:], root.level = handlers, level
 
 
 def test_launch_rejects_bad_tier_backend_and_checkpoint(launcher, tmp_path, capsys):
