@@ -1,14 +1,15 @@
-"""The full-size served H3 as rank 0 of W on ONE GPU: peak memory per phase with the weights
+"""The full-size served H3 as rank r of W (default 0) on ONE GPU: peak memory per phase with the weights
 sharded (FSDP2), beside the launch pre-flight's estimate, and the modeled cost of the per-block
 gathers.
 
     python -m benchmarks.h3_memory                      # one H100/H200: W = 4 and 8, bf16 and FP8
+    python -m benchmarks.h3_memory --ranks 0 3          # ... as rank 0, then as rank 3 (W = 4 and 8)
     python -m benchmarks.h3_memory --smoke              # CPU: the tiny config, seconds
 
 A fake process group (``torch.testing._internal.distributed.fake_pg``, backend "fake": the way
-torchtitan estimates memory) makes this one process rank 0 of W: every allocation and kernel is
-real (rank 0's shards, its 1/W of the rows, its share of the decode), no byte crosses a wire (an
-all-gather copies rank 0's shard W times, an all-to-all copies its input). Per (W, linear
+torchtitan estimates memory) makes this one process rank r of W: every allocation and kernel is
+real (rank r's shards, its 1/W of the rows, its share of the decode), no byte crosses a wire (an
+all-gather copies this rank's shard W times, an all-to-all copies its input). Per (W, linear
 precision), everything as the server builds it with ``parallel.shard_weights = true``:
 
 - the transformer (50 blocks + the 2 refiner blocks, its own init on the GPU, materialised block by
@@ -17,7 +18,8 @@ precision), everything as the server builds it with ``parallel.shard_weights = t
   (``shard_text_encoder``), random N(0, 0.02) weights;
 - ``AutoencoderKLMiniMaxH3()`` in float16 (from_pretrained's dtypes) and the audio VAE in float32;
 - the h3-ref request (124 frames at 768 x 1344, a 512-token prompt) through the served pipeline's
-  own code: the text encode, ONE denoise step, the video decode (rank 0's share of the tiles).
+  own code: the text encode, ONE denoise step, the video decode (the rank's share of the tiles).
+  As rank r > 0 the text encode runs as rank 0's (a fake group cannot deliver rank 0's broadcast).
 
 Reported per phase: ``torch.cuda.max_memory_allocated`` (peak stats reset between phases) beside
 :func:`dist_attn.serve.h3.memory.estimate_peak` for the same plan. The gather model: each block's
@@ -171,8 +173,9 @@ def _replicating_all_gather(device: torch.device) -> str:
 
 
 def run_one(world: int, precision: str, *, smoke: bool, device: torch.device, backend: str,
-            bandwidths: list[float]) -> dict:
-    """One (W, precision): build, the three phases, the estimate, the gather model."""
+            bandwidths: list[float], rank: int = 0) -> dict:
+    """One (W, precision) as ``rank`` of W: build, the three phases, the estimate, the gather
+    model."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -188,14 +191,14 @@ def run_one(world: int, precision: str, *, smoke: bool, device: torch.device, ba
     from dist_attn.serve.launch.preflight import largest_geometry
     from dist_attn.serve.wire import Abort
 
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     real_all_gather = dist.all_gather
     try:
         fake_note = _replicating_all_gather(device)
         cfg = load_config(None if smoke else os.path.join("configs", "h3.toml"))
         cfg = apply_overrides(cfg, {"model.linear_precision": precision,
                                     "parallel.shard_weights": True, "runtime.compile": False})
-        env = DistEnv(rank=0, world_size=world, local_rank=0, device=device, backend="fake")
+        env = DistEnv(rank=rank, world_size=world, local_rank=0, device=device, backend="fake")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         tok = _tokenizer()
         text_cfg = _text_config(smoke, tok, cfg.model.text_dim)
@@ -226,7 +229,7 @@ def run_one(world: int, precision: str, *, smoke: bool, device: torch.device, ba
         geo_req = {"frames": 124, "height": 64 if smoke else 768, "width": 64 if smoke else 1344}
         prompt = "a" * (32 if smoke else 512)
         req = parse_video_request({"prompt": prompt, "steps": 1, "seed": 0, **geo_req}, rules)
-        embeds, tags, _ = _phase("text encode", lambda: pipe.encode(prompt), device, phases)
+        embeds, tags, _ = _phase("text encode", lambda: _encode_as_rank0(pipe, prompt), device, phases)
         blocks = list(comps.transformer.token_refiner.refiner_blocks) + list(comps.transformer.transformer_blocks)
         read, handles = _block_timer(blocks, device)
         out = _phase("denoise", lambda: pipe.run_denoise(req, embeds, tags,
@@ -243,9 +246,9 @@ def run_one(world: int, precision: str, *, smoke: bool, device: torch.device, ba
                                         "request.width": req.width, "runtime.warmup_prompt_tokens": len(prompt)})
         geo = largest_geometry(cfg_geo, world, device.type)
         tiles = pipe.decoder.handle.last.tiles_per_call
-        est = estimate_peak(sizes, geo, Plan(world=world, rank=0, shard=True, fp8=precision == "fp8",
+        est = estimate_peak(sizes, geo, Plan(world=world, rank=rank, shard=True, fp8=precision == "fp8",
                                              tiles_per_call=tiles, elt=torch.finfo(dtype).bits // 8))
-        res = {"world": world, "precision": precision, "backend": backend, "phases": phases,
+        res = {"world": world, "rank": rank, "precision": precision, "backend": backend, "phases": phases,
                # the job's peak: the build's transients (materialising a block, a VAE) are the
                # launch's, once
                "peak_gb": max(p["peak_gb"] for k, p in phases.items() if k != "build"),
@@ -285,7 +288,27 @@ def _gather_model(summary, world: int, block_ms: list[float], bandwidths: list[f
     return rows
 
 
-def _in_child(world: int, precision: str, args) -> dict:
+def _encode_as_rank0(pipe, prompt: str):
+    """``pipe.encode`` as rank 0 runs it. Every rank runs the sharded encoder alike, then takes
+    rank 0's output from a broadcast, which a fake group cannot deliver (a receiver's buffer stays
+    unwritten); as rank 0 this rank keeps its own output, a buffer of the same size."""
+    import dataclasses
+
+    env = pipe.env
+    pipe.env = dataclasses.replace(env, rank=0)
+    try:
+        return pipe.encode(prompt)
+    finally:
+        pipe.env = env
+
+
+def _case(r: dict) -> str:
+    """A result row's label: W, precision and, past rank 0, the rank."""
+    rank = r.get("rank", 0)
+    return f"W={r['world']} {r['precision']}" + (f" rank {rank}" if rank else "")
+
+
+def _in_child(world: int, precision: str, rank: int, args) -> dict:
     """One (W, precision) in a fresh process: a case's leftovers (caches, the previous model
     until its last reference goes) never count in the next case's peaks, as they did when the
     four ran in one process (the FP8 builds after bf16 ones then showed ~15-20 GB more)."""
@@ -296,11 +319,12 @@ def _in_child(world: int, precision: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "case.json")
         cmd = [sys.executable, "-m", "benchmarks.h3_memory", "--worlds", str(world), "--precisions",
-               precision, "--backend", args.backend, "--bandwidth-gbs", *map(str, args.bandwidth_gbs),
+               precision, "--ranks", str(rank), "--backend", args.backend,
+               "--bandwidth-gbs", *map(str, args.bandwidth_gbs),
                "--case-json", path, "--out", tmp]
         r = subprocess.run(cmd)
         if r.returncode != 0 or not os.path.exists(path):
-            return {"status": "error", "world": world, "precision": precision,
+            return {"status": "error", "world": world, "rank": rank, "precision": precision,
                     "reason": f"child process exited {r.returncode}"}
         with open(path) as f:
             return json.load(f)
@@ -310,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], choices=("bf16", "fp8"))
+    p.add_argument("--ranks", type=int, nargs="+", default=[0],
+                   help="which rank of W each case runs as (a rank >= W is left out): the shards, "
+                        "rows and decode tiles are that rank's")
     p.add_argument("--backend", default="sdpa", help="attention backend (sdpa: cuDNN)")
     p.add_argument("--bandwidth-gbs", type=float, nargs="+", default=[300.0, 360.0])
     p.add_argument("--same-process", action="store_true",
@@ -330,50 +357,50 @@ def main(argv: list[str] | None = None) -> None:
     config = {"worlds": args.worlds, "precisions": args.precisions, "backend": args.backend,
               "bandwidth_gbs": args.bandwidth_gbs, "model": "tiny" if not cuda else "h3 (50 blocks)",
               "request": "124 frames at 768 x 1344, 512-token prompt, 1 step" if cuda else "tiny",
-              "process_group": "fake (rank 0 of W)"}
+              "process_group": "fake (rank r of W)", "ranks": args.ranks}
     writer = ResultWriter(theme=THEME, args=args, config=config, device=device,
-                          title="Full-size H3 as rank 0 of W (fake process group): peak memory "
+                          title="Full-size H3 as rank r of W (fake process group): peak memory "
                                 "by phase, the pre-flight's estimate, the gather model")
     results = []
-    for world in args.worlds:
-        for precision in args.precisions:
-            if budget.expired(reserve_s=90 if cuda else 0):
-                writer.rows.append({"status": "skipped", "world": world, "precision": precision,
-                                    "reason": "--budget-s spent"})
-                continue
-            t0 = time.perf_counter()
-            try:
-                if cuda and not args.same_process and not args.case_json:
-                    res = _in_child(world, precision, args)
-                else:
-                    res = run_one(world, precision, smoke=not cuda, device=device,
-                                  backend=args.backend, bandwidths=args.bandwidth_gbs)
-                    res.update(status="ok")
-                res.update(total_ms=(time.perf_counter() - t0) * 1e3)
-            except Exception as e:  # noqa: BLE001 - a row, not a crash
-                import traceback
+    cases = [(w, q, r) for w in args.worlds for q in args.precisions for r in args.ranks if r < w]
+    for world, precision, rank in cases:
+        if budget.expired(reserve_s=90 if cuda else 0):
+            writer.rows.append({"status": "skipped", "world": world, "rank": rank, "precision": precision,
+                                "reason": "--budget-s spent"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            if cuda and not args.same_process and not args.case_json:
+                res = _in_child(world, precision, rank, args)
+            else:
+                res = run_one(world, precision, smoke=not cuda, device=device, backend=args.backend,
+                              bandwidths=args.bandwidth_gbs, rank=rank)
+                res.update(status="ok")
+            res.update(total_ms=(time.perf_counter() - t0) * 1e3)
+        except Exception as e:  # noqa: BLE001 - a row, not a crash
+            import traceback
 
-                traceback.print_exc()
-                res = {"status": "error", "world": world, "precision": precision,
-                       "reason": f"{type(e).__name__}: {e}"[:500]}
-            if args.case_json:
-                with open(args.case_json, "w") as f:
-                    json.dump(res, f)
-                return
-            results.append(res)
-            writer.rows.append(res)
-            print({k: v for k, v in res.items() if k not in ("estimate", "gather")}, flush=True)
-            writer.save()
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            traceback.print_exc()
+            res = {"status": "error", "world": world, "rank": rank, "precision": precision,
+                   "reason": f"{type(e).__name__}: {e}"[:500]}
+        if args.case_json:
+            with open(args.case_json, "w") as f:
+                json.dump(res, f)
+            return
+        results.append(res)
+        writer.rows.append(res)
+        print({k: v for k, v in res.items() if k not in ("estimate", "gather")}, flush=True)
+        writer.save()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     ok = [r for r in results if r["status"] == "ok"]
-    mem_rows = [{"case": f"W={r['world']} {r['precision']}", "weights_rank_gb": r["weights_rank_gb"],
+    mem_rows = [{"case": _case(r), "weights_rank_gb": r["weights_rank_gb"],
                  **{f"{ph}_gb": r["phases"][ph]["peak_gb"] for ph in PHASES},
                  "peak_gb": r["peak_gb"], "estimate_gb": r["estimate_gb"],
                  "ratio": r["estimate_gb"] / r["peak_gb"] if r["peak_gb"] else None} for r in ok]
-    gather_rows = [{"case": f"W={r['world']} {r['precision']}", **g} for r in ok for g in r["gather"]]
-    tables = [("Peak memory of rank 0 by phase (GB, torch.cuda.max_memory_allocated)", markdown_table(
+    gather_rows = [{"case": _case(r), **g} for r in ok for g in r["gather"]]
+    tables = [("Peak memory of the rank by phase (GB, torch.cuda.max_memory_allocated)", markdown_table(
         mem_rows, [("case", "case", ""), ("weights_rank_gb", "weights kept", ".1f"),
                    ("build_gb", "build", ".1f"), ("text encode_gb", "text encode", ".1f"),
                    ("denoise_gb", "denoise step", ".1f"), ("decode_gb", "decode", ".1f"),
@@ -393,9 +420,9 @@ def main(argv: list[str] | None = None) -> None:
         plt.bar([i - 0.2 for i in x], [r["peak_gb"] for r in mem_rows], width=0.4, label="measured")
         plt.bar([i + 0.2 for i in x], [r["estimate_gb"] for r in mem_rows], width=0.4, label="estimate")
         plt.xticks(list(x), names)
-        plt.ylabel("GB, rank 0")
+        plt.ylabel("GB, peak of the rank")
         plt.legend()
-        plt.title(f"H3 rank 0 of W, sharded weights, {writer.gpu}")
+        plt.title(f"H3 rank r of W, sharded weights, {writer.gpu}")
 
     paths = writer.finish(plot, tables)
     for _, t in tables:
