@@ -29,7 +29,7 @@
 #   job-decode-eager    serve_h3_gpu: the served job, 8 x 3, its decode eager (as before)        (~3 min)
 #   decode-compiled     vae_decode_compiled: compiled vs eager fp16 decode at h3-ref, W = 1      (~4 min)
 #   memory              h3_memory: full-size H3 as rank 0 of W = 4, 8 (fake PG), bf16 and FP8   (~6 min)
-#   memory-ranks        h3_memory: the same as the last rank (W = 4: 3; W = 8: 3 and 7), bf16     (~4.5 min)
+#   memory-ranks        h3_memory: the same as the last rank (3 of 4, 7 of 8), bf16 linears       (~3 min)
 #   cute-a              CuTe DSL, call 1 of 2: copy its wheels and the first half of the cu13 library
 #                       wheel (carry .whl: split -b 46000000, see below) to /tmp/cute-wheels       (~5 s)
 #   cute-b              CuTe DSL, call 2 of 2 (at once, carry .whl2): join the halves, install into
@@ -274,8 +274,8 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
         run 480 memory "$PY" -m benchmarks.h3_memory --out "$RES" --worlds 4 8 --precisions bf16 fp8 \
             --budget-s 420 ;;
     memory-ranks)
-        run 330 memory-ranks "$PY" -m benchmarks.h3_memory --out "$RES" --theme h3-memory-ranks \
-            --worlds 4 8 --precisions bf16 --ranks 3 7 --budget-s 300 ;;
+        run 240 memory-ranks "$PY" -m benchmarks.h3_memory --out "$RES" --theme h3-memory-ranks \
+            --worlds 4 8 --precisions bf16 --ranks -1 --budget-s 200 ;;
     esac
 }
 

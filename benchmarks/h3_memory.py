@@ -3,7 +3,7 @@ sharded (FSDP2), beside the launch pre-flight's estimate, and the modeled cost o
 gathers.
 
     python -m benchmarks.h3_memory                      # one H100/H200: W = 4 and 8, bf16 and FP8
-    python -m benchmarks.h3_memory --ranks 0 3          # ... as rank 0, then as rank 3 (W = 4 and 8)
+    python -m benchmarks.h3_memory --ranks 0 -1         # ... as rank 0, then as the last rank
     python -m benchmarks.h3_memory --smoke              # CPU: the tiny config, seconds
 
 A fake process group (``torch.testing._internal.distributed.fake_pg``, backend "fake": the way
@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], choices=("bf16", "fp8"))
     p.add_argument("--ranks", type=int, nargs="+", default=[0],
-                   help="which rank of W each case runs as (a rank >= W is left out): the shards, "
-                        "rows and decode tiles are that rank's")
+                   help="which rank of W each case runs as (-1: the last; one outside [-W, W) is left "
+                        "out): the shards, rows and decode tiles are that rank's")
     p.add_argument("--backend", default="sdpa", help="attention backend (sdpa: cuDNN)")
     p.add_argument("--bandwidth-gbs", type=float, nargs="+", default=[300.0, 360.0])
     p.add_argument("--same-process", action="store_true",
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                           title="Full-size H3 as rank r of W (fake process group): peak memory "
                                 "by phase, the pre-flight's estimate, the gather model")
     results = []
-    cases = [(w, q, r) for w in args.worlds for q in args.precisions for r in args.ranks if r < w]
+    cases = [(w, q, r % w) for w in args.worlds for q in args.precisions for r in args.ranks if -w <= r < w]
     for world, precision, rank in cases:
         if budget.expired(reserve_s=90 if cuda else 0):
             writer.rows.append({"status": "skipped", "world": world, "rank": rank, "precision": precision,
