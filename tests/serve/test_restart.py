@@ -1,8 +1,8 @@
 """Jobs survive the job: with video jobs queued and one running, every process of the torchrun
 job is killed with SIGKILL; after the restart on the same output directory the running job runs
 again first (attempt 2, its history says re-queued), the queued ones after it, and every job
-reaches a final state with its MP4, none lost. 2 CPU gloo ranks, the tiny H3 pipeline, loopback
-only, every wait bounded (~40 s: two server starts)."""
+reaches a final state with its MP4, none lost. 2 CPU gloo ranks, the tiny H3 pipeline with its
+weights sharded over them, loopback only, every wait bounded (~40 s: two server starts)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def _final(srv, ids) -> bool:
 
 def test_kill_9_with_jobs_queued_and_running_then_restart(tmp_path):
     out = str(tmp_path / "out")
-    flags = ("--output-dir", out, "--set", "runtime.heartbeat_s=0.5")
+    # with the weights sharded (FSDP2): a restart rebuilds the shards from the checkpoint; the
+    # other server tests run the replica
+    flags = ("--output-dir", out, "--set", "runtime.heartbeat_s=0.5", "--set", "parallel.shard_weights=true")
     # a fresh cache: the first start builds the tiny pipeline (rank 0 builds, rank 1 waits at the
     # barrier), as on a fresh machine; the later starts find it
     cache = {"DIST_ATTN_CACHE": str(tmp_path / "cache")}

@@ -122,3 +122,25 @@ def test_a_checkpoint_missing_a_tensor_fails_on_every_rank_naming_it(tmp_path):
     save_file(tensors, file)
     for msg in run_ranks(_refusal_worker, 2, tmp_path, str(path), timeout=200):
         assert msg and "no tensor transformer_blocks.1.attn.to_k.weight" in msg, msg
+
+
+def test_launched_server_serves_the_same_latents_sharded_or_not(tmp_path):
+    """launch/serve.py --once on 2 gloo ranks with parallel.shard_weights = true and = false:
+    the sharded build says so in its log and the latents' checksums are bit-identical (the
+    server's restart with sharded weights: tests/serve/test_restart.py)."""
+    import json
+
+    from tests.serve._server import STARTUP_S, run, torchrun
+
+    bits = {}
+    for shard in ("true", "false"):
+        res = run(torchrun(2, "--once", "--steps", "2", "--seed", "3", "--output-dir",
+                           str(tmp_path / shard), "--set", f"parallel.shard_weights={shard}"),
+                  STARTUP_S)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert ("weights sharded over 2 ranks with FSDP2" in res.stderr) == (shard == "true"), \
+            res.stderr[-3000:]
+        line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        assert len(line) == 1, res.stdout
+        bits[shard] = json.loads(line[0])["checksum"]["bits64"]
+    assert bits["true"] == bits["false"], bits

@@ -1,7 +1,7 @@
 """The text encoder sharded over the ranks (parallel.shard_weights): every rank holds 1/W of the
 tiny checkpoint's Qwen3-VL (FSDP2, one unit per decoder layer, read from the checkpoint one layer
-at a time), every rank runs it on the job's prompt, and every rank conditions on exactly what the
-whole encoder on rank 0 gives."""
+at a time), every rank runs it on rank 0's prompt (the others' requests carry none), and every
+rank conditions on exactly what the whole encoder on rank 0 gives."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def _worker(rank, world, path):
     sharded = all(isinstance(p, DTensor) for p in te.model.parameters())
     share = sum(p.to_local().numel() for p in te.model.parameters()) / sum(
         p.numel() for p in te.model.parameters())
-    # every rank runs the encoder (rank 0 as the job's lead, the others as followers)
-    embeds, tags, _ = pipe.encode(PROMPT)
-    again, _, _ = pipe.encode(PROMPT)  # a second job: every layer gathered again
+    # every rank runs the encoder (rank 0 as the job's lead, the others as followers, whose
+    # request carries no prompt: a job's control message holds its integers only)
+    embeds, tags, _ = pipe.encode(PROMPT if rank == 0 else "")
+    again, _, _ = pipe.encode("another prompt, ignored" if rank else PROMPT)  # every layer gathered again
     # the reference: the whole encoder, as rank 0 alone loads it without sharding
     whole = load_text_encoder(Qwen3VLForConditionalGeneration, os.path.join(path, "text_encoder"),
                               dtype=torch.float32, device=torch.device("cpu"))
@@ -52,7 +53,8 @@ def _worker(rank, world, path):
     return {"equal": torch.equal(embeds, out["prompt_embeds"].float()) and torch.equal(
                 tags, out["text_token_tags"].to(tags.device)),
             "again": torch.equal(again, embeds), "sharded": sharded, "share": share,
-            "units": len(layers), "head_unloaded": te.lm_head.weight.is_meta}
+            "units": len(layers), "head_unloaded": te.lm_head.weight.is_meta,
+            "flag": pipe.text_sharded}
 
 
 @pytest.mark.parametrize("world", [2])
@@ -63,6 +65,23 @@ def test_every_rank_runs_its_share_of_the_encoder_and_gets_rank0s_output(tmp_pat
     path = build_tiny_checkpoint(str(tmp_path / "h3-tiny"),
                                  tiny_spec(load_config(None).model.diffusers_config()))
     for res in run_ranks(_worker, world, tmp_path, path, timeout=300):
-        assert res["equal"] and res["again"] and res["sharded"], res
+        assert res["equal"] and res["again"] and res["sharded"] and res["flag"], res
         assert res["units"] == 51 and res["head_unloaded"], res
         assert res["share"] <= 1 / world + 0.05, res
+
+
+def _text_worker(rank, world):
+    from dist_attn.distributed import DistEnv
+    from dist_attn.serve.wire import broadcast_text
+
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
+                  backend="gloo")
+    texts = ["a fox \N{FOX FACE} runs, na\u00efve \u2014 \u00fc", "", "x" * 5000]
+    return [broadcast_text(t if rank == 0 else None, env) for t in texts], texts
+
+
+def test_rank0s_text_reaches_every_rank(tmp_path):
+    """broadcast_text: rank 0's prompt, multi-byte UTF-8, empty or long, on every rank (the
+    others pass None)."""
+    for got, want in run_ranks(_text_worker, 3, tmp_path):
+        assert got == want

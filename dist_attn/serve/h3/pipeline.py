@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.h3.components import (H3Components, check_fit, checkpoint_is_tiny,
@@ -59,7 +60,7 @@ from dist_attn.serve.h3.tiny import ensure_tiny_checkpoint
 from dist_attn.serve.jobs.runner import StepHook, VideoOutcome
 from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
 from dist_attn.serve.wire.abort import Abort, agree_abort
-from dist_attn.serve.wire.prompt import broadcast_prompt
+from dist_attn.serve.wire.prompt import broadcast_prompt, broadcast_text
 
 __all__ = ["H3Pipeline", "H3Runner"]
 
@@ -81,8 +82,11 @@ class H3Pipeline:
                                        audio_scheduler=comps.audio_scheduler, vae=comps.vae,
                                        audio_vae=comps.audio_vae)
         self.text = None
-        # a sharded encoder runs on every rank (its layers' gathers are collectives)
+        # a sharded encoder runs on every rank (its layers' gathers are collectives), on rank 0's
+        # prompt: the other ranks' requests carry none (a job's control message holds integers)
         self.text_everywhere = env.rank != 0 and comps.text_encoder is not None
+        self.text_sharded = env.distributed and comps.text_encoder is not None and any(
+            isinstance(p, DTensor) for p in comps.text_encoder.parameters())
         if comps.text_encoder is not None:
             self.text = MiniMaxH3TextEncoderStep().init_pipeline()
             self.text.update_components(text_encoder=comps.text_encoder,
@@ -118,11 +122,14 @@ class H3Pipeline:
             torch.cuda.synchronize(self.env.device)
 
     def encode(self, prompt: str | None) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Rank 0 encodes ``prompt`` (with a sharded encoder, every rank runs it on the same
-        ``prompt``, every rank's copy of the request's); every rank gets rank 0's result. Returns
-        (embeds [1, T, D], tags [T], seconds of the encoder on rank 0 (0 elsewhere))."""
+        """Rank 0 encodes ``prompt`` (with a sharded encoder every rank runs it, on rank 0's
+        ``prompt``, which is broadcast first: the other ranks' is ignored); every rank gets rank
+        0's result. Returns (embeds [1, T, D], tags [T], seconds of the encoder on rank 0 (0
+        elsewhere))."""
         embeds = tags = None
         seconds = 0.0
+        if self.text_sharded:
+            prompt = broadcast_text(prompt if self.env.rank == 0 else None, self.env)
         if self.env.rank == 0 or self.text_everywhere:
             t0 = time.perf_counter()
             out = self.text(prompt=prompt, output=["prompt_embeds", "text_token_tags"])
@@ -188,8 +195,8 @@ class H3Runner:
                                default_width=64 if tiny else None)
         log.info("H3 pipeline from %s on %s (%s): text encoder %s, audio decode and MP4 on rank "
                  "0, transformer and video decode on %d rank(s)", checkpoint, env.device,
-                 str(dtype).removeprefix("torch."), "sharded over every rank" if pipe.text_everywhere
-                 or (shard_text and env.distributed) else "on rank 0", env.world_size)
+                 str(dtype).removeprefix("torch."), "sharded over every rank" if pipe.text_sharded
+                 else "on rank 0", env.world_size)
         return cls(pipe, rules)
 
     def _hook(self, on_step: StepHook | None) -> DenoiseHook:

@@ -3,7 +3,7 @@ every rank joins between denoise steps, and the prompt encoding rank 0 broadcast
 
 from dist_attn.serve.wire.abort import Abort, agree_abort
 from dist_attn.serve.wire.control import WIRE_FIELDS, Control, Op, comm_device, exchange
-from dist_attn.serve.wire.prompt import broadcast_prompt
+from dist_attn.serve.wire.prompt import broadcast_prompt, broadcast_text
 
-__all__ = ["Abort", "Control", "Op", "WIRE_FIELDS", "agree_abort", "broadcast_prompt",
+__all__ = ["Abort", "Control", "Op", "WIRE_FIELDS", "agree_abort", "broadcast_prompt", "broadcast_text",
            "comm_device", "exchange"]

@@ -1,5 +1,6 @@
 """Rank 0's prompt encoding on every rank: the text encoder runs once, on rank 0
-(:mod:`dist_attn.serve.h3.pipeline` says why), and its output travels as two broadcasts."""
+(:mod:`dist_attn.serve.h3.pipeline` says why), and its output travels as two broadcasts. A
+sharded encoder runs on every rank, on rank 0's prompt text (:func:`broadcast_text`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,28 @@ import torch.distributed as dist
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.wire.control import comm_device
 
-__all__ = ["broadcast_prompt"]
+__all__ = ["broadcast_prompt", "broadcast_text"]
+
+
+def broadcast_text(text: str | None, env: DistEnv) -> str:
+    """Rank 0's ``text`` on every rank (the other ranks pass None): its UTF-8 length, then its
+    bytes (none for an empty text), two broadcasts from rank 0."""
+    if not env.distributed:
+        assert text is not None
+        return text
+    cd = comm_device(env)
+    data = text.encode() if env.rank == 0 else b""
+    n = torch.tensor([len(data)], dtype=torch.int64, device=cd)
+    dist.broadcast(n, src=0)
+    size = int(n.item())
+    if size == 0:
+        return ""
+    if env.rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(cd)
+    else:
+        buf = torch.empty(size, dtype=torch.uint8, device=cd)
+    dist.broadcast(buf, src=0)
+    return buf.cpu().numpy().tobytes().decode()
 
 
 def broadcast_prompt(embeds: torch.Tensor | None, tags: torch.Tensor | None, env: DistEnv,
