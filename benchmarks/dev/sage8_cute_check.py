@@ -1,7 +1,7 @@
 """The CuTe DSL sage8 loop on a GPU: correctness against the Triton loop and float64, then speed.
 
     python -m benchmarks.dev.sage8_cute_check [--out DIR] [--skip-speed] [--rounds 3] [--cfg k=v,...]
-                                              [--variants 'p_smem=0;stages=3'] [--isolate S]
+                                              [--variants 'p_smem=1;stages=3'] [--isolate S]
 
 1. Small cases (dense, varlen with several documents, the bridge's trailing padding, 1-56 heads,
    head_dim 64 and 128, fp16 and bf16, with and without the LSE): the CuTe loop's output against
@@ -197,7 +197,7 @@ def main():
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cfg", default="", help="CuteConfig fields, e.g. stages=3,overlap=0")
-    ap.add_argument("--variants", default="p_smem=0;stages=3",
+    ap.add_argument("--variants", default="p_smem=1;stages=3",
                     help="';'-separated CuteConfig changes also checked and timed beside the default")
     ap.add_argument("--isolate", type=float, default=0.0, metavar="S",
                     help="check each config in a child process killed after S seconds (a hang "

@@ -62,18 +62,20 @@ class CuteConfig:
     while the next S is in flight, so nothing independent of the softmax follows the P V wait
     (False: added right after that wait, where ptxas hoists the wait above the softmax).
     ``p_smem``: P goes to the P V wgmma through shared memory (two buffers) instead of registers,
-    so no register of an in-flight wgmma can be handed to the softmax (implies ``defer_add``).
+    so no register of an in-flight wgmma can be handed to the softmax (implies ``defer_add``;
+    slower than registers on an H100: benchmarks/KERNEL_NOTES.md).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
-    the two roles (their sum over 384 threads must fit 64K registers).
+    the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
+    fastest combination measured.
     """
 
     stages: int = 2
     overlap: bool = True
     defer_add: bool = True
-    p_smem: bool = True
+    p_smem: bool = False
     block_n: int = 128
-    consumer_regs: int = 240
-    producer_regs: int = 24
+    consumer_regs: int = 232
+    producer_regs: int = 40
 
     @property
     def adds_late(self) -> bool:
