@@ -30,6 +30,9 @@
 #   decode-compiled     vae_decode_compiled: compiled vs eager fp16 decode at h3-ref, W = 1      (~4 min)
 #   memory              h3_memory: full-size H3 as rank 0 of W = 4, 8 (fake PG), bf16 and FP8   (~6 min)
 #   memory-ranks        h3_memory: the same as the last rank (3 of 4, 7 of 8), bf16 linears       (~3 min)
+#   job-tree            the served 8 x 3 job, eager decode, from this tree and then from the older tree
+#                       in TREE (default .pre45: `git archive COMMIT dist_attn benchmarks configs | tar -x
+#                       -C .pre45`, git-ignored, carried): the SHA-256 of each run's MP4s (~2 min)
 #   cute-a              CuTe DSL, call 1 of 2: copy its wheels and the first half of the cu13 library
 #                       wheel (carry .whl: split -b 46000000, see below) to /tmp/cute-wheels       (~5 s)
 #   cute-b              CuTe DSL, call 2 of 2 (at once, carry .whl2): join the halves, install into
@@ -78,6 +81,7 @@ ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-varian
      job-full-compiled job-full-fp8 job-full-fp8fast job-outside job-decode-eager decode-compiled
      memory memory-ranks)
 CUTE=(cute-a cute-b cute-check cute-tests cute-accuracy)  # named only, never by "all"
+TREES=(job-tree)  # named only: it needs an older tree carried in (TREE)
 DRY=0
 
 say() { echo "[h200 $(date -u +%T)] $*" | tee -a "$LOG"; }
@@ -273,6 +277,18 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
     memory)
         run 480 memory "$PY" -m benchmarks.h3_memory --out "$RES" --worlds 4 8 --precisions bf16 fp8 \
             --budget-s 420 ;;
+    job-tree)  # the eager-decode 8 x 3 job from this tree, then from ${TREE:-.pre45}: their MP4s' SHA-256
+        local d t n=0 res
+        res=$RES && [[ $res = /* ]] || res=$PWD/$RES  # the runs start in their own tree
+        for d in "$PWD" "$PWD/${TREE:-.pre45}"; do
+            n=$((n + 1)) t=/tmp/job-tree-$n
+            rm -rf "$t" && mkdir -p "$t"
+            # an older tree's benchmark may lack --decode-compile (its decode is eager)
+            run 200 "job-tree $n ($d)" env -C "$d" PYTHONPATH="/tmp/site:$d" TMPDIR="$t" "$PY" \
+                -m benchmarks.serve_h3_gpu --out "$res" --layers 8 --steps 3 --jobs 1 --diffusers off \
+                $([ "$n" = 1 ] && echo --decode-compile off) --theme "job-tree-$n" --budget-s 150
+            [ "$DRY" = 1 ] || sha256sum "$t"/dist_attn_h3job_*/*.mp4 | tee -a "$LOG"
+        done ;;
     memory-ranks)
         run 240 memory-ranks "$PY" -m benchmarks.h3_memory --out "$RES" --theme h3-memory-ranks \
             --worlds 4 8 --precisions bf16 --ranks -1 --budget-s 200 ;;
@@ -286,7 +302,7 @@ for a in "$@"; do
     --dry-run) DRY=1 ;;
     -h | --help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     all) todo+=("${ALL[@]}") ;;
-    *) if [[ " ${ALL[*]} ${CUTE[*]} " == *" $a "* ]]; then todo+=("$a"); else
+    *) if [[ " ${ALL[*]} ${CUTE[*]} ${TREES[*]} " == *" $a "* ]]; then todo+=("$a"); else
            echo "h200.sh: unknown subcommand '$a' (bash benchmarks/h200.sh --help lists them)" >&2; exit 2; fi ;;
     esac
 done

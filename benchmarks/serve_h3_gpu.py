@@ -147,6 +147,17 @@ def _memory(device: torch.device) -> dict:
             "free_at_peak_gb": (total - peak) / 1e9}
 
 
+def _sha256(path: str) -> str:
+    """The file's SHA-256 (hex): two runs' MP4s compared byte for byte."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -245,14 +256,16 @@ def main() -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        outcome = runner.lead(req, mp4_path=os.path.join(out_dir, f"{i}.mp4"), png_path=None,
+        mp4_path = os.path.join(out_dir, f"{i}.mp4")
+        outcome = runner.lead(req, mp4_path=mp4_path, png_path=None,
                               on_step=lambda k, s: Abort.NONE)
         total = time.perf_counter() - t0
         assert outcome.error is None and outcome.file is not None, outcome.error
         stats = pipe.decoder.handle.last
         jobs.append({"job": i, "warmup": i == 0, "total_s": total, "step_s": outcome.step_s,
                      **{k: outcome.timings.get(k) for k in PHASES},
-                     "mp4_bytes": outcome.file.size_bytes, "decode_calls": stats.calls,
+                     "mp4_bytes": outcome.file.size_bytes, "mp4_sha256": _sha256(mp4_path),
+                     "decode_calls": stats.calls,
                      "decode_tiles_per_call": stats.tiles_per_call, **_memory(device)})
         print(f"job {i}: {total:.2f} s " + " ".join(f"{k}={outcome.timings.get(k, 0):.3f}"
                                                    for k in PHASES)

@@ -34,8 +34,10 @@ def _steps(out: str) -> list[str]:
 SUBCOMMANDS = _header_subcommands()
 #: the two calls that carry CuTe DSL's wheels over (a setup, no result): named only, never by "all"
 CUTE_SETUP = ("cute-a", "cute-b")
-with open(DRIVER, encoding="utf-8") as _fh:  # the driver's CUTE=(...): named only, never by "all"
-    NAMED_ONLY = tuple(re.search(r"^CUTE=\(([^)]*)\)", _fh.read(), re.M).group(1).split())
+with open(DRIVER, encoding="utf-8") as _fh:  # the driver's CUTE=(...), TREES=(...): named only
+    _text = _fh.read()
+    NAMED_ONLY = tuple(name for lst in ("CUTE", "TREES")
+                       for name in re.search(rf"^{lst}=\(([^)]*)\)", _text, re.M).group(1).split())
 
 
 def test_header_lists_the_runs_by_what_they_measure():

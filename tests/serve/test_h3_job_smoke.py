@@ -35,6 +35,10 @@ def test_h3_job_benchmark_smoke(tmp_path):
     after = sum(phases[n]["s"] for n in ("decode_audio", "decode_video", "mux"))
     assert after <= phases["after_denoise"]["s"] * 1.01
     assert [len(r["step_s"]) for r in data["rows"]] == [3, 3]  # warm-up + 1 job, 3 steps
+    # the same seeded request twice: the same MP4, byte for byte (its digest is what two trees'
+    # runs compare)
+    digests = [r["mp4_sha256"] for r in data["rows"]]
+    assert len(set(digests)) == 1 and len(digests[0]) == 64, digests
     assert data["config"]["backend"] == "sdpa" and data["config"]["diffusers_t2va"] is None
     # bf16 linears on CPU: nothing fused (the counts come from the model's modules)
     assert data["config"]["fused_swiglu_ffns"] == data["config"]["fused_adaln_blocks"] == 0
