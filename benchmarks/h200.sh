@@ -41,6 +41,8 @@
 #                       CuteConfig changes) against the Triton loop, float64, cuDNN; each config's
 #                       cases in a child process killed after 60 s if hung, then each timed in a child (~5-8 min)
 #   cute-tests          tests/core/test_kernel_sage8_cute.py on the GPU (opted in)   -> cute-gpu-tests_<gpu>_<date>.log (~2 min)
+#   cute-ncu            dev/sage8_ncu under Nsight Compute: the CuTe loop's stall reasons, MUFU (xu) and
+#                       tensor-pipe use, default config vs CUTE_NCU_VARIANT (JSON; default P in shared memory) (~1 min)
 #   cute-accuracy       accuracy: sdpa, the Triton loop and the CuTe loop against float64 (needs
 #                       diffusers: WHEELS=".whl2 .gw" on cute-b's call)              (~3.5 min)
 #   all                 every subcommand above but cute-*, in this order (~80 min: several device calls)
@@ -80,7 +82,7 @@ ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-varian
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
      job-full-compiled job-full-fp8 job-full-fp8fast job-outside job-decode-eager decode-compiled
      memory memory-ranks)
-CUTE=(cute-a cute-b cute-check cute-tests cute-accuracy)  # named only, never by "all"
+CUTE=(cute-a cute-b cute-check cute-tests cute-accuracy cute-ncu)  # named only, never by "all"
 TREES=(job-tree)  # named only: it needs an older tree carried in (TREE)
 DRY=0
 
@@ -170,6 +172,15 @@ step() {
         run 30 cute-a bash -c 'mkdir -p /tmp/cute-wheels && cp "${WHEELS:-.whl}"/* /tmp/cute-wheels/ && ls /tmp/cute-wheels' ;;
     cute-b)  # unzipped, not pip --target: its wheels share one top folder, which --target skips
         run 90 cute-b bash -c 'cat /tmp/cute-wheels/cu13part.aa $(for d in ${WHEELS:-.whl2}; do [ -f "$d/cu13part.ab" ] && echo "$d/cu13part.ab"; done) > /tmp/cute-wheels/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/cute-wheels/cu13part.aa && for w in /tmp/cute-wheels/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages "$0" -c "import cutlass.cute; print(cutlass.__version__)"' "$PY" ;;
+    cute-ncu)  # the CuTe loop's default config, then CUTE_NCU_VARIANT (a JSON of CuteConfig changes)
+        local c i=0
+        for c in '{}' "${CUTE_NCU_VARIANT:-{\"p_smem\":true\}}"; do
+            i=$((i + 1))
+            run 150 "cute-ncu $c" --log "$RES/cute-ncu-$i-of-2_${HW}_$TODAY.csv" env DIST_ATTN_SAGE8_CUTE=1 \
+                ncu --clock-control none --kernel-name regex:Sage8Cute --launch-skip 2 --launch-count 1 --csv \
+                --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg,smsp__inst_executed_pipe_xu.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active' \
+                "$PY" -m benchmarks.dev.sage8_ncu "$c" cute
+        done ;;
     cute-tests)
         run 300 cute-tests --log "$RES/cute-gpu-tests_${HW}_$TODAY.log" env DIST_ATTN_SAGE8_CUTE=1 "$PY" -m pytest \
             tests/core/test_kernel_sage8_cute.py -rs -q -s -p no:cacheprovider ;;
