@@ -64,6 +64,10 @@ class CuteConfig:
     ``p_smem``: P goes to the P V wgmma through shared memory (two buffers) instead of registers,
     so no register of an in-flight wgmma can be handed to the softmax (implies ``defer_add``;
     slower than registers on an H100: benchmarks/KERNEL_NOTES.md).
+    ``prep_early``: the Q K^T wgmma starts from zero and the softmax adds the MAGIC_I offset
+    (integer adds where the MUFU leaves issue slots free), and with ``overlap`` the deferred
+    promotion runs before a warpgroup's turn at the tensor cores: the 64 constant moves and
+    most of the promotion held that turn (not yet timed: off).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
     fastest combination measured.
@@ -73,6 +77,7 @@ class CuteConfig:
     overlap: bool = True
     defer_add: bool = True
     p_smem: bool = False
+    prep_early: bool = False
     block_n: int = 128
     consumer_regs: int = 232
     producer_regs: int = 40

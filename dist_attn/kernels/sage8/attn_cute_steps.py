@@ -27,16 +27,21 @@ class BlockSteps:
     @cute.jit
     def _issue_qk(self, pipe_k, state, mma, sync_turn: cutlass.Constexpr):
         """Waits for K's slot and issues S = Q K^T on top of MAGIC_I (the accumulator's bits then
-        read as the float MAGIC_F + s); does not wait for the result."""
+        read as the float MAGIC_F + s); with ``cfg.prep_early`` on top of zero (the softmax adds
+        MAGIC_I); does not wait for the result."""
+        from_zero = const_expr(self.cfg.prep_early)
         mma_qk, _, tSrQ, tSrK, _, acc_s, _, _, _, _, _ = mma
         pipe_k.consumer_wait(state)
         if const_expr(sync_turn):
             self._turn_wait()
-        acc_s.fill(numerics.MAGIC_I)
+        if const_expr(not from_zero):
+            acc_s.fill(numerics.MAGIC_I)
         warpgroup.fence()
         atom = cute.make_mma_atom(mma_qk.op)  # a fresh atom per call: its fields never outlive a loop body
         atom.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            if const_expr(from_zero):
+                atom.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(atom, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, state.index], acc_s)
         warpgroup.commit_group()
 
@@ -114,8 +119,13 @@ class BlockSteps:
         ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
         state_v = state.clone()
         state = advanced(state)
+        early = const_expr(self.cfg.prep_early)
+        if const_expr(early and self.cfg.adds_late):
+            # before the turn: between the two issues the promotion held the other warpgroup's
+            # turn (with the accumulator preset, ~130 of the ~170 instructions in it)
+            self._promote(acc_o, alpha_pend, acc_b, alpha)
         self._issue_qk(pipe_k, state, mma, sync_turn=True)
-        if const_expr(self.cfg.adds_late):
+        if const_expr(self.cfg.adds_late and not early):
             self._promote(acc_o, alpha_pend, acc_b, alpha)
         self._issue_pv(pipe_v, state_v, mma, (j - 1) % 2)
         self._turn_pass()
@@ -171,6 +181,10 @@ class BlockSteps:
         p = 2 ** (s * rs - m + LOG2_PSCALE); updates m_i, l_i (per-thread partial sums), alpha.
         ``masked``: the segment's last, partial block: columns past ``rem`` get p = 0."""
         n = cute.size(f_s)
+        if const_expr(self.cfg.prep_early):  # S started from zero: its bits become MAGIC_F + s here
+            i_s = cute.recast_tensor(f_s, Int32)
+            for v in cutlass.range_constexpr(n):
+                i_s[v] = i_s[v] + Int32(numerics.MAGIC_I)
         if const_expr(masked):
             for v in cutlass.range_constexpr(n):
                 off = 8 * (v // 4) + v % 2  # column of value v (e, r, i) past the thread's first
