@@ -31,8 +31,8 @@
 #   memory              h3_memory: full-size H3 as rank 0 of W = 4, 8 (fake PG), bf16 and FP8   (~6 min)
 #   memory-ranks        h3_memory: the same as the last rank (3 of 4, 7 of 8), bf16 linears       (~3 min)
 #   job-tree            the served 8 x 3 job, eager decode, from this tree and then from the older tree
-#                       in TREE (default .pre45: `git archive COMMIT dist_attn benchmarks configs | tar -x
-#                       -C .pre45`, git-ignored, carried): the SHA-256 of each run's MP4s (~2 min)
+#                       in TREE (default .pre45: `mkdir -p .pre45 && git archive COMMIT dist_attn benchmarks
+#                       configs | tar -x -C .pre45`, git-ignored, carried): each MP4's SHA-256, compared (~2 min)
 #   cute-a              CuTe DSL, call 1 of 2: copy its wheels and the first half of the cu13 library
 #                       wheel (carry .whl: split -b 46000000, see below) to /tmp/cute-wheels       (~5 s)
 #   cute-b              CuTe DSL, call 2 of 2 (at once, carry .whl2): join the halves, install into
@@ -180,6 +180,7 @@ step() {
                 ncu --clock-control none --kernel-name regex:Sage8Cute --launch-skip 2 --launch-count 1 --csv \
                 --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg,smsp__inst_executed_pipe_xu.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active' \
                 "$PY" -m benchmarks.dev.sage8_ncu "$c" cute
+            [ "$DRY" = 1 ] || ncu_stalls "$RES/cute-ncu-$i-of-2_${HW}_$TODAY.csv"
         done ;;
     cute-tests)
         run 300 cute-tests --log "$RES/cute-gpu-tests_${HW}_$TODAY.log" env DIST_ATTN_SAGE8_CUTE=1 "$PY" -m pytest \
@@ -299,7 +300,13 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
                 -m benchmarks.serve_h3_gpu --out "$res" --layers 8 --steps 3 --jobs 1 --diffusers off \
                 $([ "$n" = 1 ] && echo --decode-compile off) --theme "job-tree-$n" --budget-s 150
             [ "$DRY" = 1 ] || sha256sum "$t"/dist_attn_h3job_*/*.mp4 | tee -a "$LOG"
-        done ;;
+        done
+        [ "$DRY" = 1 ] || if [ "$(cat /tmp/job-tree-{1,2}/dist_attn_h3job_*/*.mp4 2>/dev/null | wc -c)" -gt 0 ] &&
+            [ "$(sha256sum /tmp/job-tree-{1,2}/dist_attn_h3job_*/*.mp4 | cut -d' ' -f1 | sort -u | wc -l)" = 1 ]; then
+            say "job-tree: every MP4 of both trees is identical"
+        else
+            say "job-tree: the MP4s DIFFER (or a run wrote none)"
+        fi ;;
     memory-ranks)
         run 240 memory-ranks "$PY" -m benchmarks.h3_memory --out "$RES" --theme h3-memory-ranks \
             --worlds 4 8 --precisions bf16 --ranks -1 --budget-s 200 ;;

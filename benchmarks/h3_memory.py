@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
                           title="Full-size H3 as rank r of W (fake process group): peak memory "
                                 "by phase, the pre-flight's estimate, the gather model")
     results = []
-    cases = [(w, q, r % w) for w in args.worlds for q in args.precisions for r in args.ranks if -w <= r < w]
+    cases = list(dict.fromkeys((w, q, r % w) for w in args.worlds for q in args.precisions
+                               for r in args.ranks if -w <= r < w))  # -1 may name a rank given too
     for world, precision, rank in cases:
         if budget.expired(reserve_s=90 if cuda else 0):
             writer.rows.append({"status": "skipped", "world": world, "rank": rank, "precision": precision,

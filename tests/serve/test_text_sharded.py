@@ -18,6 +18,17 @@ from tests._multirank import run_ranks  # noqa: E402
 PROMPT = "a red fox runs through fresh snow at dawn"
 
 
+class _Calls:
+    """Stands in for the encoder step: calls ``fn`` (a module's __call__ cannot be patched on
+    the instance)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
 def _worker(rank, world, path):
     from torch.distributed.tensor import DTensor
     from transformers import Qwen3VLForConditionalGeneration
@@ -38,9 +49,18 @@ def _worker(rank, world, path):
     share = sum(p.to_local().numel() for p in te.model.parameters()) / sum(
         p.numel() for p in te.model.parameters())
     # every rank runs the encoder (rank 0 as the job's lead, the others as followers, whose
-    # request carries no prompt: a job's control message holds its integers only)
+    # request carries no prompt: a job's control message holds its integers only) on rank 0's
+    # prompt: what each rank's encoder step is called with is recorded
+    encoded = []
+    step_call = pipe.text.__call__
+
+    def recording(*args, **kwargs):
+        encoded.append(kwargs.get("prompt"))
+        return step_call(*args, **kwargs)
+
+    pipe.text = _Calls(recording)
     embeds, tags, _ = pipe.encode(PROMPT if rank == 0 else "")
-    again, _, _ = pipe.encode("another prompt, ignored" if rank else PROMPT)  # every layer gathered again
+    again, _, _ = pipe.encode("another prompt" if rank else PROMPT)  # every layer gathered again
     # the reference: the whole encoder, as rank 0 alone loads it without sharding
     whole = load_text_encoder(Qwen3VLForConditionalGeneration, os.path.join(path, "text_encoder"),
                               dtype=torch.float32, device=torch.device("cpu"))
@@ -54,7 +74,7 @@ def _worker(rank, world, path):
                 tags, out["text_token_tags"].to(tags.device)),
             "again": torch.equal(again, embeds), "sharded": sharded, "share": share,
             "units": len(layers), "head_unloaded": te.lm_head.weight.is_meta,
-            "flag": pipe.text_sharded}
+            "flag": pipe.text_sharded, "encoded": encoded}
 
 
 @pytest.mark.parametrize("world", [2])
@@ -66,6 +86,7 @@ def test_every_rank_runs_its_share_of_the_encoder_and_gets_rank0s_output(tmp_pat
                                  tiny_spec(load_config(None).model.diffusers_config()))
     for res in run_ranks(_worker, world, tmp_path, path, timeout=300):
         assert res["equal"] and res["again"] and res["sharded"] and res["flag"], res
+        assert res["encoded"] == [PROMPT, PROMPT], res["encoded"]  # rank 0's, on every rank
         assert res["units"] == 51 and res["head_unloaded"], res
         assert res["share"] <= 1 / world + 0.05, res
 

@@ -54,8 +54,7 @@ class CuteConfig:
 
     ``stages``: shared-memory slots of the K and V^T ring. ``block_n``: keys per block (64 or
     128; K's INT8 scales and the P V promotion follow it): 64 halves the score tile's and P's
-    registers, which the 240-register budget of a consumer needs for its softmax to run under the
-    in-flight P V wgmma (with 128, ptxas reuses P's registers and waits for P V first). ``overlap``: issue the next block's
+    registers (measured slower). ``overlap``: issue the next block's
     QK wgmma before this block's softmax and alternate the two warpgroups at the tensor cores
     (False: each warpgroup waits on every wgmma, the two interleave only by chance).
     ``defer_add`` (with ``overlap``): a block's P V is added into the output one step later,

@@ -122,7 +122,7 @@ class BlockSteps:
         early = const_expr(self.cfg.prep_early)
         if const_expr(early and self.cfg.adds_late):
             # before the turn: between the two issues the promotion held the other warpgroup's
-            # turn (with the accumulator preset, ~130 of the ~170 instructions in it)
+            # turn (with the accumulator preset, ~130 of the ~190 instructions in it)
             self._promote(acc_o, alpha_pend, acc_b, alpha)
         self._issue_qk(pipe_k, state, mma, sync_turn=True)
         if const_expr(self.cfg.adds_late and not early):
