@@ -144,10 +144,13 @@ def test_the_estimate_is_its_terms(h3_sizes):
 # ---------------------------------------------------------------------- misconfigurations
 
 
-def test_too_few_ranks_for_bf16_on_80_gb(h3_sizes):
+def test_too_few_ranks_for_bf16_on_80_gb(h3_sizes, caplog):
+    caplog.set_level("INFO", logger="dist_attn.serve.launch.preflight")
     msg = _one_message(_decide_everywhere(_cfg(**{"parallel.shard_weights": True}), h3_sizes, [H100] * 2))
     assert msg.startswith("memory: rank 0 of 2:") and "exceeds 71.3 GB (79.2 GB free" in msg
     assert "ranks with parallel.shard_weights=true" in msg, msg
+    # the estimate's log line says it is over, not "within" (a user read the two as contradicting)
+    assert "OVER the budget of 71.3 GB" in caplog.text and "within 71.3" not in caplog.text, caplog.text
 
 
 def test_a_replica_on_four_h100s_is_told_to_shard(h3_sizes):

@@ -77,6 +77,7 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig, *, device: torch.
 
     Loading goes through accelerate's ``device_map`` (each tensor is read into place); without it
     diffusers would first build the whole model in float32 on the host (H3: 132 GB per rank).
+    On CPU every tensor then gets memory of its own (see :func:`_own_memory`).
     """
     check_checkpoint(path, cfg)
     try:
@@ -85,10 +86,24 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig, *, device: torch.
         raise WeightsError("--checkpoint needs the accelerate package (diffusers loads a checkpoint "
                            f"into place with it): {install_hint('serve')}") from None
     try:
-        return h3_class().from_pretrained(os.fspath(path), torch_dtype=dtype,
-                                          device_map={"": str(device)})
+        model = h3_class().from_pretrained(os.fspath(path), torch_dtype=dtype,
+                                           device_map={"": str(device)})
     except (OSError, ValueError, RuntimeError) as e:
         raise WeightsError(f"--checkpoint {path}: {type(e).__name__}: {e}") from None
+    if torch.device(device).type == "cpu":
+        _own_memory(model)
+    return model
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Moves every parameter and buffer that lies in a checkpoint file's memory (on CPU,
+    ``from_pretrained`` leaves uncast tensors where the file put them, 8-byte aligned) into an
+    allocation of its own: CPU matmuls round some shapes differently on misaligned operands, and
+    the sharded build, like the class's own init, computes on fresh memory."""
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if t.data_ptr() % 64:
+                t.data = t.data.clone()
 
 
 class CheckpointTensors:

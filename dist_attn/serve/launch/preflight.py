@@ -160,18 +160,20 @@ def decide(cfg: Config, sizes: Any, frees: list[int], *, rank: int, device_type:
     if want == "auto":
         replica = over(plan)
         plan = replace(plan, shard=replica[0][0] > 0 and world > 1)
-        log.info("parallel.shard_weights='auto': %s (a replica's estimated peak %s %.1f GB on "
-                 "rank %d, %.1f GB with memory.headroom_fraction=%g to spare)",
+        log.info("parallel.shard_weights='auto': %s (a replica's estimated peak %s the budget "
+                 "on rank %d: %.1f GB against %.1f GB, free memory less "
+                 "memory.headroom_fraction=%g)",
                  "sharded" if plan.shard else "not sharded", "exceeds" if replica[0][0] > 0 else
-                 "fits", replica[0][2].peak / 1e9, replica[0][1], budgets[replica[0][1]] / 1e9,
+                 "fits", replica[0][1], replica[0][2].peak / 1e9, budgets[replica[0][1]] / 1e9,
                  cfg.memory.headroom_fraction)
     worst, bad, est = over(plan)[0]
     mine = estimate_peak(sizes, geo, replace(plan, rank=rank))
     for note in sizes.notes:
         log.info("memory pre-flight: %s", note)
     log.info("memory pre-flight (%d frames at %d x %d, %d rows, decode %d tiles a call): %s, "
-             "within %.1f GB (%.1f GB free less memory.headroom_fraction=%g)", geo.frames,
-             geo.width, geo.height, geo.rows, tiles, mine.describe(), budgets[rank] / 1e9,
+             "%s %.1f GB (%.1f GB free less memory.headroom_fraction=%g)", geo.frames,
+             geo.width, geo.height, geo.rows, tiles, mine.describe(),
+             "within" if mine.peak <= budgets[rank] else "OVER the budget of", budgets[rank] / 1e9,
              frees[rank] / 1e9, cfg.memory.headroom_fraction)
     failure = None
     if worst > 0:
