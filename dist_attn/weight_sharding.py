@@ -44,7 +44,7 @@ from torch import nn
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.fp8_linear import Fp8Linear, QuantizedTensors
 
-__all__ = ["ShardedWeights", "parameter_bytes", "parameters_on_meta", "refuse_sharded",
+__all__ = ["ShardedWeights", "is_sharded", "parameter_bytes", "parameters_on_meta", "refuse_sharded",
            "shard_module", "sharded_weights"]
 
 logger = logging.getLogger(__name__)
@@ -122,10 +122,17 @@ def sharded_weights(module: nn.Module) -> ShardedWeights | None:
     return getattr(module, _ATTR, None)
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether :func:`shard_module` sharded ``module`` over more than one rank (on one rank it
+    leaves the model as it was)."""
+    summary = sharded_weights(module)
+    return summary is not None and summary.world > 1
+
+
 def refuse_sharded(module: nn.Module, call: str) -> None:
     """Raises ValueError when :func:`shard_module` already sharded ``module``: ``call`` (a
     function that swaps modules or reads the model's class) must come first."""
-    if sharded_weights(module) is not None:
+    if is_sharded(module):
         raise ValueError(f"this model's weights are already sharded (shard_weights / "
                          f"shard_module): call {call} first, then shard the weights")
 
@@ -222,7 +229,7 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
                          "one at a time")
     if len(set(names)) != len(names):
         raise ValueError(f"units={names!r} repeats a name")
-    if sharded_weights(root) is not None:
+    if is_sharded(root):
         raise ValueError("this model's weights are already sharded (shard_module ran before)")
     modules = {}
     for name in names:
@@ -239,20 +246,21 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
         for b in names:
             if a != b and b.startswith(a + "."):
                 raise ValueError(f"units: {b!r} lies inside {a!r}; units must not nest")
-    on_meta = any(p.is_meta for p in root.parameters())
+    meta = [n for n, p in root.named_parameters() if p.is_meta]
+    on_meta = bool(meta)
     if on_meta and (materialize is None or device is None):
-        raise ValueError("the model's parameters are on the meta device: pass materialize= and "
-                         "device= to fill them unit by unit")
+        raise ValueError(f"{len(meta)} of the model's parameters are on the meta device "
+                         f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): pass "
+                         "materialize= and device= to fill them unit by unit")
     group, world, _ = group_size_and_rank(group)
     root.requires_grad_(False)
     mesh = None
-    if not (world == 1 and group is None):
+    if world > 1:  # one rank: nothing to shard, the model stays as it is (and says so)
         from torch.distributed.device_mesh import DeviceMesh
 
         if device is None:
             device = next((p.device for p in root.parameters()), torch.device("cpu"))
-        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
-                                     torch.device(device).type)
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
     counts = {"torchao": 0, "fp8": 0}
     unit_bytes: list[int] = []
 

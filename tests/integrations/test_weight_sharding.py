@@ -52,6 +52,7 @@ def _sharded_case(model, inputs, *, world, fp8_layers=()):
             "again": all(torch.equal(a, b) for a, b in zip(again, want)),
             "units": len(summary.units), "gathers_added": after - before,
             "share": summary.bytes_per_rank / summary.bytes_total, "resharded": resharded,
+            "plain": not any(isinstance(p, DTensor) for p in model.parameters()),
             "fp8_sharded": all(isinstance(c, DTensor) and c.dtype == torch.float8_e4m3fn for c in fp8),
             "fp8_tensors": summary.fp8_tensors}
 
@@ -142,15 +143,17 @@ def test_sharded_weights_give_the_unsharded_outputs_bit_for_bit(tmp_path, world)
     """H3 (tiny: 2 refiner + 2 blocks, 4 heads: uneven on 3 ranks) and Wan (4 heads, a CFG batch
     of 2, 45 tokens) with sdpa on W gloo ranks: the same outputs as enable_ulysses alone, twice
     (every unit regathered); one gather per unit and one for the root each forward; each rank keeps
-    ~1/W of the bytes; FP8 codes sharded as e4m3 (emulated recipe, fused AdaLN) on 2 and 3 ranks."""
+    ~1/W of the bytes; FP8 codes sharded as e4m3 (emulated recipe, fused AdaLN) on 2 and 3 ranks;
+    on one rank the model is left unwrapped."""
     for res in run_ranks(_worker, world, tmp_path, timeout=300):
         for name in ("h3", "wan", "fp8"):
             if name not in res:
                 continue
             r = res[name]
             assert r["equal"] and r["again"], (name, r)
-            assert r["gathers_added"] == (r["units"] + 1 if world > 1 else r["gathers_added"]), (name, r)
-            assert r["resharded"], (name, r)
+            assert r["gathers_added"] == (r["units"] + 1 if world > 1 else 0), (name, r)
+            # one rank: nothing to shard, the model is left as it was (plain parameters)
+            assert r["resharded"] == (world > 1) and r["plain"] == (world == 1), (name, r)
             assert r["share"] <= 1 / world + 0.05, (name, r)
         assert res["h3"]["units"] == 4 and res["wan"]["units"] == 2
         if "fp8" in res:
@@ -165,3 +168,34 @@ def test_sharded_weights_give_the_unsharded_outputs_bit_for_bit(tmp_path, world)
         assert "call enable_ulysses first" in r["ulysses_after"]
         assert "call quantize_linears first" in r["quantize_after"]
         assert "shard_weights has no plan for Linear" in r["class"]
+
+
+def test_without_a_process_group_nothing_is_sharded_and_the_model_stays_usable():
+    """No process group (one process): shard_weights says nothing was sharded, leaves plain
+    parameters, and enable_ulysses afterwards is not refused as 'already sharded' (a user met
+    that); the outputs are the model's."""
+    from torch.distributed.tensor import DTensor
+
+    from dist_attn.integrations.diffusers import enable_ulysses, shard_weights
+
+    model, inputs = tiny_wan(4), wan_inputs(2, 3, 6, 10)
+    with torch.no_grad():
+        want = model(**inputs, return_dict=False)
+    summary = shard_weights(model)
+    assert summary.world == 1 and not any(isinstance(p, DTensor) for p in model.parameters())
+    enable_ulysses(model, backend="sdpa")
+    with torch.no_grad():
+        got = model(**inputs, return_dict=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_model_on_the_meta_device_is_told_to_load_its_weights_first():
+    """shard_weights on a transformer built on the meta device: one ValueError naming the
+    parameters and what to do (its message once offered arguments shard_weights does not take)."""
+    from dist_attn.integrations.diffusers import shard_weights
+
+    with torch.device("meta"):
+        model = tiny_wan(4)
+    with pytest.raises(ValueError, match=r"shard_weights: \d+ of the transformer's parameters are "
+                                         r"on the meta device \(.*\): load its weights first"):
+        shard_weights(model)
