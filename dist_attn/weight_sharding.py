@@ -60,7 +60,7 @@ class ShardedWeights:
     """Dotted names of the units, each gathered alone, in the order they run; the root (the
     parameters outside every unit) is one more, gathered for the whole forward."""
     world: int
-    """Ranks the weights are sharded over (1: nothing was sharded)."""
+    """Ranks the weights are sharded over."""
     bytes_total: int
     """Bytes of every parameter of the unsharded model."""
     bytes_per_rank: int
@@ -75,12 +75,19 @@ class ShardedWeights:
     """torchao FP8 linears replaced by :class:`~dist_attn.fp8_linear.Fp8Linear` (same codes)."""
     prefetch: int
     """Units whose gather is issued ahead of the one running."""
+    wrapped: bool = True
+    """Whether FSDP2 wraps the model: False without a process group (nothing was sharded)."""
 
     def describe(self) -> str:
         """One log line."""
-        if self.world == 1:
-            return (f"weights not sharded (one rank): {self.bytes_total / 1e9:.2f} GB of "
+        if not self.wrapped:
+            return (f"weights not sharded (no process group): {self.bytes_total / 1e9:.2f} GB of "
                     "parameters on this rank")
+        if self.world == 1:
+            return (f"weights wrapped by FSDP2 over a group of one rank: every weight stays whole "
+                    f"({self.bytes_total / 1e9:.2f} GB on this rank), each unit copied for its "
+                    f"forward; {self.fp8_tensors} FP8 tensors as parameters ("
+                    f"{self.torchao_linears} torchao linears as Fp8Linear)")
         return (f"weights sharded over {self.world} ranks with FSDP2: {len(self.units)} units + "
                 f"the root, {self.bytes_total / 1e9:.2f} GB -> {self.bytes_per_rank / 1e9:.2f} GB "
                 f"per rank between forwards; the largest unit gathers "
@@ -123,10 +130,10 @@ def sharded_weights(module: nn.Module) -> ShardedWeights | None:
 
 
 def is_sharded(module: nn.Module) -> bool:
-    """Whether :func:`shard_module` sharded ``module`` over more than one rank (on one rank it
+    """Whether :func:`shard_module` wrapped ``module`` in FSDP2 (without a process group it
     leaves the model as it was)."""
     summary = sharded_weights(module)
-    return summary is not None and summary.world > 1
+    return summary is not None and summary.wrapped
 
 
 def refuse_sharded(module: nn.Module, call: str) -> None:
@@ -255,7 +262,7 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
     group, world, _ = group_size_and_rank(group)
     root.requires_grad_(False)
     mesh = None
-    if world > 1:  # one rank: nothing to shard, the model stays as it is (and says so)
+    if group is not None:  # None: no process group, nothing to shard over (the summary says so)
         from torch.distributed.device_mesh import DeviceMesh
 
         if device is None:
@@ -312,7 +319,8 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
                              bytes_per_rank=_local_bytes(root) if mesh is not None else total,
                              largest_unit_bytes=max(unit_bytes),
                              root_bytes=total - sum(unit_bytes), fp8_tensors=counts["fp8"],
-                             torchao_linears=counts["torchao"], prefetch=prefetch)
+                             torchao_linears=counts["torchao"], prefetch=prefetch,
+                             wrapped=mesh is not None)
     setattr(root, _ATTR, summary)
     logger.info("shard_module: %s", summary.describe())
     return summary

@@ -53,6 +53,7 @@ def _sharded_case(model, inputs, *, world, fp8_layers=()):
             "units": len(summary.units), "gathers_added": after - before,
             "share": summary.bytes_per_rank / summary.bytes_total, "resharded": resharded,
             "plain": not any(isinstance(p, DTensor) for p in model.parameters()),
+            "log": summary.describe(),
             "fp8_sharded": all(isinstance(c, DTensor) and c.dtype == torch.float8_e4m3fn for c in fp8),
             "fp8_tensors": summary.fp8_tensors}
 
@@ -144,16 +145,18 @@ def test_sharded_weights_give_the_unsharded_outputs_bit_for_bit(tmp_path, world)
     of 2, 45 tokens) with sdpa on W gloo ranks: the same outputs as enable_ulysses alone, twice
     (every unit regathered); one gather per unit and one for the root each forward; each rank keeps
     ~1/W of the bytes; FP8 codes sharded as e4m3 (emulated recipe, fused AdaLN) on 2 and 3 ranks;
-    on one rank the model is left unwrapped."""
+    a group of one rank is wrapped (the GPU test's FSDP2 path on one GPU) and its log says so."""
     for res in run_ranks(_worker, world, tmp_path, timeout=300):
         for name in ("h3", "wan", "fp8"):
             if name not in res:
                 continue
             r = res[name]
             assert r["equal"] and r["again"], (name, r)
-            assert r["gathers_added"] == (r["units"] + 1 if world > 1 else 0), (name, r)
-            # one rank: nothing to shard, the model is left as it was (plain parameters)
-            assert r["resharded"] == (world > 1) and r["plain"] == (world == 1), (name, r)
+            if world > 1:
+                assert r["gathers_added"] == r["units"] + 1, (name, r)
+            # a group of one rank is wrapped too (every weight whole), as the log says
+            assert r["resharded"] and not r["plain"], (name, r)
+            assert ("over a group of one rank" in r["log"]) == (world == 1), (name, r)
             assert r["share"] <= 1 / world + 0.05, (name, r)
         assert res["h3"]["units"] == 4 and res["wan"]["units"] == 2
         if "fp8" in res:
@@ -173,7 +176,7 @@ def test_sharded_weights_give_the_unsharded_outputs_bit_for_bit(tmp_path, world)
 def test_without_a_process_group_nothing_is_sharded_and_the_model_stays_usable():
     """No process group (one process): shard_weights says nothing was sharded, leaves plain
     parameters, and enable_ulysses afterwards is not refused as 'already sharded' (a user met
-    that); the outputs are the model's."""
+    that); the outputs are the model's."""  # a group of one rank: the multi-rank test, W = 1
     from torch.distributed.tensor import DTensor
 
     from dist_attn.integrations.diffusers import enable_ulysses, shard_weights
@@ -182,7 +185,8 @@ def test_without_a_process_group_nothing_is_sharded_and_the_model_stays_usable()
     with torch.no_grad():
         want = model(**inputs, return_dict=False)
     summary = shard_weights(model)
-    assert summary.world == 1 and not any(isinstance(p, DTensor) for p in model.parameters())
+    assert summary.world == 1 and not summary.wrapped and "no process group" in summary.describe()
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
     enable_ulysses(model, backend="sdpa")
     with torch.no_grad():
         got = model(**inputs, return_dict=False)
