@@ -290,7 +290,7 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
         run 480 memory "$PY" -m benchmarks.h3_memory --out "$RES" --worlds 4 8 --precisions bf16 fp8 \
             --budget-s 420 ;;
     job-tree)  # the eager-decode 8 x 3 job from this tree, then from ${TREE:-.pre45}: their MP4s' SHA-256
-        local d t n=0 res
+        local d t n=0 res sums
         res=$RES && [[ $res = /* ]] || res=$PWD/$RES  # the runs start in their own tree
         for d in "$PWD" "$PWD/${TREE:-.pre45}"; do
             n=$((n + 1)) t=/tmp/job-tree-$n
@@ -299,10 +299,12 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
             run 200 "job-tree $n ($d)" env -C "$d" PYTHONPATH="/tmp/site:$d" TMPDIR="$t" "$PY" \
                 -m benchmarks.serve_h3_gpu --out "$res" --layers 8 --steps 3 --jobs 1 --diffusers off \
                 $([ "$n" = 1 ] && echo --decode-compile off) --theme "job-tree-$n" --budget-s 150
-            [ "$DRY" = 1 ] || sha256sum "$t"/dist_attn_h3job_*/*.mp4 | tee -a "$LOG"
         done
-        [ "$DRY" = 1 ] || if [ "$(cat /tmp/job-tree-{1,2}/dist_attn_h3job_*/*.mp4 2>/dev/null | wc -c)" -gt 0 ] &&
-            [ "$(sha256sum /tmp/job-tree-{1,2}/dist_attn_h3job_*/*.mp4 | cut -d' ' -f1 | sort -u | wc -l)" = 1 ]; then
+        [ "$DRY" = 1 ] && return 0
+        sums=$(sha256sum /tmp/job-tree-{1,2}/dist_attn_h3job_*/*.mp4 2>/dev/null)
+        echo "$sums" | tee -a "$LOG"
+        if grep -q job-tree-1/ <<<"$sums" && grep -q job-tree-2/ <<<"$sums" &&
+            [ "$(cut -d' ' -f1 <<<"$sums" | sort -u | wc -l)" = 1 ]; then
             say "job-tree: every MP4 of both trees is identical"
         else
             say "job-tree: the MP4s DIFFER (or a run wrote none)"

@@ -44,8 +44,8 @@ from torch import nn
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.fp8_linear import Fp8Linear, QuantizedTensors
 
-__all__ = ["ShardedWeights", "is_sharded", "parameter_bytes", "parameters_on_meta", "refuse_sharded",
-           "shard_module", "sharded_weights"]
+__all__ = ["ShardedWeights", "is_sharded", "meta_parameters", "parameter_bytes", "parameters_on_meta",
+           "refuse_sharded", "shard_module", "sharded_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,16 @@ def _local_bytes(module: nn.Module) -> int:
 def sharded_weights(module: nn.Module) -> ShardedWeights | None:
     """The :class:`ShardedWeights` of a model :func:`shard_module` sharded, or None."""
     return getattr(module, _ATTR, None)
+
+
+def meta_parameters(module: nn.Module, what: str = "model") -> str:
+    """'' when no parameter of ``module`` is on the meta device; else the start of an error
+    message: how many of the ``what``'s parameters are, and the first names."""
+    names = [n for n, p in module.named_parameters() if p.is_meta]
+    if not names:
+        return ""
+    return (f"{len(names)} of the {what}'s parameters are on the meta device "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -253,12 +263,10 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
         for b in names:
             if a != b and b.startswith(a + "."):
                 raise ValueError(f"units: {b!r} lies inside {a!r}; units must not nest")
-    meta = [n for n, p in root.named_parameters() if p.is_meta]
+    meta = meta_parameters(root)
     on_meta = bool(meta)
     if on_meta and (materialize is None or device is None):
-        raise ValueError(f"{len(meta)} of the model's parameters are on the meta device "
-                         f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): pass "
-                         "materialize= and device= to fill them unit by unit")
+        raise ValueError(f"{meta}: pass materialize= and device= to fill them unit by unit")
     group, world, _ = group_size_and_rank(group)
     root.requires_grad_(False)
     mesh = None

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from dist_attn.weight_sharding import ShardedWeights, is_sharded, shard_module, sharded_weights
+from dist_attn.weight_sharding import (ShardedWeights, is_sharded, meta_parameters, shard_module,
+                                       sharded_weights)
 
 __all__ = ["ShardedWeights", "shard_weights", "sharded_weights", "weight_units"]
 
@@ -61,11 +62,9 @@ def shard_weights(transformer: nn.Module, group=None, *, prefetch: int = 1) -> S
     """
     if is_sharded(transformer):  # FSDP2 renamed its class: say what happened
         raise ValueError("this transformer's weights are already sharded (shard_weights ran before)")
-    meta = [n for n, p in transformer.named_parameters() if p.is_meta]
+    meta = meta_parameters(transformer, "transformer")
     if meta:
-        raise ValueError(f"shard_weights: {len(meta)} of the transformer's parameters are on the "
-                         f"meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
-                         "load its weights first (from_pretrained); to build on the meta device "
-                         "and fill each block as it is sharded, use "
+        raise ValueError(f"shard_weights: {meta}: load its weights first (from_pretrained); to "
+                         "build on the meta device and fill each block as it is sharded, use "
                          "dist_attn.weight_sharding.shard_module(materialize=, device=)")
     return shard_module(transformer, weight_units(transformer), group, prefetch=prefetch)

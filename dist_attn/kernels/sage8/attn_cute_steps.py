@@ -68,8 +68,7 @@ class BlockSteps:
     def _store_p(self, mma, buf):
         """P's register fragment into shared-memory buffer ``buf``, visible to the wgmma (each warp
         stores the 16 rows its part of the wgmma reads, so a warp-level sync suffices)."""
-        p8 = mma[7]
-        tPsP = mma[10]
+        _, _, _, _, _, _, _, p8, _, _, tPsP = mma
         cute.autovec_copy(p8, tPsP[None, None, None, buf])
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
