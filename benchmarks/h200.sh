@@ -63,7 +63,8 @@
 # .sa2build/ (git-ignored, so never carried and kept on the machine between calls; started in the
 # background when either is asked for, so it overlaps the steps before it). Results and h200.log
 # go to $OUT (the device tool) or benchmarks/results/.
-# Knobs: BUDGET (fp8's --budget-s), PROFILE (fp8's --profile: block paths whose kernels it lists),
+# Knobs: SA2_EARLY=1 (start the SageAttention 2 build now, for a later warm call's kernels-side;
+# carry .third_party), BUDGET (fp8's --budget-s), PROFILE (fp8's --profile: block paths whose kernels it lists),
 # COMPILED (fp8's --compiled: its compiled block paths, in order), MUX_PACE_S (decode-mux), EXTRA ('pattern,': more kernels in
 # kernels-side), ACC_KERNELS (accuracy's --kernels), PYTHON (python3).
 set -u -o pipefail
@@ -329,5 +330,5 @@ done
 [ ${#todo[@]} -gt 0 ] || { echo "h200.sh: no subcommand (bash benchmarks/h200.sh --help lists them)" >&2; exit 2; }
 [ "$DRY" = 1 ] && LOG=/dev/null
 setup
-[[ " ${todo[*]} " == *" kernels-side "* || " ${todo[*]} " == *" accuracy-sage2 "* ]] && sa2_start
+[[ " ${todo[*]} " == *" kernels-side "* || " ${todo[*]} " == *" accuracy-sage2 "* || ${SA2_EARLY:-0} = 1 ]] && sa2_start
 for what in "${todo[@]}"; do step "$what"; done

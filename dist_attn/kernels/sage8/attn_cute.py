@@ -67,6 +67,8 @@ class CuteConfig:
     (integer adds where the MUFU leaves issue slots free), and with ``overlap`` the deferred
     promotion runs before a warpgroup's turn at the tensor cores: the 64 constant moves and
     most of the promotion held that turn (not yet timed: off).
+    ``p_fence`` (register P with ``overlap``): P's registers are read again after the P V wait,
+    so ptxas cannot give them to the softmax and wait for that P V before it (not yet timed: off).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
     fastest combination measured.
@@ -77,6 +79,7 @@ class CuteConfig:
     defer_add: bool = True
     p_smem: bool = False
     prep_early: bool = False
+    p_fence: bool = False
     block_n: int = 128
     consumer_regs: int = 232
     producer_regs: int = 40
@@ -280,6 +283,8 @@ class _Sage8Cute(BlockSteps):
     def _consume(self, mma_qk, mma_pvs, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO, mQin,
                  mLse, tidx, mb, seg, h, lo, L, pst, rows, n_full, lim, n_blocks, qk_scale):
         D = self.D
+        # 0 at run time (rows < 2 ** 31), unknown to the compilers: p_fence's operand of the new P
+        self.zero = Uint32(rows) >> Uint32(31)
         thr_qk = mma_qk.get_slice(tidx)
         mma_pv, mma_pv_ss = mma_pvs
         thr_pv = mma_pv.get_slice(tidx)

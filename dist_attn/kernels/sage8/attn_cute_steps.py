@@ -8,8 +8,10 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dist_attn.kernels.sage8 import numerics
 
@@ -135,11 +137,21 @@ class BlockSteps:
             self._to_p8(f_s, p8_as_acc, p8_words)
             self._store_p(mma, j % 2)
         warpgroup.wait_group(0)  # P V of block j - 1 is in: acc_b and P's registers are free
+        fenced = []
+        if const_expr(self.cfg.p_fence and not self.cfg.p_smem):
+            # the old P read again only now (folded into the new P through a zero the compiler
+            # cannot see): its registers stay P's through the softmax above, which ptxas would
+            # otherwise hand to softmax temporaries and wait for the P V before it
+            for w in cutlass.range_constexpr(cute.size(p8_words)):
+                fenced.append(_operand_fence(p8_words[w]))
         pipe_v.consumer_release(state_v)
         if const_expr(not self.cfg.adds_late):
             self._promote(acc_o, alpha_pend, acc_b, alpha)
         if const_expr(not self.cfg.p_smem):
             self._to_p8(f_s, p8_as_acc, p8_words)
+        if const_expr(self.cfg.p_fence and not self.cfg.p_smem):
+            for w in cutlass.range_constexpr(cute.size(p8_words)):
+                p8_words[w] = p8_words[w] ^ (fenced[w] & self.zero)
         return state
 
     @cute.jit
@@ -251,6 +263,15 @@ def advanced(state):
     nxt = state.clone()
     nxt.advance()
     return nxt
+
+
+@dsl_user_op
+def _operand_fence(x: Uint32, *, loc=None, ip=None) -> Uint32:
+    """``x`` unchanged, through an empty asm statement that reads and rewrites its register: the
+    value is live up to here and cannot be moved across it (CUTLASS's warpgroup operand fence)."""
+    return Uint32(llvm.inline_asm(T.i32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "", "=r,0",
+                                  has_side_effects=True, is_align_stack=False,
+                                  asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit
