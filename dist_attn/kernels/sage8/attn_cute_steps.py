@@ -99,13 +99,20 @@ class BlockSteps:
         if self._wg() == 0:
             cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
 
+    # (constant barrier ids under a branch: a computed id is a register held across the loop)
     @cute.jit
     def _turn_wait(self):
-        cute.arch.barrier(barrier_id=1 + self._wg(), number_of_threads=256)
+        if self._wg() == 0:
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        else:
+            cute.arch.barrier(barrier_id=2, number_of_threads=256)
 
     @cute.jit
     def _turn_pass(self):
-        cute.arch.barrier_arrive(barrier_id=2 - self._wg(), number_of_threads=256)
+        if self._wg() == 0:
+            cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
+        else:
+            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
 
     @cute.jit
     def _overlap_step(self, st, alpha_pend, state, j, masked: cutlass.Constexpr):
