@@ -68,7 +68,11 @@ class CuteConfig:
     promotion runs before a warpgroup's turn at the tensor cores: the 64 constant moves and
     most of the promotion held that turn (not yet timed: off).
     ``p_fence`` (register P with ``overlap``): P's registers are read again after the P V wait,
-    so ptxas cannot give them to the softmax and wait for that P V before it (not yet timed: off).
+    so ptxas cannot give them to the softmax and wait for that P V before it (measured level: off).
+    ``short_chains``: the row max as a tree and the row sum as four running sums (dependency
+    chains of 5 and 8, not 32). ``ks_ahead`` (with ``overlap``): K's per-block scale is loaded one
+    block ahead, so its global-memory latency is not waited for at the softmax (both: not yet
+    timed, off).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
     fastest combination measured.
@@ -80,6 +84,8 @@ class CuteConfig:
     p_smem: bool = False
     prep_early: bool = False
     p_fence: bool = False
+    short_chains: bool = False
+    ks_ahead: bool = False
     block_n: int = 128
     consumer_regs: int = 232
     producer_regs: int = 40
@@ -337,6 +343,10 @@ class _Sage8Cute(BlockSteps):
             self._turn_init()
             # block 0: S, softmax, P (its P V is issued with the next block's S)
             ks0 = Float32(mKs[ks_row])
+            if const_expr(self.cfg.ks_ahead):  # K's scale of the block the loop starts with
+                self.last_block = n_blocks - 1
+                self.ks_next = cute.make_rmem_tensor((1,), Float32)
+                self.ks_next[0] = Float32(mKs[ks_row + cutlass.min(1, self.last_block)])
             self._issue_qk(pipe_k, state, mma, sync_turn=False)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)

@@ -124,7 +124,12 @@ class BlockSteps:
         within the step (ptxas serializes wgmmas whose results are read across the loop's back
         edge). Returns the pipeline state of block j."""
         mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
-        ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
+        if const_expr(self.cfg.ks_ahead):
+            # K's scale of block j came in one step ago; the next block's is asked for now
+            ks = self.ks_next[0]
+            self.ks_next[0] = Float32(mKs[ks_row + cutlass.min(j + 1, self.last_block)])
+        else:
+            ks = Float32(mKs[ks_row + j])  # loaded before the wgmma waits, which hide its latency
         state_v = state.clone()
         state = advanced(state)
         early = const_expr(self.cfg.prep_early)
@@ -209,22 +214,27 @@ class BlockSteps:
                 f_s[v] = cutlass.select_(Int32(off) >= rem, -Float32.inf, f_s[v])
         for r in cutlass.range_constexpr(2):
             rs = qs[r] * ks
-            mx = f_s[2 * r]
-            for i in cutlass.range_constexpr(n // 4):
-                for e in cutlass.range_constexpr(2):
-                    mx = cute.arch.fmax(mx, f_s[e + 2 * r + 4 * i])
+            if const_expr(self.cfg.short_chains):  # a tree: 5 dependent FMNMX, not 32
+                mx = _tree_max([f_s[e + 2 * r + 4 * i] for i in range(n // 4) for e in range(2)])
+            else:
+                mx = f_s[2 * r]
+                for i in cutlass.range_constexpr(n // 4):
+                    for e in cutlass.range_constexpr(2):
+                        mx = cute.arch.fmax(mx, f_s[e + 2 * r + 4 * i])
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
             m_new = cute.arch.fmax(m_i[r], (mx - numerics.MAGIC_F) * rs)
             bias = numerics.MAGIC_F * rs + m_new - numerics.LOG2_PSCALE
             alpha[r] = cute.math.exp2(m_i[r] - m_new, fastmath=True)
-            s = Float32(0.0)
+            parts = [Float32(0.0)] * (4 if const_expr(self.cfg.short_chains) else 1)
             for i in cutlass.range_constexpr(n // 4):
                 for e in cutlass.range_constexpr(2):
                     v = e + 2 * r + 4 * i
                     p = cute.math.exp2(f_s[v] * rs - bias, fastmath=True)
                     f_s[v] = p
-                    s = s + p
+                    k = (2 * i + e) % len(parts)  # short_chains: four running sums, not one
+                    parts[k] = parts[k] + p
+            s = parts[0] if const_expr(len(parts) == 1) else (parts[0] + parts[1]) + (parts[2] + parts[3])
             l_i[r] = l_i[r] * alpha[r] + s
             m_i[r] = m_new
 
@@ -270,6 +280,13 @@ def advanced(state):
     nxt = state.clone()
     nxt.advance()
     return nxt
+
+
+def _tree_max(vals: list):
+    """The maximum of ``vals`` (traced values; a power of two of them) by pairs, at trace time."""
+    while len(vals) > 1:
+        vals = [cute.arch.fmax(vals[k], vals[k + 1]) for k in range(0, len(vals), 2)]
+    return vals[0]
 
 
 @dsl_user_op
