@@ -72,7 +72,9 @@ class CuteConfig:
     ``short_chains``: the row max as a tree and the row sum as four running sums (dependency
     chains of 5 and 8, not 32). ``ks_ahead`` (with ``overlap``): K's per-block scale is loaded one
     block ahead, so its global-memory latency is not waited for at the softmax (both: not yet
-    timed, off).
+    timed, off). ``poly_exp2`` (0-8): of every 8 scores of a row, this many take their exp2 as a
+    polynomial on the FMA pipe instead of the MUFU, whose 16 lanes an SM are the softmax's
+    narrowest pipe (FlashAttention-4's trick; not yet timed: 0).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
     fastest combination measured.
@@ -86,6 +88,7 @@ class CuteConfig:
     p_fence: bool = False
     short_chains: bool = False
     ks_ahead: bool = False
+    poly_exp2: int = 0
     block_n: int = 128
     consumer_regs: int = 232
     producer_regs: int = 40
@@ -98,6 +101,8 @@ class CuteConfig:
     def __post_init__(self):
         if self.stages not in (2, 3, 4):
             raise ValueError(f"CuteConfig.stages={self.stages!r} must be 2, 3 or 4")
+        if not 0 <= self.poly_exp2 <= 8:
+            raise ValueError(f"CuteConfig.poly_exp2={self.poly_exp2!r} must be in [0, 8]")
         if self.block_n not in (64, 128):
             raise ValueError(f"CuteConfig.block_n={self.block_n!r} must be 64 or 128")
         for name in ("consumer_regs", "producer_regs"):
