@@ -288,12 +288,12 @@ def advanced(state):
 # 2 ** x on the FMA and integer pipes instead of the MUFU: x = j + f with j = rint(x) (the
 # MAGIC_F rounding trick) and f in [-0.5, 0.5], 2 ** f by a degree-3 polynomial (relative error
 # 7.5e-5 in fp32, against 2 ** -4 for the e4m3 rounding of P that follows), 2 ** j added into the
-# exponent bits. x is clamped at -127 so -inf (masked keys) gives ~2 ** -127, which P's e4m3 and
-# the row sum see as 0.
+# exponent bits. x is clamped at -125 (at -127 the sum of the exponents wraps into the sign
+# bit), so -inf (masked keys) gives ~2 ** -125, which P's e4m3 and the row sum see as 0.
 _EXP2_POLY_PTX = """{
 .reg .f32 t, r, j, f, p;
 .reg .b32 rb, pb;
-max.f32 t, $1, 0fC2FE0000;
+max.f32 t, $1, 0fC2FA0000;
 add.rn.f32 r, t, 0f4B400000;
 sub.rn.f32 j, r, 0f4B400000;
 sub.rn.f32 f, t, j;
@@ -310,7 +310,7 @@ mov.b32 $0, pb;
 
 @dsl_user_op
 def _exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2 ** x without the MUFU (``_EXP2_POLY_PTX``); x <= 2 ** 7."""
+    """2 ** x without the MUFU (``_EXP2_POLY_PTX``), for x < 128; x = -inf gives 2 ** -125."""
     return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], _EXP2_POLY_PTX,
                                    "=f,f", has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
