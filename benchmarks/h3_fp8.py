@@ -22,7 +22,8 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   named in ``--compiled`` and one accuracy row) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
-  the q/k/v projections, as in h3-model's 30.8 ms compiled "none"); ``none@w4``: the rest at
+  the q/k/v projections, as in h3-model's 30.8 ms compiled "none") | ``sage8_cute`` (the CuTe
+  loop: ``--compiled`` rows only, with ``DIST_ATTN_SAGE8_CUTE=1``); ``none@w4``: the rest at
   9,504 rows. Eager all, once each; compiled (``torch.compile(block, fullgraph=True, dynamic=False)``)
   the ``--compiled`` list, in its order, after the accuracy section, each path on its own copy of
   the block and timed once after its compilation (``first_ms``), then ``--rounds`` passes over all
@@ -73,6 +74,8 @@ __all__ = ["main"]
 THEME, _REPO = "h3-fp8", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = "skipped: the --budget-s wall-time budget was spent"
 _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
+#: attention only in ``--compiled`` rows (an optional extra: never in the eager pass)
+_ATTN_OPT_IN = ("sage8_cute",)
 #: ``--compiled`` suffixes: the same path compiled with other inductor options (benchmark-only)
 _VARIANTS: dict[str, dict | None] = {"": None, "mk": {"triton.multi_kernel": 1}}
 _PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastadaln", "fp8fastunfused", "fp8tfast")
@@ -723,9 +726,9 @@ def main(argv: list[str] | None = None) -> int:
         if variant not in _VARIANTS:
             p.error(f"--compiled entry {key!r}: '+{variant}' is not one of "
                     f"{', '.join('+' + v for v in _VARIANTS if v)}")
-        if prec not in _PRECISIONS or attn not in _ATTN or (at_w4 and attn != "none"):
+        if prec not in _PRECISIONS or attn not in _ATTN + _ATTN_OPT_IN or (at_w4 and attn != "none"):
             p.error(f"--compiled entry {key!r} must be <linears>:<attention> with linears one of "
-                    f"{', '.join(_PRECISIONS)} and attention one of {', '.join(_ATTN)}, or "
+                    f"{', '.join(_PRECISIONS)} and attention one of {', '.join(_ATTN + _ATTN_OPT_IN)}, or "
                     "<linears>:none@w4 (the block's rest at W = 4's rows)")
     for key in _names(args.acc_compiled):
         prec, _, attn = key.partition(":")
