@@ -71,10 +71,10 @@ class CuteConfig:
     so ptxas cannot give them to the softmax and wait for that P V before it (measured level: off).
     ``short_chains``: the row max as a tree and the row sum as four running sums (dependency
     chains of 5 and 8, not 32). ``ks_ahead`` (with ``overlap``): K's per-block scale is loaded one
-    block ahead, so its global-memory latency is not waited for at the softmax (both: not yet
-    timed, off). ``poly_exp2`` (0-8): of every 8 scores of a row, this many take their exp2 as a
-    polynomial on the FMA pipe instead of the MUFU, whose 16 lanes an SM are the softmax's
-    narrowest pipe (FlashAttention-4's trick; not yet timed: 0).
+    block ahead, so its global-memory latency is not waited for at the softmax. ``poly_exp2``
+    (0-8): of every 8 scores of a row, this many take their exp2 as a polynomial on the FMA pipe
+    instead of the MUFU (FlashAttention-4's trick). These three measured level with the
+    defaults: off.
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
     fastest combination measured.
