@@ -29,13 +29,14 @@ PvAccum = Literal["block", "running", "exact"]
 
 @dataclass(frozen=True)
 class RefQuantized:
-    """One segment's 8-bit operands (shapes for T rows, H heads, head_dim D, kblock keys a block)."""
+    """One segment's 8-bit operands (shapes for Tq query and Tk key rows, H heads, head_dim D,
+    kblock keys a block)."""
 
-    qi8: torch.Tensor     # [T, H, D] int8
-    qscale: torch.Tensor  # [T, H] fp32, includes softmax_scale * log2(e)
-    ki8: torch.Tensor     # [T, H, D] int8 of K minus its channel mean
-    kscale: torch.Tensor  # [ceil(T / kblock), H] fp32
-    v8: torch.Tensor      # [T, H, D] float8_e4m3fn of (V - vmean) / vscale
+    qi8: torch.Tensor     # [Tq, H, D] int8
+    qscale: torch.Tensor  # [Tq, H] fp32, includes softmax_scale * log2(e)
+    ki8: torch.Tensor     # [Tk, H, D] int8 of K minus its channel mean
+    kscale: torch.Tensor  # [ceil(Tk / kblock), H] fp32
+    v8: torch.Tensor      # [Tk, H, D] float8_e4m3fn of (V - vmean) / vscale
     vscale: torch.Tensor  # [H, D] fp32
     kmean: torch.Tensor   # [H, D] fp32
     vmean: torch.Tensor   # [H, D] fp32: V's channel mean when smoothing V, else zeros
@@ -62,7 +63,8 @@ def mma_truncate(x: torch.Tensor, bits: int = MMA_ACC_BITS) -> torch.Tensor:
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, *,
              kblock: int = 128, balance: bool = False, smooth_v: bool = False) -> RefQuantized:
-    """Quantizes one segment. q/k/v: ``[T, H, D]`` float tensors (any float dtype).
+    """Quantizes one segment. q: ``[Tq, H, D]``, k/v: ``[Tk, H, D]`` float tensors (any float
+    dtype; a ring piece has Tq != Tk).
 
     ``smooth_v``: subtract V's per-head channel mean before FP8 and add it back to the output
     (exact up to rounding: the softmax weights of a row sum to one). A studied variant the kernels
@@ -73,7 +75,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     s_c = sqrt(amax|K_c| / amax|Q_c|) per head: Q.K is unchanged exactly, and an outlier channel of
     one side is shared by both. (A variant of the scheme; the kernels do not implement it.)
     """
-    T, H, D = q.shape
+    T, H, D = k.shape
     qf, kf, vf = q.float(), k.float(), v.float()
     kmean = kf.mean(dim=0)  # [H, D]
     kc = kf - kmean
@@ -121,7 +123,7 @@ def attention(rq: RefQuantized, q: torch.Tensor | None = None, softmax_scale: fl
     (natural log of the scaled scores' sum) needs the caller's ``q`` and ``softmax_scale`` to undo
     the K smoothing.
     """
-    T, H, D = rq.qi8.shape
+    T, H, D = rq.ki8.shape
     sel = slice(None) if rows is None else rows
     qi = rq.qi8[sel].double().transpose(0, 1)  # [H, R, D]
     ki = rq.ki8.double().transpose(0, 1)  # [H, T, D]
@@ -164,8 +166,9 @@ def sage8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     *, kblock: int = 128, balance: bool = False, smooth_v: bool = False,
                     pv_accum: PvAccum = "block", acc_bits: int = MMA_ACC_BITS,
                     rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sage8 on one segment ``[T, H, D]``: ``(out [R, H, D] float64, lse [H, R] float64)`` for the
-    query ``rows`` (default all T). The defaults model the shipped kernels."""
+    """Sage8 on one segment, q ``[Tq, H, D]`` against k, v ``[Tk, H, D]``: ``(out [R, H, D]
+    float64, lse [H, R] float64)`` for the query ``rows`` (default all Tq). The defaults model
+    the shipped kernels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     rq = quantize(q, k, v, scale, kblock=kblock, balance=balance, smooth_v=smooth_v)
     return attention(rq, q, scale, pv_accum=pv_accum, acc_bits=acc_bits, rows=rows)
