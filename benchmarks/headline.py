@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The README's headline: one table of current numbers from ONE GPU's result files, and one plot.
 
     python -m benchmarks.headline [--hardware h100] [--date 2026-12-07] [--out benchmarks/results]

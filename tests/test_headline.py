@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The README's headline table is generated from result files of one GPU (benchmarks/headline.py)."""
 
 from __future__ import annotations
