@@ -616,3 +616,15 @@ def test_a_run_into_the_tracked_results_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["job_model", "--out", str(tmp_path / "elsewhere")])
     job_model.main()
     assert "git tracks" not in capsys.readouterr().out
+
+
+def test_h3_fp8_takes_the_cute_loop_in_compiled_rows_only(capsys):
+    """sage8_cute (an opt-in extra) is a --compiled attention name, and the refusal of an unknown
+    one lists it; the eager pass never runs it."""
+    from benchmarks import h3_fp8
+
+    with pytest.raises(SystemExit):
+        h3_fp8.main(["--smoke", "--compiled", "fp8:sage8_cutex"])
+    assert "sage8_cute" in capsys.readouterr().err
+    assert h3_fp8._split_key("fp8:sage8_cute")[:2] == ("fp8", "sage8_cute")
+    assert "sage8_cute" not in h3_fp8._ATTN

@@ -57,6 +57,26 @@ def test_accuracy_vs_float64(case):
     assert (lse - l64).abs().max().item() <= 2e-2
 
 
+@pytest.mark.parametrize("tq, tk", [(300, 1024), (1024, 129)])
+def test_queries_and_keys_of_different_lengths(tq, tk):
+    # a ring piece: Tq query rows against Tk keys (a partial last key block when Tk % 128 != 0)
+    q, k, v = _data("bias")
+    q, k, v = q[:tq], k[:tk], v[:tk]
+    out, lse = reference.sage8_reference(q, k, v)
+    o64, l64 = _f64(q, k, v)
+    assert out.shape == (tq, 2, 128) and lse.shape == (2, tq)
+    assert _rel(out, o64) <= 4.5e-2
+    assert (lse - l64).abs().max().item() <= 2e-2
+
+
+def test_mismatched_shapes_are_named():
+    q, k, v = _data("normal", T=64)
+    with pytest.raises(ValueError, match=r"v \(63, 2, 128\).*k, v \[Tk, H, D\]"):
+        reference.quantize(q, k, v[:63], 0.1)
+    with pytest.raises(ValueError, match=r"q \(64, 1, 128\)"):
+        reference.quantize(q[:, :1], k, v, 0.1)
+
+
 def test_quantized_operands():
     q, k, v = _data("bias", T=300)
     rq = reference.quantize(q, k, v, 0.1, kblock=128)

@@ -104,6 +104,13 @@ def test_config_rules():
         CuteConfig(stages=1)
     with pytest.raises(ValueError, match="65,536"):
         CuteConfig(consumer_regs=256, producer_regs=256)
+    for bad in (9, True, 2.5):
+        with pytest.raises(ValueError, match=r"poly_exp2=.* must be an int in \[0, 8\]"):
+            CuteConfig(poly_exp2=bad)
+    with pytest.raises(ValueError, match="p_fence=True needs P in registers with overlap"):
+        CuteConfig(p_fence=True, p_smem=True)
+    with pytest.raises(ValueError, match="ks_ahead=True needs overlap=True"):
+        CuteConfig(ks_ahead=True, overlap=False)
 
 
 def _ref_lse(q, k, v, scale, kv_len=None):
@@ -145,12 +152,12 @@ def test_unequal_ring_pieces_are_padded_and_cut_back(monkeypatch):
 @pytest.mark.parametrize("ring", [2, 3])
 def test_ring_pieces_merged_by_their_lse_match_float64(ring):
     # A ring of R chunks on one GPU: every (query chunk, key chunk) piece through the backend's
-    # dense_lse (unequal lengths: the last chunk is shorter), merged by ring.merge_partial. The
+    # dense_lse (chunks of unequal lengths), merged by ring.merge_partial. The
     # merged error against float64 stays within 10% of one sage8_cute call on the whole sequence.
     from dist_attn.ring import merge_partial
     be = backends.get_backend("sage8_cute")
     g = torch.Generator(device="cuda").manual_seed(ring)
-    T, H, D = 2000, 4, 128
+    T, H, D = 2001, 4, 128
     q, k, v = (torch.randn(1, T, H, D, generator=g, device="cuda") for _ in range(3))
     k += 0.5
     v += torch.rand(H, D, generator=g, device="cuda")
@@ -158,8 +165,9 @@ def test_ring_pieces_merged_by_their_lse_match_float64(ring):
     scale = 1 / math.sqrt(D)
     ref, lref = _ref_lse(q, k, v, scale)
     whole, lwhole = be.dense_lse(q, k, v, softmax_scale=scale)
-    bounds = [(T * i // ring, T * (i + 1) // ring) for i in range(ring)]
-    bounds[-1] = (bounds[-1][0], T)
+    # uneven chunks (1,100 / 901 rows; 750 / 650 / 601), so most pieces pair unequal lengths
+    cuts = {2: [0, 1100, T], 3: [0, 750, 1400, T]}[ring]
+    bounds = list(zip(cuts[:-1], cuts[1:]))
     acc = torch.zeros(1, T, H, D, device="cuda")
     acc_lse = torch.full((1, T, H), float("-inf"), device="cuda")
     for qa, qb in bounds:

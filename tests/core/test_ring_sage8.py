@@ -1,11 +1,15 @@
 """An 8-bit kernel inside the ring, on a 2 x 2 (ring x Ulysses) mesh of CPU gloo ranks.
 
 The CuTe loop (``sage8_cute``) needs a Hopper GPU, so here its kernel is the float64 model of the
-same scheme (``kernels.sage8.reference``, which honours a key prefix as the kernel's ``kv_len``
-does); everything around it is the library's own: the backend's padding of unequal ring pieces,
-the ring's rotation and its log-sum-exp merge. The merged result must stay as close to float64
-as one 8-bit call on the whole sequence (the GPU test of the real kernel:
+same scheme (``kernels.sage8.reference``) over the same attended keys, the prefix ``kv_len`` of a
+padded piece (the real pre-pass takes K's mean and the K and V scales over all the piece's rows,
+zero rows included; the model over the attended ones: the same keys, slightly other rounding).
+Everything around it is the library's own: the backend's padding of unequal ring pieces, the
+ring's rotation and its log-sum-exp merge. The merged result must stay as close to float64 as
+one 8-bit call on the whole sequence (the GPU test of the real kernel:
 ``test_kernel_sage8_cute.py::test_ring_pieces_merged_by_their_lse_match_float64``).
+Ring pieces are of unequal lengths only in ``trailing_padding`` (32 query rows against 19 keys);
+``one_segment``'s are 32 and 32.
 """
 
 from __future__ import annotations

@@ -61,16 +61,16 @@ def _gluon_missing() -> str | None:
     return None
 
 
-#: the opt-in the CuTe DSL loop needs until its GPU tests pass (see :func:`_cute_missing`)
+#: the opt-in the CuTe DSL loop needs while it is no faster than the Triton loop (:func:`_cute_missing`)
 CUTE_OPT_IN = "DIST_ATTN_SAGE8_CUTE"
 
 
 def _cute_missing() -> str | None:
     from dist_attn.extras import install_hint
     if os.environ.get(CUTE_OPT_IN) != "1":
-        return (f"the CuTe DSL loop (backend 'sage8_cute') is experimental: its first version hung on "
-                f"segments of one 128-key block on an H100 and the fix has not run on a GPU yet; set "
-                f"{CUTE_OPT_IN}=1 to run it anyway (docs/kernels.md), or use backend 'sage8'")
+        return (f"the CuTe DSL loop (backend 'sage8_cute') is opt-in: it passes the GPU tests but "
+                f"measured level with the Triton loop (docs/kernels.md); set {CUTE_OPT_IN}=1 to run "
+                f"it (it is the 8-bit kernel that runs inside a ring), or use backend 'sage8'")
     if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None:
         return (f"the CuTe DSL loop (backend 'sage8_cute') needs CuTe DSL (nvidia-cutlass-dsl, for "
                 f"a CUDA 13 torch): {install_hint('cute')}")

@@ -73,8 +73,8 @@ class CuteConfig:
     chains of 5 and 8, not 32). ``ks_ahead`` (with ``overlap``): K's per-block scale is loaded one
     block ahead, so its global-memory latency is not waited for at the softmax. ``poly_exp2``
     (0-8): of every 8 scores of a row, this many take their exp2 as a polynomial on the FMA pipe
-    instead of the MUFU (FlashAttention-4's trick). These three measured level with the
-    defaults: off.
+    instead of the MUFU (FlashAttention-4's trick). ``short_chains`` with ``ks_ahead``, and both
+    with ``poly_exp2=2``, measured level with the defaults: off.
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
     fastest combination measured.
@@ -101,8 +101,13 @@ class CuteConfig:
     def __post_init__(self):
         if self.stages not in (2, 3, 4):
             raise ValueError(f"CuteConfig.stages={self.stages!r} must be 2, 3 or 4")
-        if not 0 <= self.poly_exp2 <= 8:
-            raise ValueError(f"CuteConfig.poly_exp2={self.poly_exp2!r} must be in [0, 8]")
+        if isinstance(self.poly_exp2, bool) or not isinstance(self.poly_exp2, int) or not 0 <= self.poly_exp2 <= 8:
+            raise ValueError(f"CuteConfig.poly_exp2={self.poly_exp2!r} must be an int in [0, 8]")
+        if self.p_fence and (self.p_smem or not self.overlap):
+            raise ValueError(f"CuteConfig.p_fence=True needs P in registers with overlap (p_smem=False, "
+                             f"overlap=True), got p_smem={self.p_smem}, overlap={self.overlap}")
+        if self.ks_ahead and not self.overlap:
+            raise ValueError("CuteConfig.ks_ahead=True needs overlap=True (the loop it loads ahead in)")
         if self.block_n not in (64, 128):
             raise ValueError(f"CuteConfig.block_n={self.block_n!r} must be 64 or 128")
         for name in ("consumer_regs", "producer_regs"):

@@ -75,6 +75,9 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     s_c = sqrt(amax|K_c| / amax|Q_c|) per head: Q.K is unchanged exactly, and an outlier channel of
     one side is shared by both. (A variant of the scheme; the kernels do not implement it.)
     """
+    if q.dim() != 3 or q.shape[1:] != k.shape[1:] or k.shape != v.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q "
+                         "[Tq, H, D] and k, v [Tk, H, D] of one H and D")
     T, H, D = k.shape
     qf, kf, vf = q.float(), k.float(), v.float()
     kmean = kf.mean(dim=0)  # [H, D]
@@ -85,7 +88,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
         s = torch.where((qa > 0) & (ka > 0), (ka / qa.clamp_min(1e-30)).sqrt(), torch.ones_like(qa))
         qf = qf * s
         kc = kc / s
-    qsc = _scale_of(qf.abs().amax(dim=-1), INT8_MAX)  # [T, H]
+    qsc = _scale_of(qf.abs().amax(dim=-1), INT8_MAX)  # [Tq, H]
     qi8 = _round_i8(qf / qsc[..., None])
     nblk = -(-T // kblock)
     pad = nblk * kblock - T
