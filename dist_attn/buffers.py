@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reusable, bounded staging buffers for the Ulysses all-to-alls.
 
 One flat allocation per (role, dtype, device), shared by every attention layer that uses the same

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Packing and the two all-to-alls of a Ulysses forward, as pure functions.
 
 Layout of the input staging buffer on every rank (destination-major): for each destination rank

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers: one numeric recipe, run by torchao on a GPU or emulated in float32.
 
 The recipe is torchao's float8 inference with per-row scales

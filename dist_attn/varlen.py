@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The varlen bridge: packed varlen attention as dense kernel calls, and the ONE owner of the
 rule that says which rows are documents and which are padding.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``"fa3"``: FlashAttention-3 (Hopper), exact bf16 attention with a log-sum-exp.
 
 Loads ``flash_attn_interface`` (a build of flash-attention's ``hopper/``) or, failing that, the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The backend registry: names -> kernels, and what ``backend="auto"`` picks.
 
 ``"auto"`` takes the first kernel of its order that can run on the given tensors AND is accurate

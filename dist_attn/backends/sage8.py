@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``"sage8"``: dist_attn's own INT8-QK / FP8-PV kernels for Hopper (:mod:`dist_attn.kernels.sage8`).
 
 Two attention loops share one quantization pre-pass: the plain Triton kernel and the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Attention kernels. Importing this package never imports triton (kernels load on first call).
 
 One family today, :mod:`dist_attn.kernels.sage8`; its entry points are re-exported here.

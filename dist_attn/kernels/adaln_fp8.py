@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A pre-norm AdaLN input and its FP8 row quantization in one pass (Triton on the GPU; importing
 this module imports triton).
 

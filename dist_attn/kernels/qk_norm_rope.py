@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-head RMSNorm of q and k and rotate-half RoPE on their first R channels, in one pass
 (Triton on the GPU; importing this module imports triton).
 

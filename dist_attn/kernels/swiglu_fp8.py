@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """SwiGLU and the FP8 row quantization of its output in one pass (Triton; importing this module
 imports triton).
 

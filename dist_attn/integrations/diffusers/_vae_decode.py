@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The video VAE's decode spread over the ranks: every (temporal clip, spatial tile) decoder call
 of the whole video is dealt to one rank, each rank runs its calls as batched decoder calls, the
 decoded tiles are exchanged with one all-gather per wave, and every rank stitches the same video.

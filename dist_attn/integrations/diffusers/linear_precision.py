@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers for a diffusers transformer: which linears, and the one call that swaps them.
 
     from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears

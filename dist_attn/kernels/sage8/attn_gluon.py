@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 attention kernel, warp-specialized, in Gluon for Hopper (imports triton).
 
 FA3's structure on the operands of :func:`quant.quantize`:

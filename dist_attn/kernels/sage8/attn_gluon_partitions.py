@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The warp-specialized partitions of the Gluon Sage8 kernel (:mod:`.attn_gluon` launches them).
 
 ``_consumer`` is one of the two 64-row consumer warpgroups: the QK and PV wgmmas of consecutive key

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 attention kernel in plain Triton (backend ``"sage8"``; imports triton).
 
 One program = BM query rows of one (segment, head): INT8 Q K^T -> int32 on the tensor cores,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The numbers of the Sage8 quantization scheme, shared by the kernels and the torch reference.
 
 Importing this module costs torch only (no triton).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 scheme in plain torch: what the kernels compute, rounding step by rounding step.
 
 Runs anywhere torch does (CPU CI included): the GPU tests compare the kernels' quantized operands

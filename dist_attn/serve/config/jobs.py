@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ``[jobs]`` section of a config: where video jobs live and what runs them."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The sections of a serving config, one kw-only dataclass per TOML table (``[tokens]`` is
 :class:`dist_attn.serve.config.tokens.TokenConfig`, ``[jobs]``
 :class:`dist_attn.serve.config.jobs.JobsConfig`). Every ``__post_init__`` raises

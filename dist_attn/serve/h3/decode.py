@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A served job after its last denoise step: the audio decode (rank 0), the video decode on every
 rank (:func:`dist_attn.integrations.diffusers.enable_parallel_decode`), and the MP4 encoded on
 rank 0 from each clip's frames while later clips still decode.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The denoise loop of the served H3, run by every rank for every request.
 
 Every rank builds the request's packed layout, draws the same noise from the request's seed and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Files in and out of the served DiT: a diffusers-format H3 checkpoint directory in, output
 latents out, both through the ``safetensors`` package (which diffusers brings).
 

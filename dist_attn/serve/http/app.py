@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """HTTP on rank 0: a Starlette app served by uvicorn in a thread of its own.
 
 Endpoints: ``GET /health`` (200 ok, 503 not ready or shutting down; never needs a token),

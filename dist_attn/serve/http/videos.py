@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The jobs API over HTTP: ``/v1/videos``.
 
 - ``POST /v1/videos`` validates the request

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Job ends the store could not commit yet (a full disk): held in memory, shown by every read of
 the store, and committed when it can.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The job store: every video job in one SQLite file under the output directory (the standard
 library's ``sqlite3``, WAL mode, ``synchronous=FULL``).
 

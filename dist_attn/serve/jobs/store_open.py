@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Opening the job store at launch (rank 0, before the model is built): the store file checked,
 the restart recovery run and logged, partial MP4s removed, and a warning when ``videos/`` holds
 MP4s of jobs the store does not list.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The job store's SQLite plumbing: the table, a row as a :class:`JobRecord`, the write
 transaction, and what turns SQLite's errors into :class:`StoreError`. Split from
 :mod:`dist_attn.serve.jobs.store`, its one user."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Serve MiniMax H3 (diffusers' MiniMaxH3Transformer3DModel) on the ranks of one host: the
 project's main job.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The supervisor keeps the HTTP port while no rank 0 serves, and answers it.
 
 Under ``--nproc-per-node`` a restart after a rank died closed the port from the old rank 0's

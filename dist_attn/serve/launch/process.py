@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The server process's relations with the operating system: its parent, its signals, its port.
 
 - Parent death: under torchrun every rank asks Linux for SIGTERM when its parent (the agent)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``launch/serve.py --nproc-per-node N``: torchrun under a small supervisor, so that a SIGTERM
 drains the server and the whole job exits 0.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One stored video job on every rank, driven by rank 0: the next job taken from the store, the
 VIDEO message, the runner's two halves with rank 0's vote after every step (cancel, drain), and
 how the job ended written back to the store.

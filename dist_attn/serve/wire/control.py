@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The control messages rank 0 sends every other rank (the rank loops' one channel).
 
 Control messages travel as ONE int64 broadcast from rank 0: ``[op, frames, height, width,
