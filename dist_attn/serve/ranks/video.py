@@ -46,9 +46,9 @@ class VideoDrive:
 
     def start_next(self) -> JobRecord | None:
         """The oldest queued video job, now running; None when there is none or when the store
-        cannot commit (a full disk). That error ended the server; the job now stays queued
-        (the transaction rolled back), the error is logged at most once a minute, and
-        /v1/generate is served on (issue 24). Old videos are deleted first, once a minute."""
+        cannot commit (a full disk): then the job stays queued (the transaction rolled back),
+        the error is logged at most once a minute, and the server serves on (/v1/generate
+        included). Old videos are deleted first, once a minute."""
         if time.monotonic() - self._pruned >= _PRUNE_EVERY_S:
             self.prune()
         try:
