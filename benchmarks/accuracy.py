@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Accuracy of the attention kernels against float64: real MiniMax-H3 activations, V with channel
 means at H3 length, several segments, and the input families of the earlier notes, in ONE run.
 

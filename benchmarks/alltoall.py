@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Ulysses all-to-alls at h3-ref sizes: one packed Q/K/V all-to-all vs three separate ones.
 
 Per rank (N ranks): q, k, v of ``[S_local = S / N, H, D]`` bf16 (h3-ref: S = 38,016, H = 56,

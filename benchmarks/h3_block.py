@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The real H3 block for the benchmarks: diffusers' ``MiniMaxH3TransformerBlock`` with dist_attn's
 processor, its inputs at the h3-ref layout, and the h3-ref model inputs.
 

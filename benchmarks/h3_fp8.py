@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers on the real H3, one GPU, one run: its GEMMs, its block at W = 1 and at W = 4's
 per-rank shapes (eager, compiled), and what FP8 does to the served latents.
 

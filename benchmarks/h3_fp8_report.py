@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Report of :mod:`benchmarks.h3_fp8`: the targets it is read against, its markdown tables, its plot."""
 
 from __future__ import annotations

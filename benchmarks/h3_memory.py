@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The full-size served H3 as rank r of W (default 0) on ONE GPU: peak memory per phase with the weights
 sharded (FSDP2), beside the launch pre-flight's estimate, and the modeled cost of the per-block
 gathers.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The real H3 on one GPU (W = 1): diffusers' MiniMaxH3Transformer3DModel, its own init, bf16
 (fp32 modules as the class declares), at h3-ref (512 text + 172 audio + 37,296 video = 37,980 rows).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared helpers of the dist_attn benchmarks: what ran, how it was timed, where results go.
 
 Every benchmark script records the full config, library versions, GPU name and date, and writes

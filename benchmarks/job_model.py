@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served H3 job on 4 x H200 at 50 steps (49 forwards, SGLang's setting), MODELED from
 pieces measured on one H200: no multi-GPU machine ran it.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Single-GPU attention kernels at the h3-ref per-rank shapes: speed, error vs float64, bridge overhead.
 
 Shapes ("h3-ref", one H3 denoise step): per Ulysses rank with degree W, all 38,016 packed rows and 56/W

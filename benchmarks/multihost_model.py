@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Analytic per-rank model of one attention layer on several hosts: pure Ulysses vs Ulysses x Ring.
 
 Pure arithmetic (no device): every time is bytes / bandwidth or FLOPs / kernel rate, with the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where the H3 pipeline's text encoder should run: on every rank alike, or on rank 0 with a
 broadcast; and the served VAE decode beside it. Run under torchrun (every rank loads the tiny pipeline):
 

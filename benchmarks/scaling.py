@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ulysses scaling at h3-ref: UlyssesSageAttention forward and one real H3 block vs the number of ranks.
 
 The block is diffusers' ``MiniMaxH3TransformerBlock`` (its own init, bf16) with dist_attn's H3

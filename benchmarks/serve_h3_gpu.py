@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Seconds per served H3 job on one GPU, the job as the server runs it, beside diffusers' own
 modular ``t2va`` pipeline on the same components.
 

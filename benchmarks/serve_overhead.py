@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-request serving overhead (HTTP, queue, broadcast, setup, finalize) vs one denoise step.
 
 Starts ``launch/serve.py`` under torchrun (or talks to ``--url``), sends requests one at a time

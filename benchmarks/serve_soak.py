@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Load and soak of the jobs API on loopback: N concurrent video-job submissions, then status polls
 at a fixed rate for a fixed time while the jobs run, with the server's memory sampled throughout.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The H3 video VAE decode at h3-ref: precision against float32, seconds by batch, the W = 4 decode
 modeled from measured pieces, and the MP4 encode.
 

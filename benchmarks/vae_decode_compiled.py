@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served video decode compiled against eager, at h3-ref on one GPU (W = 1): seconds and pixels.
 
     python -m benchmarks.vae_decode_compiled             # one H100/H200: AutoencoderKLMiniMaxH3()

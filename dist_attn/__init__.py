@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """dist_attn: Ulysses sequence-parallel attention with 8-bit Sage kernels for video DiTs."""
 
 from dist_attn.backends.base import AttentionBackend, BackendUnavailableError

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ranks of a Ulysses (x Ring) group agree on a call's layout before its first all-to-all.
 
 The one owner of cross-rank agreement in the library. Each rank describes its call by a

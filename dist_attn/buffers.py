@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reusable, bounded staging buffers for the Ulysses all-to-alls.
 
 One flat allocation per (role, dtype, device), shared by every attention layer that uses the same
@@ -5,7 +6,7 @@ One flat allocation per (role, dtype, device), shared by every attention layer t
 A buffer grows only when a request larger than its capacity arrives, and then to exactly that
 request, so memory follows the largest request seen, never the number of distinct shapes.
 SGLang keyed its Ulysses buffers by shape and held 12.4 GiB after about 30 varied requests, then
-ran out of memory (sglang issue #35937); keying by role avoids that by construction.
+ran out of memory (sgl-project/sglang#35937); keying by role avoids that by construction.
 
 Reuse is safe because one forward finishes with the buffers (its output is a fresh tensor)
 before the next forward on the same stream starts writing them.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Packing and the two all-to-alls of a Ulysses forward, as pure functions.
 
 Layout of the input staging buffer on every rank (destination-major): for each destination rank
@@ -26,9 +27,10 @@ __all__ = [
 
 def _widen(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The same bytes viewed as 8-byte words along the (contiguous) last dim, for all tensors or
-    none. A strided copy moves one element per thread step, so bf16 packing ran at 1.63 TB/s on
-    an H200 against 4.2 TB/s for a plain copy; 8-byte words move 4x the bytes per step. Falls
-    back to the tensors as they are when a view is impossible (odd sizes or offsets)."""
+    none. A strided copy moves one element per thread step, so bf16 packing ran at well under half
+    a plain copy's bandwidth (``benchmarks/alltoall.py``); 8-byte words move 4x the bytes per
+    step. Falls back to the tensors as they are when a view is impossible (odd sizes or
+    offsets)."""
     if tensors[0].element_size() >= 8 or any(t.data_ptr() % 8 for t in tensors):
         return tensors  # misaligned memory from outside torch's allocator: copy element-wise
     try:

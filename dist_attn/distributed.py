@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Process-group setup from torchrun's environment, and the group facts every call needs.
 
 One owner for the question "which device and which process-group backend does this rank use":

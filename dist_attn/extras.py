@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The optional dependencies of dist_attn (``pyproject.toml``'s extras) and the one way to name them.
 
 dist-attn is not on a package index yet: an extra is installed from a clone of the repository,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers: one numeric recipe, run by torchao on a GPU or emulated in float32.
 
 The recipe is torchao's float8 inference with per-row scales
@@ -14,8 +15,8 @@ The recipe is torchao's float8 inference with per-row scales
 
 The scales are divided in the activation's dtype (bf16) before the cast to float32, as torchao's
 ``_choose_scale_float8`` does; the products of two e4m3 values are exact in float32 and the sum is
-accumulated in float32 (``use_fast_accum=False``: Hopper's fast FP8 accumulation keeps fewer bits,
-the 5.3e-2 vs 4.4e-4 of ``torch._scaled_mm`` over 38,016 keys in /work/shared/h3.md). Two guards
+accumulated in float32 (``use_fast_accum=False``: Hopper's fast FP8 accumulation keeps fewer bits
+of a long sum; docs/diffusers.md, FP8 linears, has the measured error). Two guards
 that torchao lacks: an all-zero activation row would get scale 0 and 0/0 = NaN codes (padding rows
 of an attention output are exactly zero), so the row maximum is floored at 1e-12 (torchao's
 ``activation_value_lb``); an all-zero weight row gets scale 1 and zero codes.
@@ -303,9 +304,8 @@ class Fp8SwiGLUFeedForward(QuantizedTensors):
     ``FeedForward(activation_fn="swiglu")``; the down projection is ``torch._scaled_mm`` on the
     kernel's codes and row scales. Its output is the same FFN with a torchao FP8 down projection
     (the same recipe and GEMM; on the GPU the kernel's fast exponential may move a code by one
-    e4m3 step, its division by the scale is exact; none moved at H3's width on an H100, and
-    tests/integrations/test_fp8_gpu.py bounds how often): one pass over the FFN's projection is
-    saved.
+    e4m3 step, its division by the scale is exact; tests/integrations/test_fp8_gpu.py bounds how
+    often): one pass over the FFN's projection is saved.
 
     Args:
         proj: the input projection ``[*, K] -> [*, 2I]`` (a torchao FP8 ``nn.Linear``, or an

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The 2-D ("ring", "ulysses") device mesh of hybrid Ulysses x Ring (USP) attention, and the one
 rule for which rows each rank holds.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How heads, chunks and staging buffers are split across the ranks of a Ulysses group.
 
 Pure functions of integers: every rank computes the same plan for every other rank, which is

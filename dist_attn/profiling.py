@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-phase timing of the Ulysses attention path.
 
 A :class:`PhaseTimer` is handed to :class:`~dist_attn.UlyssesSageAttention` (``timer=``) or to a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What q and k go through between their projections and the attention: per-head RMSNorm, then
 rotate-half RoPE on their first R channels (MiniMax-H3's ``norm_q`` / ``norm_k`` and rotary
 embedding), said once so that the Ulysses pack can apply it (plain torch; no triton here).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ring attention over the "ring" dim of a USP mesh: K/V chunks rotate, partial outputs merge by
 their log-sum-exp.
 

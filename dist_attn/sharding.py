@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Cutting a full sequence into the contiguous per-rank shards Ulysses expects, and back.
 
 Ranks that compute different shard shapes make the all-to-all fail with "Received data size

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ulysses sequence-parallel attention: pack -> all-to-all -> varlen bridge -> all-to-all back.
 
 Each of the W ranks of a group holds a contiguous shard ``[B, S_local, H, D]`` of the packed global

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Input checks shared by the local bridge and the Ulysses layer.
 
 Every check here reads only shapes, dtypes, devices and host integers, so it gives the same

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The varlen bridge: packed varlen attention as dense kernel calls, and the ONE owner of the
 rule that says which rows are documents and which are padding.
 
@@ -9,8 +10,8 @@ guidance pair is not mistaken for one request padded at the end.
 Paths, chosen from host integers only:
 
 * the valid rows form one segment starting at row 0 (one request, padded or not: the H3 layout):
-  ONE dense call on rows ``[0, valid_len)``; the padding rows are zeroed, never computed. Measured on
-  an H200 this costs 0.06-0.4% over the bare dense call;
+  ONE dense call on rows ``[0, valid_len)``; the padding rows are zeroed, never computed (at most
+  0.4% over the bare dense call in ``benchmarks/kernels.py``; docs/library.md, Measured costs);
 * a backend with a native varlen kernel gets the whole layout (batch 1);
 * anything else: one dense call per non-empty segment.
 """

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A model's weights sharded over a process group with torch's FSDP2, for inference.
 
 Each rank keeps 1/W of every parameter between forwards; a unit (a transformer block) gathers its

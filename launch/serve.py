@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Serve the DiT on torchrun's ranks: the project's main job (flags: ``--help``).
 
     torchrun --nproc-per-node 4 launch/serve.py                       # tiny, CPU gloo, :8000

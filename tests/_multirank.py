@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Run a function on N gloo ranks in fresh processes, with a hard time limit.
 
 Each test gets its own ``file://`` rendezvous under ``tmp_path`` so pytest-xdist workers never

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What this torch build can do on the CPU, for tests whose expectation depends on it."""
 
 from __future__ import annotations

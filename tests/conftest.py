@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared test plumbing: repository paths, a subprocess environment, free loopback ports.
 
 Tests import these as ``from tests.conftest import ...`` only through the fixtures below; the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Float64 single-process reference for block-diagonal packed attention."""
 
 from __future__ import annotations

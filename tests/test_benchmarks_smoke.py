@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every benchmark's --smoke runs on CPU and leaves a complete, self-describing result.
 
 The single-process ones (kernels, scaling --modeled, h3_model, vae_decode, h3_fp8) run in-process,

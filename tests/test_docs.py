@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The README and docs/ say what the repository does: the library example runs as written, CI runs
 the README's test command, and every relative link points at a file that exists."""
 

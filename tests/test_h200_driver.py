@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """benchmarks/h200.sh, the one driver of the H200 runs, checked on CPU through --dry-run: every
 subcommand its header lists expands to commands whose modules, tests and scripts exist, and a
 wrong subcommand is refused before anything runs (a typo must not cost a device call)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a user installs: the extras and their install hints, the package metadata, a missing
 extra at launch."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Kernel development tools (run as ``python -m benchmarks.dev.<name>`` on an H200), not user benchmarks."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe: H3's pre-norm AdaLN modulation followed by the FP8 recipe's row quantization, as
 inductor compiles it, with and without ``triton.multi_kernel`` (one GPU, ~1 min).
 

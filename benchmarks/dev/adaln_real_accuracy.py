@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused norm + AdaLN + FP8 quantization step against float64, on the real H3 block's inputs.
 
 ``quantize_linears(fuse_adaln="auto")`` (the default since 2026-12-07) replaces diffusers' eager

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe: the served engine compiled as a CUDA launch runs it, at h3-ref, on one GPU.
 
 H3 at its real config but ``--layers`` of its 50 blocks, bf16 (or ``--linear-precision fp8``

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe (CPU, float64, ~1 min): how much accuracy the FlashAttention-3 FP8 route would cost on
 real H3 activations, isolated from any kernel.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe: where the compiled H3 block's GPU waits (one GPU, ~1 min).
 
 The compiled FP8-fast + sage8 block's kernels (profiled) added up to ~1 ms less than its wall

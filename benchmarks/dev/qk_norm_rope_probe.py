@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe: the fused per-head RMSNorm + RoPE kernel (``dist_attn.kernels.qk_norm_rope``) against
 inductor's compilation of what H3's processor runs (``nn.RMSNorm`` on q and k, then the bf16
 rotate-half RoPE), one GPU, ~1 min.

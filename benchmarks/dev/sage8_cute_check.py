@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CuTe DSL sage8 loop on a GPU: correctness against the Triton loop and float64, then speed.
 
     python -m benchmarks.dev.sage8_cute_check [--out DIR] [--skip-speed] [--rounds 3] [--cfg k=v,...]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which step of one sage8 CuTe call never returns on short segments (the hang at <= 128 keys).
 
     python -m benchmarks.dev.sage8_cute_hang T [k=v,...]     # one GPU; run under `timeout`

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev benchmark of the Sage8 kernels: correctness, speed of variants, pre-pass split, varlen, LSE
 cost, accuracy, registers and SASS, side by side with cuDNN, in ONE device call.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Runs one sage8 attention loop three times at h3-ref x 14 heads with one launch config, for a
 profiler to pick one launch (``ncu --kernel-name <loop's kernel> --launch-skip 2 --launch-count 1``).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe: where the compiled fused SwiGLU FFN leaves the eager one (one GPU, ~1 min).
 
 ``Fp8SwiGLUFeedForward`` matched torchao's FFN to 3.4e-4 eagerly and to 3.3e-2 under

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe: the fused SwiGLU + FP8 row-quantization kernel alone, beside inductor's fusion of the
 same unfused ops (one GPU, ~1 min).
 

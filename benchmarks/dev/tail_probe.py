@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe: the sage8 kernel's part-full last wave, and whether a second stream fills it (one GPU).
 
 Rank 0 of Ulysses 4 at h3-ref attends 14 heads over 38,016 rows. Cut into overlap chunks, each

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dev probe for the W = 4 block's two largest parts, interleaved rounds in one process:
 
 * the FFN-in GEMM (5376 -> 28672, rowwise FP8, ``torch._scaled_mm``) whole, as 2 or 4 column

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Dense attention kernels behind one small interface, and the registry that names them.
 
 Registered at import: ``"sdpa"`` (torch SDPA, exact), ``"sage"`` (the sageattention package),

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The interface every dense attention kernel implements, and its shared defaults.
 
 A backend computes non-causal attention on ``[B, T, H, D]`` tensors (batch, tokens, heads,

@@ -1,9 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """``"fa3"``: FlashAttention-3 (Hopper), exact bf16 attention with a log-sum-exp.
 
 Loads ``flash_attn_interface`` (a build of flash-attention's ``hopper/``) or, failing that, the
-``fa3-fwd`` wheel from PyPI (FA3's forward only; ``pip install fa3-fwd``). Measured on an H200 at
-38,016 rows x 14 heads x 128, bf16: 15.2 ms against 16.9 ms for torch's cuDNN SDPA (1.12x), which
-is why SGLang runs it for H3 and why ``"auto"`` prefers it among the exact kernels.
+``fa3-fwd`` wheel from PyPI (FA3's forward only; ``pip install fa3-fwd``). The fastest exact
+kernel at H3's shapes (1.12x torch's cuDNN SDPA in ``benchmarks/kernels.py``; docs/kernels.md),
+which is why SGLang runs it for H3 and why ``"auto"`` prefers it among the exact kernels.
 """
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The backend registry: names -> kernels, and what ``backend="auto"`` picks.
 
 ``"auto"`` takes the first kernel of its order that can run on the given tensors AND is accurate
@@ -27,11 +28,10 @@ logger = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, AttentionBackend] = {}
 # "auto" tries these in order and takes the first that can run and that auto_refusal admits.
-# Accuracy-verified 8-bit kernels first, the faster one first: "sage8" (the Triton loop) ran
-# 12.62 / 50.82 / 6.42 ms at 14 / 56 / 7 heads on an H200 at h3-ref, SageAttention 2 12.76 / 52.05 /
-# 6.46 and "sage8_gluon" 13.90 / 55.11 / 6.97 in the same run, at the same accuracy (within 1.2x of
-# SageAttention 2's error everywhere measured); then the exact ones, FA3 before torch SDPA (1.12x
-# cuDNN). "sage" (the sageattention package) declares no verified accuracy, so auto passes it over.
+# Accuracy-verified 8-bit kernels first, the faster one first ("sage8", the Triton loop, before
+# "sage8_gluon": benchmarks/kernels.py times them, docs/kernels.md has the figures); then the
+# exact ones, FA3 before torch SDPA (1.12x cuDNN, benchmarks/kernels.py). "sage" (the
+# sageattention package) declares no verified accuracy, so auto passes it over.
 _AUTO_ORDER = ("sage8", "sage8_gluon", "sage8_cute", "sage", "fa3", "sdpa")
 _AUTO_LOGGED: set[tuple] = set()
 
@@ -83,8 +83,7 @@ def auto_refusal(backend: AttentionBackend) -> str | None:
     """Why ``"auto"`` may not choose ``backend`` whatever the tensors, or None: the one owner of
     "auto picks only what is accurate". An 8-bit kernel qualifies once its accuracy on real-model
     activations is verified (:attr:`AttentionBackend.accuracy_verified`); a fast kernel that is
-    wrong must be asked for by name. (sage8 v2 was chosen by "auto" while giving 9% rel-L2 on
-    the real H3 first block.)"""
+    wrong must be asked for by name."""
     if backend.exact or backend.accuracy_verified:
         return None
     return ("it quantizes to 8 bits and its accuracy against float64 on real-model activations is not "

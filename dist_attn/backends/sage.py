@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``"sage"``: the sageattention package (SageAttention 2's API when installed, else 1.0.6)."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """``"sage8"``: dist_attn's own INT8-QK / FP8-PV kernels for Hopper (:mod:`dist_attn.kernels.sage8`).
 
 Two attention loops share one quantization pre-pass: the plain Triton kernel and the
-warp-specialized Gluon kernel. ``"sage8"`` runs the faster one as measured on the H200
-(benchmarks/KERNEL_NOTES.md: the Triton loop since 2026-12-04); the other stays registered under
-its own name (``"sage8_gluon"``). Calls go through ``torch.library`` custom ops, so ``torch.compile`` traces
+warp-specialized Gluon kernel. ``"sage8"`` runs the faster one (:data:`SAGE8_IMPL`, timed by
+``benchmarks/kernels.py``; see docs/kernels.md); the other stays registered under its own name
+(``"sage8_gluon"``). Calls go through ``torch.library`` custom ops, so ``torch.compile`` traces
 through them. Importing this module never imports triton: the kernels load on their first call,
 and :meth:`Sage8Backend.unsupported_reason` says when triton, Gluon or a Hopper GPU is missing.
 """
@@ -19,9 +20,8 @@ from dist_attn.plan import KernelWaves
 
 __all__ = ["Sage8Backend", "SAGE8_IMPL"]
 
-#: the kernel behind the name "sage8": the Triton loop since 2026-12-04 (beside SageAttention 2 in
-#: one run on an H200, 12.62 / 50.82 / 6.42 ms at 14 / 56 / 7 heads against the Gluon loop's
-#: 13.90 / 55.11 / 6.97 and SageAttention 2's 12.76 / 52.05 / 6.46; benchmarks/KERNEL_NOTES.md)
+#: the kernel behind the name "sage8": the Triton loop, the faster of the two at the same accuracy
+#: (benchmarks/kernels.py times both beside SageAttention 2; the figures are in docs/kernels.md)
 SAGE8_IMPL = "triton"
 
 
@@ -37,9 +37,8 @@ class Sage8Backend(AttentionBackend):
 
     exact = False
     head_dims = tuple(kernels.SUPPORTED_HEAD_DIMS)
-    # v3 (each key block's P V added into fp32 registers) met the accuracy targets on an H200
-    # (tests/core/test_kernel_accuracy.py; real H3 first block 0.0052 rel-L2 at h3-ref vs
-    # SageAttention 2's 0.0059; v2 gave 0.0897 and was chosen by "auto" all the same)
+    # Each key block's P V is added into fp32 registers, which meets the accuracy targets that
+    # tests/core/test_kernel_accuracy.py checks on a GPU (see docs/kernels.md, Accuracy)
     accuracy_verified = True
 
     def __init__(self, name: str = "sage8", impl: str = SAGE8_IMPL) -> None:

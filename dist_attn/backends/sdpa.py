@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``"sdpa"``: torch's scaled_dot_product_attention (cuDNN or flash on CUDA, math on CPU)."""
 
 from __future__ import annotations

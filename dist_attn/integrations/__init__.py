@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Adapters that make other libraries' models sequence-parallel with dist_attn.
 
 Each adapter is a subpackage that imports its library only when the subpackage itself is imported,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the fused kernels' custom ops share (no triton import here)."""
 
 from __future__ import annotations

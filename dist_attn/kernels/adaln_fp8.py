@@ -1,16 +1,13 @@
+# SPDX-License-Identifier: Apache-2.0
 """A pre-norm AdaLN input and its FP8 row quantization in one pass (Triton on the GPU; importing
 this module imports triton).
 
 Before each of its two GEMM groups (q/k/v, then the FFN's projection) an H3 block computes
 ``y = RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` over its rows, and with FP8 linears the recipe
 then quantizes ``y`` per row (:func:`dist_attn.fp8_linear.quantize_rows_e4m3`). Compiled,
-inductor fuses the two into one looped reduction that reads ``x`` three times: 0.675 and 0.723 ms
-at 37,980 rows x 5,376 in the block on an H100 (``benchmarks/results/h3-fp8-rerun_h100_2026-12-07.md``;
-with ``triton.multi_kernel`` one of them became a persistent reduction, 0.604 ms, and the other
-stayed at 0.724: ``h3-fp8-mk_h100_2026-12-07.md``). Alone, at 38,016 rows: inductor 0.565 ms
-(0.501 with ``multi_kernel``), a first version of this kernel, one program a row holding it in
-registers, 0.304 ms (``benchmarks/results/adaln-quant-probe_h100_2026-12-07.json``): one read of
-``x`` and one write of the codes.
+inductor fuses the two into one looped reduction that reads ``x`` three times; here one program
+holds a row in registers: one read of ``x`` and one write of the codes (timed against inductor by
+``benchmarks/dev/adaln_quant_probe.py``; see benchmarks/KERNEL_NOTES.md).
 
 Before the FFN's norm the block first takes its attention residual step,
 ``h = x + gate[idx] * attn_output``; compiled, inductor folded that sum into the same reduction,
@@ -29,7 +26,7 @@ moves the bf16 rounding (a code one e4m3 step off; tests/integrations/test_fp8_g
 often). The kernel is compiled without floating-point contraction (``enable_fp_fusion=False``):
 with it, LLVM narrowed the residual step's float32 ops on bf16 values to bf16 ones (exact so far)
 and the backend then fused them into one ``fma.rn.bf16x2``, which rounds ``x + gate * update``
-once where diffusers' ops round twice (one bf16 step off on an H100, 2026-12-07; the PTX test in
+once where diffusers' ops round twice (one bf16 step off on a GPU; the PTX test in
 tests/core/test_kernel_adaln_fp8.py checks that no contracted FMA is left). Under Triton's interpreter (CPU
 tests) the roundings are done on the bits and the kernel is :func:`adaln_e4m3_rows_reference` bit
 for bit on finite rows (a row with a NaN or an inf has a NaN scale either way; its codes are NaN in
@@ -51,8 +48,8 @@ from dist_attn.kernels.swiglu_fp8 import _FLOOR_BF16, _bf16, _quantize_row
 __all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference", "residual_adaln_e4m3_rows",
            "residual_adaln_e4m3_rows_reference"]
 
-#: warps of one program (one row) at H3's 5,376: 8 read 0.304 ms, 16 read 0.358 (the draft of
-#: this kernel, adaln-quant-probe_h100_2026-12-07.json; one H100)
+#: warps of one program (one row) at H3's 5,376: 8 read a row in 0.304 ms at 38,016 rows on an
+#: H100, faster than 16 (benchmarks/dev/adaln_quant_probe.py)
 NUM_WARPS = 8
 
 

@@ -1,13 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-head RMSNorm of q and k and rotate-half RoPE on their first R channels, in one pass
 (Triton on the GPU; importing this module imports triton).
 
 MiniMax-H3 normalises q and k per head (``nn.RMSNorm(head_dim)``) and rotates their first 96 of
 128 channels before attention. Compiled, inductor runs that as three kernels that read q and k
-twice and write them once (1.25 ms of the compiled block at 37,980 rows x 56 heads on an H100,
-``benchmarks/results/h3-fp8-profile_h100_2026-12-05.md``); one read and one write of q and k
-(2.18 GB) take ~0.7 ms at the H100's bandwidth (measured: 0.880 ms, 2.48 TB/s). Here a program holds ``ROWS`` rows' RoPE
-tables in registers and walks q's and k's heads over them: q and k are read once, written once,
-and each table row is read once per head block rather than once per head. Under Ulysses the same
+twice and write them once. Here a program holds ``ROWS`` rows' RoPE tables in registers and
+walks q's and k's heads over them: q and k are read once, written once, and each table row is
+read once per head block rather than once per head. Under Ulysses the same
 transform rides in the pack (:func:`pack_qkv_prologue`), whose pass over q, k and v the
 all-to-all needs anyway: no pass of its own at all.
 
@@ -29,7 +28,8 @@ from dist_attn.qk_prologue import qk_fields_rule
 
 __all__ = ["pack_qkv_prologue", "qk_norm_rope", "qk_norm_rope_reference"]
 
-#: rows a program holds tables for, and heads it walks (measured on an H100, benchmarks/README.md)
+#: rows a program holds tables for, and heads it walks: 16 x 8 kept for W = 4's 9,504 rows, where
+#: 16 x 56 took 1.2x as long on an H100 (benchmarks/dev/qk_norm_rope_probe.py)
 ROWS, HEADS = 16, 8
 
 

@@ -1,13 +1,13 @@
+# SPDX-License-Identifier: Apache-2.0
 """SwiGLU and the FP8 row quantization of its output in one pass (Triton; importing this module
 imports triton).
 
 A SwiGLU feed-forward with FP8 linears runs ``h = x W_in^T`` (``[M, 2I]``), ``y = h[:, :I] *
 silu(h[:, I:])`` (``[M, I]``, bf16) and then quantizes ``y`` per row for the down projection
 (:func:`dist_attn.fp8_linear.quantize_rows_e4m3`). Compiled, inductor fuses the two into one
-looped reduction that reads ``h`` twice: 1.56 ms of the compiled block at H3's ``I = 14,336`` and
-37,980 rows on an H100 (``benchmarks/results/h3-fp8-profile_h100_2026-12-05.md``), where one read
-of ``h`` and one write of the codes take ~0.8 ms at the H100's bandwidth. Here one program holds a
-whole row in registers: ``h`` is read once.
+looped reduction that reads ``h`` twice. Here one program holds a whole row in registers: ``h``
+is read once (timed against inductor by ``benchmarks/dev/swiglu_probe.py``; see
+benchmarks/KERNEL_NOTES.md).
 
 The steps are the recipe's, in its order and with its roundings: ``silu`` in float32 rounded to
 bf16, the product rounded to bf16 (diffusers' eager bf16 SwiGLU), the row maximum of ``|y|``
@@ -110,7 +110,8 @@ def _swiglu_e4m3_kernel(h_ptr, codes_ptr, scales_ptr, n_inner, stride_h, stride_
 
 #: the recipe's amax floor as a bf16 value (h is bf16), computed once, not per call
 _FLOOR_BF16 = torch.tensor(ACTIVATION_AMAX_FLOOR, dtype=torch.bfloat16).item()
-#: warps of one program (one row): measured on an H100 at 37,980 x 14,336 (benchmarks/README.md)
+#: warps of one program (one row) at H3's 37,980 x 14,336: 8, 16 and 32 timed equal, 0.871 ms
+#: (benchmarks/dev/swiglu_probe.py)
 NUM_WARPS = 16
 
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served MiniMax H3 (diffusers' ``MiniMaxH3Transformer3DModel``), built on the dist_attn
 library (which never imports this package).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``python -m dist_attn.serve`` (or ``torchrun ... -m dist_attn.serve``): see
 :mod:`dist_attn.serve.launch.cli`."""
 

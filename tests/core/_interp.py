@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Runs a script under Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before
 triton decorates a kernel, so never in the test process itself)."""
 

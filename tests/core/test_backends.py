@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Backend selection rules on CPU: constraints of "auto", explicit refusals, the log-sum-exp."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The DiT-block entry points on gloo ranks: batched input, explicit padding, the sequence-shard
 helpers, the forgiving argument forms, and torch.compile of a block that uses the layer."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The pack of a Ulysses forward: one call for a run of chunks writes what one call per chunk
 writes, checked against a reference built head by head."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Arguments that are wrong before any tensor exists fail where they are given: in the
 constructor, or at the call with an empty head axis (it divided by zero in the softmax scale)."""
 

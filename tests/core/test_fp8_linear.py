@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The FP8 linear recipe (dist_attn.fp8_linear) on CPU: its emulation is torchao's quantizer bit
 for bit and torch._scaled_mm's arithmetic up to float32 rounding; zero rows stay finite; a CPU
 or a missing torchao is refused by name; the core imports without torchao."""

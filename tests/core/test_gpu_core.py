@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GPU checks of the core on one CUDA device (an H200 for the numbers quoted in the README).
 
 Skipped on machines without CUDA or without sageattention, with the reason shown.

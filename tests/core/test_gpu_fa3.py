@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FlashAttention-3 backend on a Hopper GPU: exactness, LSE, "auto" among exact kernels, and the
 Ulysses path (4 ranks sharing the GPU over gloo, strided receive-buffer views)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GPU checks of the benchmark harness on one CUDA device (no sageattention needed).
 
 Skipped on machines without CUDA, with the reason shown.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Accuracy of the 8-bit kernels against float64 where v2 of sage8 was silently wrong.
 
 GPU tests (Hopper; skipped on CPU with the reason), for both sage8 loops and for every registered

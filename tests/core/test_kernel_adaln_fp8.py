@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused norm + AdaLN modulation + FP8 row quantization kernel (dist_attn.kernels.adaln_fp8)
 on CPU.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CPU tests of the Sage8 custom ops' fake implementations and of the backends' registration."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused q/k RMSNorm + RoPE kernel (dist_attn.kernels.qk_norm_rope) on CPU, and on the GPU
 where there is one.
 

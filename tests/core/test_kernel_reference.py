@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CPU tests of the torch reference of the Sage8 scheme (dist_attn.kernels.sage8.reference).
 
 The GPU tests compare the kernels with this reference; here it is checked against float64

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tests of the Sage8 kernels (dist_attn.kernels.sage8), both attention loops.
 
 Two families:

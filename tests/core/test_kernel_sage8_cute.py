@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CuTe DSL sage8 loop's Python side on a CPU: the register renaming of P against V's key order,
 argument checks, the backend's refusals and messages. Its GPU behaviour is in test_kernel_sage8.py
 (parametrized over every impl) and benchmarks/dev/sage8_cute_check.py."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused SwiGLU + FP8 row quantization kernel (dist_attn.kernels.swiglu_fp8) on CPU.
 
 The Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be set

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """sage8's kernel_waves on a Hopper GPU: the resident-program count it computes from the launch
 config is the driver's for the compiled kernel (cuOccupancyMaxActiveBlocksPerMultiprocessor).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Ulysses plan's chunk widths: even without wave information, wave-aligned with it."""
 
 from __future__ import annotations

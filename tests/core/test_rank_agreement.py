@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ranks that disagree: every rank raises the same kind of error, none aborts, none hangs.
 
 Under ``torchrun --nproc-per-node 2`` a call with another head count or dtype on one rank killed

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ulysses x Ring (USP) over a ("ring", "ulysses") DeviceMesh on CPU gloo ranks: parity against
 the float64 reference, exact placement, collective counts and validation.
 

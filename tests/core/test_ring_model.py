@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The multi-host model of benchmarks/scaling.py --modeled --multi-host: its arithmetic agrees with
 hand-computed figures, and the script writes its JSON / markdown / PNG (in-process, no device)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """An 8-bit kernel inside the ring, on a 2 x 2 (ring x Ulysses) mesh of CPU gloo ranks.
 
 The CuTe loop (``sage8_cute``) needs a Hopper GPU, so here its kernel is the float64 model of the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Multi-rank (gloo, CPU) tests of UlyssesSageAttention: parity, placement, collectives, buffers."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every bad input raises a clear error on every rank, before any collective, within a time limit."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Single-process tests of the varlen bridge, the backends and the staging pool."""
 
 from __future__ import annotations

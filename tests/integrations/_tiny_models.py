@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tiny seeded diffusers transformers (Wan, LTX-Video, MiniMax-H3) and their inputs, identical in
 every process that builds them."""
 

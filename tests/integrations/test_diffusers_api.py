@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """enable_ulysses in one process (no process group = one rank): what it accepts, what it refuses
 with which message, what remove() restores, and that diffusers stays an optional import."""
 

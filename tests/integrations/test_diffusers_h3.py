@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """enable_ulysses on diffusers' MiniMaxH3Transformer3DModel: parity with diffusers' own
 single-process forward and with diffusers' own context parallelism on 2, 3 and 4 gloo ranks, the
 collectives per block (ours and diffusers'), refusals on every rank alike, and torch.compile of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """enable_ulysses on diffusers' WanTransformer3DModel and LTXVideoTransformer3DModel: parity with
 diffusers' own single-process output on 2 and 4 gloo ranks, and the ways it refuses bad input on
 every rank alike."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """quantize_linears(fuse_adaln=...): H3 blocks whose two AdaLN inputs are quantized by the pass
 that computes them (dist_attn.kernels.adaln_fp8), on CPU: the kernel's torch reference inside the
 served tiny model (emulated FP8 linears, bf16 blocks) against the unfused FP8 model and float64;

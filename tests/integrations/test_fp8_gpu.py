@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 linears on a CUDA GPU (compute capability >= 8.9, torchao installed): torchao's path
 against the float32 emulation the CPU tests pin, at a real H3 GEMM shape and in the served tiny
 H3; compiled fullgraph with inductor; the served engine. Run on the H200:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers in diffusers' MiniMaxH3Transformer3DModel, on CPU through the float32
 emulation of the GPU recipe (dist_attn.fp8_linear): the served tiny model (configs/tiny.toml, its
 own init, bf16 blocks with the class's fp32 modules) against the same model in float64, layer by

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The complete diffusers script of docs/diffusers.md runs as written under torchrun on 2 CPU ranks."""
 
 from __future__ import annotations

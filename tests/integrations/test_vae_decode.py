@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """enable_parallel_decode: diffusers' H3 video VAE decoded over 1-4 gloo ranks against diffusers'
 own single-process decode (float32, tiny VAE), the collectives counted, the refusals."""
 

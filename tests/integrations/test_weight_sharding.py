@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """shard_weights: diffusers transformers' weights sharded over gloo ranks with FSDP2, composed with
 enable_ulysses, FP8 linears (emulated on CPU) and compiled blocks. The outputs must be the
 unsharded model's bit for bit: FSDP2 gathers the exact bytes of every shard, so any difference is

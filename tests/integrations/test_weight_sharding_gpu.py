@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Sharded weights on a GPU (FSDP2 over NCCL, one rank): the served tiny H3 with torchao's FP8
 linears and the fused kernels, materialised and sharded block by block (torchao's output
 projection turned into Fp8Linear on the same codes), against the replica built and quantized as

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Helpers of the serve tests: launching the server under torchrun on loopback, talking to it,
 and reading what it left behind. Every wait is bounded."""
 

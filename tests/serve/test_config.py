@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Config loading and self-validation: every error names the field, its value and the rule."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ctrl-C: nothing the project prints on the way out is a traceback.
 
 A terminal's Ctrl-C sends SIGINT to every process of the foreground group: the supervisor (or

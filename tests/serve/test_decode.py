@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A served job's decode (dist_attn.serve.h3.decode): the pixels are diffusers' decode step's, the
 MP4 does not depend on the number of ranks, and random-weight builds get the dtypes
 from_pretrained would give."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The compiled video decode (decode.compile): the decoder's repeated blocks under torch.compile
 give eager's video within float32 rounding, batched tiles as served, on one and two gloo ranks;
 the warm-up's decode leaves nothing to compile for a job of the same geometry."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The server under torchrun (2 CPU gloo ranks, loopback) meeting its faults: cancellation on
 every rank, rank-0-only errors, a stopped rank, SIGTERM with work in flight, a killed agent.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """model.linear_precision and runtime.warmup_shapes in the served DiT: the config rules name the
 field and value, quality="lossless" refuses FP8 and "high" admits it, a CPU launch refuses FP8
 naming the device before the model is built, and the warm-up runs before the server starts."""

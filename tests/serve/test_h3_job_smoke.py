@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """benchmarks/serve_h3_gpu.py --smoke on CPU: the script that goes to the (scarce) H200 runs the
 server's own job path end to end and writes a complete result, so it cannot fail there for a
 reason a CPU run would have shown."""

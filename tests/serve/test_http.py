@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The HTTP layer alone: uvicorn + the Starlette app on a loopback port in this process, with the
 test playing the rank-0 loop (it takes jobs from the queue itself). Raw sockets send what
 ordinary clients would not. Every wait is bounded."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served DiT's layout, read from its source (ast, nothing imported): every module sits in a
 sub-package, the sub-packages import one way only (top down, in :data:`LAYERS`), no import runs
 in a circle (imports inside functions count), each sub-package's ``__init__`` says what it owns

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The memory pre-flight: parameter counts from the real classes on the meta device, the
 estimator's arithmetic, misconfigurations refused with one message (the same on every rank,
 naming what would fit) before any weight is read, layouts that fit accepted, and

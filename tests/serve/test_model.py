@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served DiT is diffusers' MiniMaxH3Transformer3DModel: its config is the class's, its rows are
 packed as H3's pipeline packs them, its weights are the class's own seeded initialisation, and the
 engine's denoise loop is diffusers' model stepped by MiniMaxH3Scheduler."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The MP4 writer: what PyAV reads back is what was written (streams, frames, size, fps, sample
 rate), the first frame's PNG is exact, and a failed write leaves the final name untouched."""
 

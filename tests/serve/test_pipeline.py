@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The H3 pipeline on one CPU rank with the tiny random checkpoint: built once into a cache (no
 download), loaded with each class's own from_pretrained, run through diffusers' blocks; the
 packed length is what the request rules said, a cancel stops between steps, the MP4 is right."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The supervisor's hold on the HTTP port, in one process: the test plays the supervisor (a
 :class:`PortKeeper`) and rank 0 (``rank0_listener``, ``announce_serving``, accepting on the
 socket it got). While no rank 0 serves, every connection gets a JSON 503 from the keeper; none

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The quality decision is a pure function of gathered device facts: tested with fakes."""
 
 from __future__ import annotations

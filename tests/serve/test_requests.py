@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """In-process units of the server: request schema and limits, metrics, checksum, job queue,
 binding rules. No ranks, no sockets."""
 

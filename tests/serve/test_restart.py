@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Jobs survive the job: with video jobs queued and one running, every process of the torchrun
 job is killed with SIGKILL; after the restart on the same output directory the running job runs
 again first (attempt 2, its history says re-queued), the queued ones after it, and every job

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """launch/serve.py with a ring: --ring-degree 2 on 4 gloo ranks (Ulysses 2 x Ring 2) reproduces the
 single-rank output, and the ring's config rules name the field, the value and the rule."""
 

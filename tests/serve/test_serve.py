@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """launch/serve.py end to end under torchrun on CPU gloo ranks (tiny config)."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """benchmarks/serve_overhead.py end to end on 2 CPU gloo ranks (--smoke), with a small load run."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """benchmarks/serve_soak.py --smoke: the bounded version of the 60 s soak (2 CPU ranks, three
 warm-up jobs, then 4 concurrent job submissions and 50 status polls/s for 3 s, loopback): no error,
 every job accepted and finished, the poll rate held, rank 0's memory at rest flat from after the

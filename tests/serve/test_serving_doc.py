@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """docs/serving.md says what the server does: its video-jobs session runs as pasted, its metrics
 list names every exported series, and its list of counted error codes every code the routes
 answer with."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """parallel.shard_weights: the served tiny H3 built on the meta device and materialised block by
 block into FSDP2 shards (the class's own initialisation, a checkpoint, FP8 linears) serves what the
 whole replica serves, bit for bit, on 3 gloo ranks; the denoise engine runs a request twice

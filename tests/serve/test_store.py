@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The SQLite job store alone: transitions, order, the cap on waiting jobs, and the restart
 semantics (queued jobs stay, a running one is re-queued once and then failed, cancels asked for
 a running job are carried out, finished jobs stay listed). A "crash" here is a second store opened

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The text encoder sharded over the ranks (parallel.shard_weights): every rank holds 1/W of the
 tiny checkpoint's Qwen3-VL (FSDP2, one unit per decoder layer, read from the checkpoint one layer
 at a time), every rank runs it on rank 0's prompt (the others' requests carry none), and every

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The jobs API in one process: uvicorn + the Starlette app on loopback, the SQLite store in
 tmp_path, and the rank-0 loop's own video code (``VideoDrive.run``) with the synthetic runner
 on a single rank, driven by the test. No model, no torchrun."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """--checkpoint: a diffusers-format MiniMaxH3Transformer3DModel directory loaded with
 from_pretrained (fp32 modules kept), its architecture checked against the serving config; output
 latents through the safetensors package."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Sequence-parallel diffusers video transformers with dist_attn's Ulysses attention.
 
 Every rank of the group builds the same pipeline, calls it with the same inputs and gets the full

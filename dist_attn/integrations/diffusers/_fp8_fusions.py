@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which blocks of a transformer take :func:`~dist_attn.integrations.diffusers.quantize_linears`'
 fused FP8 kernels (the SwiGLU FFN, the norm + AdaLN step), checked before anything changes, and
 the FFN swap itself."""

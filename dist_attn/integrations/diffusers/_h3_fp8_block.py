@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MiniMax-H3 blocks whose FP8 GEMM inputs are quantized by the pass that computes them.
 
 An H3 block feeds each of its two GEMM groups (``attn.to_q/to_k/to_v``, then the FFN's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """LTX-Video (``LTXVideoTransformer3DModel``): where its sequence lives, and a processor.
 
 The model takes the patch tokens already flattened, ``hidden_states`` ``[B, S, C]``. The sequence

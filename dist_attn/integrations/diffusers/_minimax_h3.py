@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MiniMax-H3 (``MiniMaxH3Transformer3DModel``): where its packed sequence lives, and a processor.
 
 H3 runs every block over ONE packed sequence of S rows that ``forward`` builds itself: it projects

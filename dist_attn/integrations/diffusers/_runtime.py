@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The hooks of an enabled transformer: one sequence plan per forward, shard once, gather once.
 
 Every rank calls the transformer with the FULL inputs. The forward pre-hook checks them (once

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the adapter must know about one diffusers transformer class, declared as data.
 
 A :class:`ModelSpec` says where the token sequence is cut into shards (which submodule outputs or

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The video VAE's decode spread over the ranks: every (temporal clip, spatial tile) decoder call
 of the whole video is dealt to one rank, each rank runs its calls as batched decoder calls, the
 decoded tiles are exchanged with one all-gather per wave, and every rank stitches the same video.
@@ -55,8 +56,8 @@ _HANDLE_ATTR = "_dist_attn_parallel_decode"
 _FLOAT32_STREAM_WIDTHS = 8
 #: The activation budget of one batched decoder call when ``tiles_per_call`` is None.
 DEFAULT_DECODE_BUDGET_BYTES = 8 << 30
-# at most 8 tiles a call: on an H200 H3's 196 float16 tiles took 5.88 / 5.86 / 5.79 / 5.84 s at 4 / 8 / 16 /
-# 28 a call (vae-decode_h200_2026-12-04), the peak +0.16 GiB a tile; ~1.8k tokens fill the GPU
+# at most 8 tiles a call: more did not decode H3's video faster (within 1.5% from 4 to 28 tiles a
+# call in benchmarks/vae_decode.py; docs/benchmarks.md) and each tile adds to the peak
 _MAX_TILES_PER_CALL = 8
 
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The geometry of one video's parallel decode, decided by diffusers' own code (see
 :mod:`dist_attn.integrations.diffusers._vae_decode`): which latents each (clip, tile) decoder
 call reads, how the decoded tiles are stitched, and which decoded clip frames make each output

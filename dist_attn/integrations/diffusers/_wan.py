@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Wan (``WanTransformer3DModel``, Wan 2.1 and 2.2): where its sequence lives, and a processor.
 
 The sequence is the S = (F/p_t)*(H/p_h)*(W/p_w) patch tokens. It is cut at three places, once

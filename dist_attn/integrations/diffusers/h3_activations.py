@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Real attention inputs of diffusers' MiniMax-H3 transformer, for accuracy work on the kernels.
 
 An 8-bit kernel that is right on N(0,1) can be wrong on what a real model hands it (V with channel

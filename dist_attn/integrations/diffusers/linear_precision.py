@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers for a diffusers transformer: which linears, and the one call that swaps them.
 
     from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
@@ -211,23 +212,20 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         fuse_swiglu: with torchao on CUDA, a block's SwiGLU FFN becomes
             :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
             projection's activation quantization run as one kernel (one read of the FFN's
-            projection instead of two: 0.87 ms against inductor's 1.44 at H3's 37,980 rows on an
-            H100, the kernel's first GPU version). The same recipe as the unfused torchao FFN,
-            with the GPU's fast exponential (:mod:`dist_attn.kernels.swiglu_fp8`; every code equal
-            at H3's width on an H100). "auto":
+            projection instead of two; docs/diffusers.md has the timings). The same recipe as the
+            unfused torchao FFN, with the GPU's fast exponential
+            (:mod:`dist_attn.kernels.swiglu_fp8`). "auto":
             every block whose FFN is diffusers' bias-free SwiGLU of inner size <= 16,384, when
             the weights are on CUDA and not ``emulate`` (the summary counts them); True: every
             block, or an error naming the first that cannot; False: none.
         fuse_adaln: a block's ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` and its row
             quantization run as one kernel, before the q/k/v projections and before the FFN's,
             that one with the attention's residual step in the same pass
-            (:mod:`dist_attn.kernels.adaln_fp8`: a draft of it took 0.304 ms against inductor's
-            0.565 at H3's 38,016 x 5,376 on an H100; float32 with one bf16 rounding where
-            diffusers' eager path rounds four times); the block gets a forward of its own
+            (:mod:`dist_attn.kernels.adaln_fp8`: float32 with one bf16 rounding where diffusers'
+            eager path rounds four times); the block gets a forward of its own
             (:mod:`~dist_attn.integrations.diffusers._h3_fp8_block`). The residual step's output
-            equals diffusers' bf16 ops bit for bit at H3's width on an H100; on H100 runs the
-            compiled block is as fast as without it, compiled latents keep eager's roundings and
-            eager runs an 8-block step 11% faster. "auto" (the default): every
+            equals diffusers' bf16 ops bit for bit at H3's width; compiled latents keep eager's
+            roundings (docs/diffusers.md has the timings and errors). "auto" (the default): every
             ``MiniMaxH3TransformerBlock`` it applies to, with torchao on CUDA (not ``emulate``);
             True: every block or an error naming the first that cannot (with ``emulate`` too: the
             kernel's torch reference on CPU, or the kernel under Triton's interpreter); False:

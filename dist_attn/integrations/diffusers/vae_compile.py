@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The video VAE decoder's repeated blocks under ``torch.compile``: regional compilation, as
 diffusers' ``compile_repeated_blocks`` does for transformers, applied to the decoder alone.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A diffusers transformer's weights sharded over the ranks with FSDP2: one call.
 
     quantize_linears(pipe.transformer, "fp8")      # optional, first

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Sage8: INT8-QK / FP8-PV attention for Hopper (quantization pre-pass + attention loop).
 
 Modules: :mod:`.api` (entry points and checks; no triton), :mod:`.numerics` (the scheme's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Public entry points of the Sage8 kernels: 8-bit attention forward for Hopper.
 
 What they compute: non-causal softmax(Q K^T * scale) V per head, each packed segment attending only

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 attention loop in CuTe DSL for sm_90a (``impl="cute"``; imports cutlass).
 
 Reads the operands of :func:`quant.quantize` (``v_order="mma"``, 128-key blocks) and computes what

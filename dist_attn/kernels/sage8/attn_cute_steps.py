@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The per-block steps of the CuTe DSL sage8 loop's consumer warpgroups (:mod:`attn_cute`):
 issuing the two wgmmas, the online softmax, P to the e4m3 A operand, the warpgroups' turns, the
 fp32 promotion and the epilogue. Imports cutlass."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 attention kernel, warp-specialized, in Gluon for Hopper (imports triton).
 
 FA3's structure on the operands of :func:`quant.quantize`:
@@ -10,19 +11,19 @@ FA3's structure on the operands of :func:`quant.quantize`:
   asynchronously before the softmax of block j runs, so the tensor cores work under the
   softmax; the second warpgroup fills the tensor cores while this one exponentiates. ``pingpong``
   makes the two warpgroups take turns issuing their wgmmas (an mbarrier pair) as FA3 does; it
-  measured 6% slower here and is off by default;
+  measured slower here and is off by default;
 * scores: INT8 x INT8 -> int32 with the accumulator initialised to 0x4B400000, so the result read
   as fp32 is 12582912 + s exactly (numerics.MAGIC_I), then one FFMA and one exp2 per score
   (``exp16``, two exponentials per ``ex2.approx.f16x2``, measured slower: ptxas splits it);
 * P -> FP8 e4m3, stored to a double-buffered shared tile per warpgroup and read from there by the
   PV wgmma (B = V^T tile, K-major). ``p_smem=False`` feeds P from registers instead, but Gluon's
   layout conversion to the A-operand fragment costs ~230 byte-permute/shuffle instructions per
-  block (14.7 vs 12.6 ms at h3-ref, benchmarks/KERNEL_NOTES.md);
+  block (slower; see benchmarks/KERNEL_NOTES.md);
 * P V of each key block goes into a fresh MMA accumulator (``use_acc=False``) and is added into the
   fp32 output with one FFMA, which also applies the previous block's rescale
   (``pv_accum="block"``): Hopper's FP8 wgmma keeps only ~13 bits of its running sum, and summing a
-  whole row inside it (``"running"``, v2) gave 0.37 rel-L2 at 38k keys when V has channel means
-  (benchmarks/KERNEL_NOTES.md v3);
+  whole row inside it (``"running"``) gave 0.37 rel-L2 at 38k keys when V has channel means
+  (see benchmarks/KERNEL_NOTES.md);
 * every segment of a varlen layout in one launch (grid axis 1), padding keys masked in the last
   block only; an optional natural-log LSE per row.
 
@@ -69,9 +70,9 @@ class GluonConfig:
     ``consumer_regs`` (168 x 384 = 240 x 256 + 24 x 128: all 64K registers of an SM).
 
     ``pv_accum``: "block" (each key block's P V into a fresh MMA accumulator, added into fp32
-    registers: the accurate default) or "running" (v2: the whole row's sum inside the FP8 MMA,
-    0.37 rel-L2 at 38k keys with V channel means; kept to measure against). ``pv_first``: issue
-    block j-1's P V before block j's scores and finish it first (measured slower: 14.63 ms).
+    registers: the accurate default) or "running" (the whole row's sum inside the FP8 MMA, far
+    less accurate when V has channel means; kept to measure against). ``pv_first``: issue block
+    j-1's P V before block j's scores and finish it first (measured slower).
     ``add_magic``: see the score-init comment in ``_consumer``.
     """
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The warp-specialized partitions of the Gluon Sage8 kernel (:mod:`.attn_gluon` launches them).
 
 ``_consumer`` is one of the two 64-row consumer warpgroups: the QK and PV wgmmas of consecutive key
@@ -105,10 +106,11 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks,
     qs = gl.load(Qs + h64 * R + pst + row0 + gl.arange(0, BM, layout=srow))
     ks_ptr = Ks + h64 * (R // BN) + pst // BN
     # Scores read as fp32 must be 12582912 + s: either the wgmma accumulator starts at 0x4B400000
-    # (v2: a 64-register constant, re-materialized with 64 MOVs per block) or, ADD_MAGIC, the wgmma
+    # (a 64-register constant, re-materialized with 64 MOVs per block) or, ADD_MAGIC, the wgmma
     # overwrites the previous block's dead scores (use_acc=False) and one integer add per score
     # follows. Next to PV_BLOCK's second fp32 accumulator the constant costs registers the loop
-    # lacks: 15.78 vs 13.94 ms at h3-ref x 14 heads on the H200 (KERNEL_NOTES.md v3).
+    # lacks: it spills and took 1.13x as long at h3-ref (benchmarks/kernels.py; see
+    # benchmarks/KERNEL_NOTES.md).
     if ADD_MAGIC:
         magic = gl.zeros([BM, BN], gl.int32, s_layout)
     else:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 attention kernel in plain Triton (backend ``"sage8"``; imports triton).
 
 One program = BM query rows of one (segment, head): INT8 Q K^T -> int32 on the tensor cores,
@@ -5,8 +6,8 @@ online softmax in exp2 with fp32 statistics, P -> FP8 e4m3 with its columns rena
 "mma" key order (numerics.V_KEY_ORDERS: no shuffles to reach the wgmma's register A operand),
 FP8 P V of each key block into a fresh
 MMA accumulator, added into the fp32 output with one FFMA per element (``pv_accum="block"``: the
-FP8 MMA keeps only ~13 bits of its sum, so a sum run inside it over the whole sequence drifts,
-benchmarks/KERNEL_NOTES.md v3), V's channel scales applied once to the output.
+FP8 MMA keeps only ~13 bits of its sum, so a sum run inside it over the whole sequence drifts;
+see benchmarks/KERNEL_NOTES.md), V's channel scales applied once to the output.
 Operands come from :func:`quant.quantize` through TMA descriptors.
 
 Triton 3.6 waits on every QK wgmma right after issuing it, so within one warpgroup the softmax and
@@ -42,14 +43,14 @@ V_ORDER = "mma"
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """Launch parameters; the defaults are the fastest measured on the H200 (KERNEL_NOTES.md).
+    """Launch parameters; the defaults are the fastest that ``benchmarks/kernels.py`` measured.
 
     ``num_stages=2`` with ``maxnreg=168`` lets three CTAs share an SM (72 KB of shared memory and
-    168 x 128 registers each, no spills): 13.35 ms at 38,016 x 14 x 128 against 14.03 with 3
-    stages at 2 CTAs per SM (241 registers) in the same run, the output bit-identical.
+    168 x 128 registers each, no spills): 5% faster at 38,016 x 14 x 128 than 3 stages at 2 CTAs
+    per SM (241 registers), the output bit-identical (see benchmarks/KERNEL_NOTES.md).
 
     ``pv_accum``: "block" adds each key block's P V into fp32 registers; "running" accumulates the
-    whole row inside the MMA (v1/v2's kernel, kept to measure against: 0.37 rel-L2 at 38k rows
+    whole row inside the MMA (kept to measure against: 0.37 rel-L2 at 38k rows
     when V has channel means).
 
     ``kscale_load``: how each key block's INT8 scale is read: "direct" (one load per block, see

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One Sage8 forward: the quantization pre-pass, then the chosen attention loop (imports triton)."""
 
 from __future__ import annotations

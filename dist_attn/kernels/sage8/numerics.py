@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The numbers of the Sage8 quantization scheme, shared by the kernels and the torch reference.
 
 Importing this module costs torch only (no triton).
@@ -28,8 +29,8 @@ MAGIC_I = 0x4B400000
 MAGIC_F = 12582912.0
 #: Hopper's FP8 wgmma (e4m3 x e4m3 -> "f32") does not keep a full fp32 accumulator: the sum of each
 #: k-step's products with the accumulator keeps about this many mantissa bits, the rest truncated
-#: (DeepSeek-V3 reports ~14 bits on H800; our torch model with 13 bits reproduces the shape of the
-#: error measured on an H200, benchmarks/KERNEL_NOTES.md v3). The reference uses it to model what
+#: (DeepSeek-V3 reports ~14 bits on H800; a torch model with 13 bits reproduces the shape of the
+#: error measured on a GPU; see benchmarks/KERNEL_NOTES.md). The reference uses it to model what
 #: the tensor cores do; the kernels therefore never let one MMA accumulator run over more than one
 #: key block (``MMA_K_STEP``-key steps, 4 per 128-key block) before adding it into fp32 registers.
 MMA_ACC_BITS = 13

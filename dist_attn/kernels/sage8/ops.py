@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 entry points as ``torch.library`` custom ops with fake (meta) implementations, so a
 ``torch.compile``d model traces through attention instead of breaking its graph there.
 

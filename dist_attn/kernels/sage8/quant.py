@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Quantization pre-pass of Sage8 (Triton; importing this module imports triton).
 
 Two passes read the caller's Q, K, V (any strides with a contiguous last dim) and write the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Sage8 scheme in plain torch: what the kernels compute, rounding step by rounding step.
 
 Runs anywhere torch does (CPU CI included): the GPU tests compare the kernels' quantized operands
@@ -6,8 +7,8 @@ kernel exists (e.g. ``balance=True`` below).
 
 The P.V product is modelled as the tensor cores compute it (``pv_accum``): Hopper's FP8 wgmma keeps
 only ~``MMA_ACC_BITS`` mantissa bits of its running sum, so an output accumulated inside the MMA over
-a whole sequence ("running", what the kernels did before v3) loses low bits at every k-step, biased
-toward zero; "block" (the kernels since v3) starts every key block in a fresh MMA accumulator and
+a whole sequence ("running", kept to measure against) loses low bits at every k-step, biased
+toward zero; "block" (what the kernels do) starts every key block in a fresh MMA accumulator and
 adds it into fp32 registers; "exact" sums in float64 (what Triton's CPU interpreter does).
 """
 
@@ -68,8 +69,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
 
     ``smooth_v``: subtract V's per-head channel mean before FP8 and add it back to the output
     (exact up to rounding: the softmax weights of a row sum to one). A studied variant the kernels
-    do not implement: on the H200 it halved the error with V channel means (0.0015 vs 0.0028 at
-    38k rows) but raised it on zero-mean V (0.049 vs 0.040), KERNEL_NOTES.md v3.
+    do not implement: it lowers the error when V has channel means and raises it on zero-mean V
+    (see benchmarks/KERNEL_NOTES.md).
 
     ``balance``: before INT8, multiply Q's channel c by s_c and divide centred K's by s_c with
     s_c = sqrt(amax|K_c| / amax|Q_c|) per head: Q.K is unchanged exactly, and an outlier channel of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The deployment, validated: one dataclass per TOML section, H3's packing rules, the quality tiers,
 and the loader. Imports the dist_attn library only; every other part of the server imports it."""
 

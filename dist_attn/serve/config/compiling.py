@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What compiling the served blocks asks of the config: the warm-up's steps, Dynamo's raised
 recompile limit, the sequence bucket, and the rules that keep a launch's warm-up inside them."""
 

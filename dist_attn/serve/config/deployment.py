@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The whole deployment (:class:`Config`): the sections together, the rules across them, and the
 rules that need the world size (:meth:`Config.check_world`, called by the launcher on every rank
 before the process group is used)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Field rules shared by the config dataclasses: each error names the field, its value and the
 rule it breaks."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ``[jobs]`` section of a config: where video jobs live and what runs them."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class JobsConfig:
     latents_kept: int = 100
     """/v1/generate with ``--output-dir`` saves each request's output latents there as
     ``req-*.safetensors``; after each save only the newest ``latents_kept`` of them stay, older
-    ones are deleted (one file per request, forever, filled the disk: issue 24). At h3-ref
+    ones are deleted (one file per request, forever, would fill the disk). At h3-ref
     (37,296 video rows x 96 + 414 audio rows x 32, float32) a file is 14.4 MB: 1.4 GB for 100.
     ``--once`` outputs (``once-*``) are never deleted; the video jobs' files follow
     ``videos_kept`` and ``videos_max_age_s``."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Serving configuration loaded from TOML: a file, parsed and validated, then overridden.
 
 A config file has one table per dataclass::

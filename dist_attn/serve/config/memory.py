@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ``[memory]`` and ``[decode]`` sections of a config: the launch's memory pre-flight and the
 video decode's batch and compilation."""
 

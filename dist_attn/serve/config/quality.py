@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Quality tiers, decided at launch on every rank before the model is built.
 
 Every rank describes its device (:func:`local_device_facts`), the facts are gathered with

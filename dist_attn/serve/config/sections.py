@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The sections of a serving config, one kw-only dataclass per TOML table (``[tokens]`` is
 :class:`dist_attn.serve.config.tokens.TokenConfig`, ``[jobs]``
 :class:`dist_attn.serve.config.jobs.JobsConfig`). Every ``__post_init__`` raises
@@ -222,13 +223,12 @@ class RuntimeConfig:
     compile: bool | Literal["auto"] = "auto"
     """torch.compile every H3 transformer block, fullgraph (attention stays one opaque op; FP8
     linears are traced as torchao tensor subclasses; the refiner blocks, whose rows are the
-    prompt's tokens, stay eager). ``"auto"``: compiled on CUDA, eager
-    elsewhere. Measured on an H200 (the real block at h3-ref, W = 1, ``h3-fp8_h200_2026-12-04``):
-    compiled 95.7 ms vs eager 107.8 ms with bf16 linears + sage8, 81.5 vs 106.0 ms with FP8
-    linears (FP8 only pays compiled: eager, its per-row activation quantizer runs as separate
-    kernels, 2.3-6.1 ms a GEMM). On the CPU inductor's C++ build costs ~50 s a shape on a 2-core
-    machine for a path that serves tests; ``true`` compiles there too. ``quality="lossless"``
-    stays eager (its bf16 path bit for bit) and refuses ``true``."""
+    prompt's tokens, stay eager). ``"auto"``: compiled on CUDA, eager elsewhere. Compiled, the
+    real block at h3-ref runs 1.13x as fast as eager with bf16 linears (``benchmarks/h3_fp8.py``;
+    docs/serving.md has the figures), and FP8 linears pay only compiled (eager, their per-row
+    activation quantizer runs as separate kernels). On the CPU inductor's C++ build costs ~50 s a
+    shape on a 2-core machine for a path that serves tests; ``true`` compiles there too.
+    ``quality="lossless"`` stays eager (its bf16 path bit for bit) and refuses ``true``."""
     warmup_shapes: tuple[tuple[int, int, int], ...] = ()
     """Request geometries ``(frames, height, width)`` that every rank runs for two denoise steps
     (the first step's shapes and every later step's) at launch, before the HTTP server answers

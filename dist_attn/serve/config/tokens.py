@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How a request becomes H3's packed sequence: the geometry rules and the row layout.
 
 The rules are those of diffusers' MiniMax-H3 modular pipeline for a text-to-video+audio (``t2va``)

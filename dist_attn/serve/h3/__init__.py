@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served model: diffusers' MiniMax-H3 built, loaded, made sequence-parallel and compiled, the
 /v1/generate denoise engine, the t2va pipeline that runs video jobs, the CPU default's checkpoint."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served DiT as every rank builds it at launch: diffusers' H3 built (or loaded), its linears
 in the configured precision, made sequence-parallel, its weights sharded over the ranks when
 asked, its blocks compiled, in that order (each step's contract names the one before it)."""

@@ -1,13 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
 """A served job after its last denoise step: the audio decode (rank 0), the video decode on every
 rank (:func:`dist_attn.integrations.diffusers.enable_parallel_decode`), and the MP4 encoded on
 rank 0 from each clip's frames while later clips still decode.
 
 Precision: the video VAE's decoder block stack runs in float16 on CUDA, the modules the class
 keeps in float32 (``_keep_in_fp32_modules``: norms, block scales, the encoder) stay float32, as
-``from_pretrained(torch_dtype=float16)`` loads it. Measured against a float32 decode on an H200
-(``benchmarks/results/vae-decode_*``, see ``benchmarks/README.md``); diffusers measured the same
-on the released weights: float16 0 pixels off by more than 1/255, bfloat16 0.057% (diffusers PR
-#14754). On the CPU the VAE runs in float32.
+``from_pretrained(torch_dtype=float16)`` loads it. ``benchmarks/vae_decode.py`` measures it
+against a float32 decode (docs/benchmarks.md); diffusers measured the same on the released
+weights: float16 0 pixels off by more than 1/255, bfloat16 0.057% (huggingface/diffusers#14754).
+On the CPU the VAE runs in float32.
 
 Failure: the video decode is collective. A decoder failure on any rank is told to every rank
 inside the decode's own all-gather, so all raise together; what only rank 0 does (the audio, the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ``t2va`` core denoise as the server runs it: diffusers' own blocks around a loop of ours that
 asks a hook after every step whether every rank goes on (:func:`ServedDenoise`)."""
 

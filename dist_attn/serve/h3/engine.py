@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The denoise loop of the served H3, run by every rank for every request.
 
 Every rank builds the request's packed layout, draws the same noise from the request's seed and
@@ -284,8 +285,8 @@ class Engine:
         save_output(result.latent, os.path.join(self.output_dir, name),
                     metadata={"request": json.dumps(result.request),
                               "checksum": json.dumps(dataclasses.asdict(result.checksum))})
-        # A name, not the absolute path the answer carried: no server paths in answers (issue 24).
+        # A name, not an absolute path: no server paths in answers.
         result.output = name
         result.latent = None
-        # One file per request, forever, filled the disk (issue 24).
+        # Only the newest jobs.latents_kept outputs stay: one file per request would fill the disk.
         prune_outputs(self.output_dir, keep=self.cfg.jobs.latents_kept)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served job's peak device memory on one rank, by arithmetic: what the launch's pre-flight
 checks before any weight is loaded, and what the warm-up's measured peak is logged beside.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served DiT: diffusers' ``MiniMaxH3Transformer3DModel`` itself, made sequence-parallel by
 :func:`dist_attn.integrations.diffusers.enable_ulysses`.
 

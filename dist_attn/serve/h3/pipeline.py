@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The MiniMax-H3 text-to-video+audio pipeline (``t2va``) as the server runs it, built from
 diffusers 0.42.1's own modular blocks (``diffusers/modular_pipelines/minimax_h3/``).
 

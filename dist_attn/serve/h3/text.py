@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Text encoding: the Qwen3-VL encoder H3 conditions on, loaded only as deep as H3 reads it, and the
 processor ``t2va`` needs (a text-only stand-in where transformers cannot build Qwen3VLProcessor
 without torchvision). Either rank 0 holds the whole encoder (:func:`load_text_encoder`) or every

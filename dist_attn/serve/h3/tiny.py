@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CPU default's checkpoint: a tiny random MiniMax-H3 of the real classes, built once into a
 cache directory, so that ``torchrun --nproc-per-node 4 launch/serve.py`` serves the whole
 pipeline on a fresh machine with no download.

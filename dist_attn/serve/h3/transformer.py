@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The diffusers class the server runs, imported on first use with an error that names the extra;
 :mod:`dist_attn.serve.h3.model` builds it, :mod:`dist_attn.serve.h3.weights` loads it."""
 

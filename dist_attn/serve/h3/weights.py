@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Files in and out of the served DiT: a diffusers-format H3 checkpoint directory in, output
 latents out, both through the ``safetensors`` package (which diffusers brings).
 
@@ -178,7 +179,7 @@ def prune_outputs(directory: str | os.PathLike, *, keep: int,
     """Deletes all but the newest ``keep`` files of ``directory`` matching ``pattern`` (newest by
     modification time, then by name); returns the names deleted, oldest first.
 
-    /v1/generate wrote one file per request forever (issue 24). A file that cannot be deleted is
+    /v1/generate writes one file per request; this bounds them. A file that cannot be deleted is
     logged as a warning and left: the request that wrote the newest one succeeded regardless.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:

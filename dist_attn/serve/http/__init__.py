@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rank 0's front door: the Starlette app and its uvicorn thread, the /v1/generate and /v1/videos
 routes, the gate every request passes, the guarded HTTP/1.1 protocol and the Prometheus metrics."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """HTTP on rank 0: a Starlette app served by uvicorn in a thread of its own.
 
 Endpoints: ``GET /health`` (200 ok, 503 not ready or shutting down; never needs a token),
@@ -61,14 +62,14 @@ def build_app(state: ServerState) -> Starlette:
 
     async def store_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
         # A full disk or an I/O error is the operator's to fix: a clear answer naming the job
-        # store (it was a generic 500: issue 24) and one log line, without a traceback.
+        # store (never a generic 500) and one log line, without a traceback.
         assert isinstance(exc, StoreError)
         log.error("job store %s: %s", exc.path, exc)
         return fail(exc.status, str(exc))
 
     async def internal_error(_request: HttpRequest, _exc: Exception) -> JSONResponse:
-        # Counted like every other error answer (500s were missing from the metric: issue 24);
-        # uvicorn logs the traceback.
+        # Counted like every other error answer (a 500 is in the metric too); uvicorn logs the
+        # traceback.
         return fail(500, "internal error (details in the server log)")
 
     routes = [Route("/health", health, methods=["GET"]),

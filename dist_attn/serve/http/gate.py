@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What every route passes through, and how a refusal reads: the bearer token, the body within
 ``serve.max_body_bytes`` and ``serve.idle_timeout_s``, its JSON within the nesting and integer
 limits (checked before the costly step they guard: the depth and the integer length before

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``POST /v1/generate``: a JSON request validated on rank 0, queued, run on every rank by the
 rank-0 loop, answered with its JSON result; dropped from the queue or aborted between denoise
 steps when its client leaves or its deadline passes (the transformer-only benchmark path)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The HTTP/1.1 protocol under the app: uvicorn's h11 protocol with what it lacks for a server
 facing hostile clients (:class:`GuardedH11Protocol`). :class:`dist_attn.serve.http.app.HttpServer`
 builds one subclass per server."""
@@ -51,7 +52,7 @@ def _head_refusal(buffered: bytes, limit: int) -> tuple[int, str] | None:
 
 class _ClientLog(logging.LoggerAdapter):
     """uvicorn's logger for one connection, with its warning about a malformed request logged at
-    INFO: a client's mistake, answered 400, is no server problem (issue 24)."""
+    INFO: a client's mistake, answered 400, is no server problem."""
 
     @property
     def level(self) -> int:  # uvicorn reads logger.level before its TRACE messages
@@ -73,8 +74,8 @@ class GuardedH11Protocol(H11Protocol):
     open for 32 s, one thread each, with the old server.
 
     The heads are checked where h11 is asked for its next event (:meth:`_next_event`), not where
-    bytes arrive: a pipelined second request sat in h11's buffer and was parsed after the first
-    answer without passing the check in ``data_received`` (issue 24).
+    bytes arrive: a pipelined second request sits in h11's buffer and is parsed after the first
+    answer without passing through ``data_received``.
     """
 
     _head_timer: asyncio.TimerHandle | None = None
@@ -139,8 +140,8 @@ class GuardedH11Protocol(H11Protocol):
         cycle = getattr(self, "cycle", None)
         if cycle is not None and not cycle.response_complete:
             # The app is running this request (h11 refused its body, a malformed chunk): its
-            # own answer would follow ours on a closed connection, and raised an ERROR with a
-            # traceback (issue 24). It sees a disconnected client instead.
+            # own answer would follow ours on a closed connection and raise an ERROR with a
+            # traceback. It sees a disconnected client instead.
             cycle.disconnected = True
             cycle.message_event.set()
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer already began

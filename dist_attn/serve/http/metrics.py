@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prometheus metrics of the server (``/metrics``), through prometheus_client.
 
 Each server owns its own registry, so several servers (tests) never share counters.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the HTTP thread shares with the rank-0 loop: the server's state (:class:`ServerState`) and,
 within it, the video jobs' (:class:`VideoJobs`, with the running one's :class:`VideoProgress`)."""
 

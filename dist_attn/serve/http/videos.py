@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The jobs API over HTTP: ``/v1/videos``.
 
 - ``POST /v1/videos`` validates the request
@@ -42,7 +43,7 @@ _MAX_LIST = 100
 class _FileResponse(FileResponse):
     """Starlette's FileResponse, whose own answers to a Range header it cannot serve (a 416 with
     an empty body, a text/plain 400) become JSON errors like every other answer, counted through
-    ``refuse`` (issue 24). Starlette's answer is caught at ``send`` rather than by re-parsing the
+    ``refuse``. Starlette's answer is caught at ``send`` rather than by re-parsing the
     Range header, so the verdict stays Starlette's (If-Range included)."""
 
     def __init__(self, path: str, *, refuse: Callable[..., JSONResponse], what: str,

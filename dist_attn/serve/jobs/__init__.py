@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The work, apart from the model and HTTP: what a job asks (the request schemas), where it waits
 (the queue, the SQLite store), what runs it (the runner contract) and what it becomes (the MP4)."""
 

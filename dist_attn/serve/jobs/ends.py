@@ -1,10 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
 """Job ends the store could not commit yet (a full disk): held in memory, shown by every read of
 the store, and committed when it can.
 
-A job whose end could not be written stayed 'running' for ever: its progress froze, the metric
-counted it running, and a DELETE was accepted but never carried out. The store now keeps such an
-end here (:class:`HeldEnds`) and reads it over the file's row (:meth:`JobEnd.apply`), so clients
-see the job finished at once; :meth:`dist_attn.serve.jobs.store.JobStore.flush` commits it once
+A job whose end cannot be written is never left 'running' to clients (a frozen progress, a
+metric counting it running, a DELETE accepted but never carried out): the store keeps such an end
+here (:class:`HeldEnds`) and reads it over the file's row (:meth:`JobEnd.apply`), so clients see
+the job finished at once; :meth:`dist_attn.serve.jobs.store.JobStore.flush` commits it once
 the disk has room. A process that dies with ends held leaves those jobs 'running' in the file,
 and the restart semantics apply (re-queued once).
 """

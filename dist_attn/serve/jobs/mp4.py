@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served video as a file: H.264 video + AAC audio in an MP4, written with PyAV (FFmpeg's
 libraries in a wheel), atomically.
 

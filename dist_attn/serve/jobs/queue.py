@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rank 0's bookkeeping of requests: a job per request, a bounded queue, and why a job stops.
 
 The HTTP thread creates jobs and waits on their futures; the rank-0 loop takes them from the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The job store's records and its error: what a job is (:class:`JobRecord`), where it is
 (:class:`JobStatus`), what a restart did (:class:`Recovery`), and :class:`StoreError`. Split from
 :mod:`dist_attn.serve.jobs.store` (the SQLite store), which re-exports the records and the error."""

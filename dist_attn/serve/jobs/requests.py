@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The request schema: what a client may send to ``/v1/generate`` and how it is checked.
 
 Everything here runs on rank 0 before anything is broadcast; a rejected request costs no

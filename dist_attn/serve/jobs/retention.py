@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How long a succeeded video job keeps its files: the newest ``jobs.videos_kept`` jobs, and none
 older than ``jobs.videos_max_age_s`` when that is set. Deleted files are recorded in the store
 (the job keeps no output name), so the job stays listed and its content answers 410."""

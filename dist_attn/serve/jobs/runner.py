@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The job runner: what the rank-0 loop calls to turn one stored video job into an MP4, behind a
 small interface so that the job store and the HTTP API are testable without a model.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How much disk a video job may take, and whether the output directory has it: checked before a
 job is accepted, so that a full disk is refused up front (507) instead of failing the job later.
 

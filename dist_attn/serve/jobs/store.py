@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The job store: every video job in one SQLite file under the output directory (the standard
 library's ``sqlite3``, WAL mode, ``synchronous=FULL``).
 
@@ -23,8 +24,8 @@ One connection, shared by the HTTP thread and the rank-0 loop under a lock: each
 short transaction (well under a millisecond without the fsync).
 
 The WAL is checkpointed into ``jobs.sqlite3`` after every job's end and at :meth:`JobStore.close`
-(the server's shutdown): without it the jobs lived in ``jobs.sqlite3-wal`` while the main file
-stayed at 4 KB, so a backup of ``jobs.sqlite3`` alone held no job (issue 24). A backup still
+(the server's shutdown), so a copy of ``jobs.sqlite3`` alone holds every finished job (without
+the checkpoint the jobs would live in ``jobs.sqlite3-wal``). A backup of a running server still
 copies the three files together, or is taken while the server is stopped.
 
 What SQLite cannot do (a full disk, an I/O error, a file that is not a database) raises

@@ -1,17 +1,19 @@
+# SPDX-License-Identifier: Apache-2.0
 """Opening the job store at launch (rank 0, before the model is built): the store file checked,
 the restart recovery run and logged, partial MP4s removed, and a warning when ``videos/`` holds
 MP4s of jobs the store does not list.
 
-Why before the model: a corrupt ``jobs.sqlite3`` raised inside the job set-up, after minutes of
-weight loading, as a raw traceback on rank 0 while the other ranks waited in a collective
-(issue 24). Opened here, its :class:`~dist_attn.serve.jobs.store.StoreError` joins the launch
-checks (:func:`dist_attn.serve.launch.checks.run_launch_checks`): one message naming the file and
-what to do, every rank exits 1.
+Contract:
 
-Why the warning: the jobs lived in the SQLite WAL (``jobs.sqlite3-wal``; the main file stayed at
-4 KB), so a store restored without its WAL started empty and said nothing, although ``videos/``
-held every MP4 (issue 24). The store now checkpoints after every job; an MP4 the store does not
-know still means a store that was replaced or restored from an incomplete backup.
+* The launcher calls it before any weight is loaded and before the launch checks
+  (:func:`dist_attn.serve.launch.checks.run_launch_checks`): a store that cannot be opened (a file
+  that is not a readable SQLite database) raises :class:`~dist_attn.serve.jobs.store.StoreError`,
+  whose message names the file and what to do; the launch reports it as one failed condition and
+  every rank exits 1.
+* MP4s under ``videos/`` whose jobs the store does not list are not served; they mean a store that
+  was replaced or restored without its ``-wal`` file, and :func:`open_job_store` logs one WARNING
+  naming up to three of them (the store checkpoints its WAL after every job, so ``jobs.sqlite3``
+  alone lists every finished job).
 """
 
 from __future__ import annotations

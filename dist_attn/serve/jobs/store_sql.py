@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The job store's SQLite plumbing: the table, a row as a :class:`JobRecord`, the write
 transaction, and what turns SQLite's errors into :class:`StoreError`. Split from
 :mod:`dist_attn.serve.jobs.store`, its one user."""
@@ -94,8 +95,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def store_errors(method: _F) -> _F:
     """Turns what SQLite cannot do in a method of the job store (``self.path``: its file) into
-    :class:`StoreError` (a disk full answered a generic 500: issue 24). Misuse of the API
-    (ProgrammingError, InterfaceError, IntegrityError) stays a bug and propagates as it is."""
+    :class:`StoreError`, which the HTTP layer answers 507 or 503, never a generic 500. Misuse of
+    the API (ProgrammingError, InterfaceError, IntegrityError) stays a bug and propagates as it
+    is."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:

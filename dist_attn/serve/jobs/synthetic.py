@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A runner with no model (``jobs.runner = "synthetic"``): a test pattern and a tone, at the
 steps' pace, for tests and load tests of the jobs API (the serving layer's own cost)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The request schema of ``POST /v1/videos``: what a client may ask of the H3 pipeline and how
 it is checked, on rank 0, before the job is stored.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The served DiT built on every rank: diffusers' H3 class (own init or a checkpoint), made
 sequence-parallel, compiled where the config says, logged once."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Launch checks on every rank before the model is built: backend, quality tier, topology.
 
 Every rank ends with the same list of failures (local findings are merged with one

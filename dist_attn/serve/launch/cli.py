@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Serve MiniMax H3 (diffusers' MiniMaxH3Transformer3DModel) on the ranks of one host: the
 project's main job.
 
@@ -346,8 +347,9 @@ def _transformer_dir(checkpoint: str | None) -> str | None:
 
 def _open_store(cfg: Any, failures: list[str]) -> Any:
     """Rank 0: the job store after its restart recovery (None with ``jobs.runner = "off"``).
-    Opened before the launch checks, so that a store that cannot be opened (a corrupt file:
-    raw tracebacks on every rank, issue 24) is one failed launch condition naming the file."""
+    Opened before the launch checks, so that a store that cannot be opened (a corrupt file, a
+    directory that cannot be made) is one failed launch condition naming the file, appended to
+    ``failures``, never a traceback."""
     if cfg.jobs.runner == "off":
         return None
     from dist_attn.serve.jobs.store import StoreError

@@ -1,10 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
 """The supervisor keeps the HTTP port while no rank 0 serves, and answers it.
 
-Under ``--nproc-per-node`` a restart after a rank died closed the port from the old rank 0's
-death until the new one bound it again: clients got connection errors while the ranks came back.
-Now the supervisor (:class:`PortKeeper`) holds a copy of the listening socket for the job's life:
+Under ``--nproc-per-node`` the port stays open across a restart after a rank died, so clients
+get no connection errors while the ranks come back: the supervisor (:class:`PortKeeper`) holds a
+copy of the listening socket for the job's life:
 
-- rank 0 asks it for the socket where it used to bind (:func:`rank0_listener`); at the first
+- rank 0 asks it for the socket instead of binding (:func:`rank0_listener`); at the first
   start the keeper has none, so rank 0 binds (the port check of the launch stays there) and gives
   it a copy. Sockets travel over a Unix socket in the supervisor's private directory
   (``SCM_RIGHTS``), named by ``$DIST_ATTN_SUPERVISOR_PORT_KEEPER``.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Logging for the served DiT: one stderr handler, the rank in every line."""
 
 from __future__ import annotations

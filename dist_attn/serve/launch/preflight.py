@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The memory pre-flight at launch, on every rank before any weight is loaded: each rank's peak
 estimated by arithmetic (:mod:`dist_attn.serve.h3.memory`) against the free memory of every
 rank's device, ``parallel.shard_weights = "auto"`` decided from it, and either a logged estimate

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``launch/serve.py --nproc-per-node N``: torchrun under a small supervisor, so that a SIGTERM
 drains the server and the whole job exits 0.
 
@@ -21,8 +22,8 @@ its own ``ChildFailedError``).
 If the supervisor is killed (``kill -9``), the kernel kills the agent (parent-death signal
 SIGKILL: it ignores SIGTERM) and each rank gets its own parent-death SIGTERM and drains.
 
-Restarts: a ``kill -9`` of one rank ended the server for good (the job exited 1; issue 24). The
-supervisor now starts torchrun again when the job fails after it served (rank 0 writes the file
+Restarts: a ``kill -9`` of one rank ends the torchrun job (it exits 1). The supervisor starts
+torchrun again when the job fails after it served (rank 0 writes the file
 named by ``$DIST_ATTN_SUPERVISOR_READY`` once its HTTP port serves,
 :func:`dist_attn.serve.ranks.lifecycle.mark_ready`), at most
 ``--max-restarts`` times (3) within :data:`RESTART_WINDOW_S` (10 minutes). The job store then

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Warm-up at launch: two denoise steps of each configured geometry before the server answers.
 
 The first forward of a shape pays for what later ones reuse: torch.compile of the blocks

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The rank loops: rank 0 serves HTTP, decides which job runs and drives it on every rank; every
 other rank follows its control messages. Exports :func:`serve`, the loop of every rank."""
 

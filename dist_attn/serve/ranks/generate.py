@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One /v1/generate job on every rank, driven by rank 0: the RUN message, the denoise loop with
 rank 0's abort vote before every step, and the answer (the result, or why it stopped)."""
 

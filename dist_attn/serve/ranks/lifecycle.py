@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A serving rank's relations with its process's end.
 
 - SIGTERM/SIGINT (:class:`Shutdown`): the first one starts a drain (the rank loops' business) and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The rank loops: rank 0 decides, every rank follows.
 
 Control flow (one direction)::

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One stored video job on every rank, driven by rank 0: the next job taken from the store, the
 VIDEO message, the runner's two halves with rank 0's vote after every step (cancel, drain), and
 how the job ended written back to the store.
@@ -45,9 +46,9 @@ class VideoDrive:
 
     def start_next(self) -> JobRecord | None:
         """The oldest queued video job, now running; None when there is none or when the store
-        cannot commit (a full disk). That error ended the server; the job now stays queued
-        (the transaction rolled back), the error is logged at most once a minute, and
-        /v1/generate is served on (issue 24). Old videos are deleted first, once a minute."""
+        cannot commit (a full disk): then the job stays queued (the transaction rolled back),
+        the error is logged at most once a minute, and the server serves on (/v1/generate
+        included). Old videos are deleted first, once a minute."""
         if time.monotonic() - self._pruned >= _PRUNE_EVERY_S:
             self.prune()
         try:

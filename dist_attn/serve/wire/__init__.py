@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the ranks say to each other outside attention: rank 0's control messages, the abort vote
 every rank joins between denoise steps, and the prompt encoding rank 0 broadcasts."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Why a job stops early, and the vote that stops it on every rank at the same step."""
 
 from __future__ import annotations

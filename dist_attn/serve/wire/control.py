@@ -1,8 +1,9 @@
+# SPDX-License-Identifier: Apache-2.0
 """The control messages rank 0 sends every other rank (the rank loops' one channel).
 
 Control messages travel as ONE int64 broadcast from rank 0: ``[op, frames, height, width,
-steps, seed]`` (one small tensor costs ~1 ms on loaded CPU gloo where
-broadcast_object_list cost 2.4 ms: two broadcasts plus pickling). A broadcast can return on rank
+steps, seed]`` (one small tensor, where broadcast_object_list takes two broadcasts plus pickling:
+less than half the time on loaded CPU gloo; docs/serving.md). A broadcast can return on rank
 0 before a stopped rank has received it (the bytes sit in a socket buffer), so a heartbeat is
 followed by a one-integer all-reduce that completes only once every rank has entered it: that is
 the proof of life /health reports. RUN needs no such answer: the denoise steps' all-to-alls are.

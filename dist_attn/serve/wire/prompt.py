@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rank 0's prompt encoding on every rank: the text encoder runs once, on rank 0
 (:mod:`dist_attn.serve.h3.pipeline` says why), and its output travels as two broadcasts. A
 sharded encoder runs on every rank, on rank 0's prompt text (:func:`broadcast_text`)."""
