@@ -367,7 +367,9 @@ def test_the_supervisor_sees_which_processes_ignore_sigterm():
 
     from dist_attn.serve.launch.supervise import ignores
 
-    code = "import signal, sys, time; signal.signal(signal.SIGTERM, {}); print(1, flush=True); time.sleep(60)"
+    # SIGINT set explicitly: a shell's background job inherits it ignored, which is not the case here
+    code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "signal.signal(signal.SIGTERM, {}); print(1, flush=True); time.sleep(60)")
     procs = [subprocess.Popen([sys.executable, "-c", code.format(h)], stdout=subprocess.PIPE)
              for h in ("signal.SIG_IGN", "signal.SIG_DFL")]
     try:
