@@ -8,7 +8,7 @@ further collective: a failed check cannot hang.
 
 Tiers (``--quality``):
     absent      no constraint; every backend (Sage included) and any topology the config allows.
-    "lossless"  exact bf16 kernels only; an 8-bit backend (Sage, fp8, int8) is an error, and so
+    "lossless"  exact bf16 kernels only; a backend that declares 8-bit numerics (Sage) is an error, and so
                 are FP8 linear layers (``model.linear_precision="fp8"``).
     "high"      the strict H3 deployment: exactly 4 ranks on one host, each on its own GPU, every
                 GPU an H200 with compute capability 9.0, all four identical, every pair
@@ -36,6 +36,7 @@ __all__ = [
     "gather_device_facts",
     "quality_failures",
     "is_8bit_backend",
+    "registered_backend",
     "check_tier_name",
     "tier_name_rule",
     "tier_backend_rule",
@@ -119,16 +120,21 @@ def gather_device_facts(facts: DeviceFacts, group: Any = None) -> list[DeviceFac
             for d in out]
 
 
+def registered_backend(name: str):
+    """The core's backend object called ``name``, or None when no such backend is registered."""
+    from dist_attn import available_backends, get_backend
+
+    return get_backend(name) if name in available_backends() and name != "auto" else None
+
+
 def is_8bit_backend(name: str, backend: Any = None) -> bool:
-    """Whether a backend quantizes to 8 bits: by the backend object's ``exact`` attribute (the
-    core's AttentionBackend: False for 8-bit kernels) when it has one, else by its name (sage,
-    fp8, int8, 8bit)."""
-    for attr, quantized_if in (("exact", False), ("quantized", True)):
-        value = getattr(backend, attr, None)
-        if isinstance(value, bool):
-            return value is quantized_if
-    lowered = name.lower()
-    return any(tag in lowered for tag in ("sage", "fp8", "int8", "8bit"))
+    """Whether a backend quantizes to 8 bits, as it declares (``AttentionBackend.exact`` False):
+    ``backend``, else the backend registered as ``name``. "auto" and a name not registered yet
+    declare nothing (False): "auto" under "lossless" resolves exact kernels only, and the launch
+    checks the resolved backend's object again."""
+    if backend is None:
+        backend = registered_backend(name)
+    return backend is not None and not backend.exact
 
 
 def tier_name_rule(tier: Any) -> str | None:
