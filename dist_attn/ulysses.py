@@ -38,9 +38,9 @@ from dist_attn.plan import heads_per_rank, make_plan, too_few_heads_fix
 from dist_attn.profiling import PhaseTimer
 from dist_attn.qk_prologue import QKNormRope, check_qk_prologue
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
-from dist_attn.validation import (check_bounds, check_no_grad, check_op_scalars,
-                                  check_overlap_chunks, check_qkv, check_softmax_scale,
-                                  host_bounds, positive_int)
+from dist_attn.validation import (CheckedScalars, check_bounds, check_no_grad, check_op_scalars,
+                                  check_qkv, check_scalars, checked_scalars, host_bounds,
+                                  positive_int)
 from dist_attn.varlen import SegmentLayout, attend_varlen, segment_layout
 
 __all__ = ["UlyssesSageAttention", "ulysses_attention"]
@@ -127,14 +127,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, mesh, backend,
              softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks,
-             prologue=None) -> torch.Tensor:
+             prologue=None, checked: CheckedScalars | None = None) -> torch.Tensor:
     groups = parallel_groups(mesh=mesh, group=group)
     # checks of host facts; a rank that refuses its inputs tells its peers, which raise too
     try:
         call = _prepare(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                         groups=groups, backend=backend, softmax_scale=softmax_scale,
                         num_heads=num_heads, head_dim=head_dim, overlap_chunks=overlap_chunks,
-                        prologue=prologue)
+                        prologue=prologue, checked=checked)
     except Exception:
         if groups.world > 1:
             tell_refusal(groups, groups.shard)
@@ -142,7 +142,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
     q4, k4, v4, layout, be, scale = call.q4, call.k4, call.v4, call.layout, call.be, call.scale
     group, world, rank, n_ring = (groups.ulysses_group, groups.ulysses_size, groups.ulysses_rank,
                                   groups.ring_size)
-    batch, s_local, n_heads, d = q4.shape
+    (batch, s_local, n_heads, d), overlap_chunks = q4.shape, call.facts.overlap_chunks
     chunk = s_local * world  # rows one Ulysses group gathers: the whole sequence without a ring
     wants_waves = n_ring == 1 and overlap_chunks > 1 and min(heads_per_rank(batch * n_heads, world)) > 1
     kernel_waves = getattr(be, "kernel_waves", None) if wants_waves else None
@@ -243,12 +243,15 @@ class _Call:
 
 
 def _prepare(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, groups, backend,
-             softmax_scale, num_heads, head_dim, overlap_chunks, prologue) -> _Call:
-    """Every check of one call that reads only this rank's host facts (no collective)."""
+             softmax_scale, num_heads, head_dim, overlap_chunks, prologue, checked) -> _Call:
+    """Every check of one call that reads only this rank's host facts (no collective); the
+    scalars are taken as they are when ``checked`` holds them."""
     check_qkv(q, k, v, num_heads=num_heads, head_dim=head_dim)
     check_no_grad(q, k, v)
-    check_softmax_scale(softmax_scale)
-    check_overlap_chunks(overlap_chunks)
+    if checked is None:
+        check_scalars(softmax_scale, overlap_chunks)
+    else:
+        softmax_scale, overlap_chunks = checked.softmax_scale, checked.overlap_chunks
     check_bounds(cu_seqlens, device=q.device)
     world, n_ring = groups.ulysses_size, groups.ring_size
     q4, k4, v4 = (t if q.ndim == 4 else t[None] for t in (q, k, v))  # [S_local, H, D] -> [1, S_local, H, D]
@@ -369,32 +372,27 @@ class UlyssesSageAttention(nn.Module):
         check_group(group)
         if mesh is not None:
             check_mesh(mesh)
-        check_softmax_scale(softmax_scale)
-        check_overlap_chunks(overlap_chunks)
+        self._checked = checked_scalars(softmax_scale, overlap_chunks)  # forward trusts them
         check_mesh_or_group(mesh, group)
         register_for_compile(group, mesh)  # eagerly, so a compiled forward finds its key
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.mesh = mesh
-        self.group = group
-        self.backend = backend
-        self.softmax_scale = softmax_scale
-        self.buffers = buffers
-        self.timer = timer
-        self.overlap_chunks = overlap_chunks
+        self.num_heads, self.head_dim, self.mesh, self.group = num_heads, head_dim, mesh, group
+        self.backend, self.buffers, self.timer = backend, buffers, timer
+
+    softmax_scale = property(lambda self: self._checked.softmax_scale, doc="read-only: checked once")
+    overlap_chunks = property(lambda self: self._checked.overlap_chunks, doc="read-only: checked once")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
                 max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
                 valid_len: int | torch.Tensor | None = None,
                 qk_prologue: QKNormRope | None = None) -> torch.Tensor:
-        compiling = torch.compiler.is_compiling()
-        return ulysses_attention(
-            q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len, group=self.group,
-            mesh=self.mesh, backend=self.backend, softmax_scale=self.softmax_scale, num_heads=self.num_heads,
-            head_dim=self.head_dim, buffers=None if compiling else self.buffers,
-            timer=None if compiling else self.timer, overlap_chunks=self.overlap_chunks,
-            qk_prologue=qk_prologue,
-        )
+        args = (q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host)
+        kw = dict(valid_len=valid_len, group=self.group, mesh=self.mesh, backend=self.backend,
+                  softmax_scale=self.softmax_scale, num_heads=self.num_heads,
+                  head_dim=self.head_dim, overlap_chunks=self.overlap_chunks)
+        if torch.compiler.is_compiling():  # the op's boundary checks its scalars again
+            return ulysses_attention(*args, **kw, qk_prologue=qk_prologue)
+        return _forward(*args, **kw, buffers=self.buffers, timer=self.timer, prologue=qk_prologue,
+                        checked=self._checked)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend!r}, "

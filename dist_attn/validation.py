@@ -10,12 +10,14 @@ its value and the rule it broke.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_qkv", "check_bounds", "host_bounds", "check_no_grad", "as_host_int",
-           "check_softmax_scale", "MAX_SOFTMAX_SCALE", "check_overlap_chunks", "overlap_chunks_rule"]
+           "check_softmax_scale", "MAX_SOFTMAX_SCALE", "check_overlap_chunks", "overlap_chunks_rule",
+           "CheckedScalars", "check_scalars", "checked_scalars"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -283,3 +285,24 @@ def check_overlap_chunks(overlap_chunks) -> None:
     rule = overlap_chunks_rule(overlap_chunks)
     if rule:
         raise ValueError(f"overlap_chunks={overlap_chunks!r} {rule}")
+
+
+@dataclass(frozen=True)
+class CheckedScalars:
+    """``softmax_scale`` and ``overlap_chunks`` that met their rules: made by
+    :func:`checked_scalars` at a public boundary, taken as they are by the layers inside."""
+
+    softmax_scale: float | None
+    overlap_chunks: int
+
+
+def check_scalars(softmax_scale, overlap_chunks) -> None:
+    """:func:`check_softmax_scale` and :func:`check_overlap_chunks`, the call's scalar rules."""
+    check_softmax_scale(softmax_scale)
+    check_overlap_chunks(overlap_chunks)
+
+
+def checked_scalars(softmax_scale, overlap_chunks) -> CheckedScalars:
+    """:func:`check_scalars`, then both held for the layers inside."""
+    check_scalars(softmax_scale, overlap_chunks)
+    return CheckedScalars(softmax_scale, overlap_chunks)

@@ -43,3 +43,24 @@ def test_unknown_backend_is_refused_by_the_constructor():
 def test_a_group_or_mesh_that_is_not_one_is_refused_by_the_constructor(kw, needle):
     with pytest.raises(TypeError, match=needle):
         UlyssesSageAttention(2, 4, backend="sdpa", **kw)
+
+
+def test_the_module_checks_its_scalars_once_and_forward_trusts_them(monkeypatch):
+    """softmax_scale and overlap_chunks are validated at the constructor (the public boundary);
+    forward hands the checked values to the core instead of checking them on every call, and
+    they cannot be changed afterwards, around the check."""
+    import dist_attn.ulysses as ulysses
+
+    with pytest.raises(ValueError, match=r"overlap_chunks=0 must be an int >= 1"):
+        UlyssesSageAttention(2, 8, backend="sdpa", overlap_chunks=0)
+    attn = UlyssesSageAttention(2, 8, backend="sdpa", softmax_scale=0.5, overlap_chunks=2)
+    calls = []
+    monkeypatch.setattr(ulysses, "check_scalars", lambda *a: calls.append(a))
+    q = torch.randn(6, 2, 8)
+    out = attn(q, q, q)
+    assert calls == [] and out.shape == q.shape
+    torch.testing.assert_close(out, ulysses_attention(q, q, q, backend="sdpa", softmax_scale=0.5))
+    assert calls == [(0.5, 1)]  # the plain function is its own boundary
+    with pytest.raises(AttributeError):
+        attn.overlap_chunks = 0
+    assert (attn.softmax_scale, attn.overlap_chunks) == (0.5, 2)

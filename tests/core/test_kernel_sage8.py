@@ -437,3 +437,31 @@ def test_interp_kernels_match_float64():
     plain = float(next(x for x in lines if x.startswith("plain")).split()[1])
     balanced = float(next(x for x in lines if x.startswith("balance")).split()[1])
     assert balanced <= 0.75 * plain, (plain, balanced)
+
+
+def test_one_seg_bounds_rule_for_both_kernel_languages():
+    """Gluon's segment bounds are Triton's, transliterated (tl -> gl, the dense lo a tensor), and
+    every kernel of both languages takes its bounds from one of the two."""
+    pytest.importorskip("triton")
+    import ast
+    import inspect
+
+    from dist_attn.kernels.sage8 import attn_gluon, attn_triton, quant
+
+    def body(fn) -> str:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
+        node = tree.body[0]
+        node.body = node.body[1:]  # the docstring
+        node.decorator_list, node.name = [], "seg_bounds"
+        return ast.dump(node)
+
+    derived = body(quant.seg_bounds).replace("Name(id='tl'", "Name(id='gl'").replace(
+        "targets=[Name(id='lo', ctx=Store())], value=Constant(value=0)",
+        "targets=[Name(id='lo', ctx=Store())], value=Call(func=Attribute(value=Name(id='gl', "
+        "ctx=Load()), attr='to_tensor', ctx=Load()), args=[Constant(value=0)], keywords=[])")
+    assert body(attn_gluon._seg_bounds) == derived
+    for module, name in ((quant, "seg_bounds"), (attn_triton, "seg_bounds"), (attn_gluon, "_seg_bounds")):
+        source = inspect.getsource(module)
+        assert source.count(f"= {name}(cu, seg, used, T, DENSE)") >= 1, module.__name__
+        assert "tl.load(cu + seg)" not in source.replace(inspect.getsource(quant.seg_bounds.fn), "")
+    assert attn_triton.seg_bounds is quant.seg_bounds

@@ -104,3 +104,43 @@ def test_a_layout_is_agreed_once(per_rank):
         assert sum(n for op, n in first.items() if "allreduce" in op) == 1, (rank, first)
         assert sum(n for op, n in first.items() if "alltoall" in op) == 2, (rank, first)
         assert all("alltoall" in op for op in second) and sum(second.values()) == 2, (rank, second)
+
+
+# Collectives outside dist_attn.agreement that move data or vote, not ranks agreeing on their
+# inputs: (module, the collective's call text) -> why it is not an agreement.
+_NOT_AGREEMENT = {
+    ("dist_attn/sharding.py", "all_gather_into_tensor"): "the sequence gather (data)",
+    ("dist_attn/integrations/diffusers/_vae_decode.py", "dist.all_gather(list(recv"): "decoded tiles (data)",
+    ("dist_attn/serve/wire/abort.py", "dist.all_reduce(vote"): "the per-step abort vote (max wins)",
+    ("dist_attn/serve/wire/control.py", "dist.all_reduce(torch.ones"): "the heartbeat",
+}
+
+
+def test_cross_rank_agreement_has_one_owner():
+    """The core, the diffusers adapter, the VAE decode and the launch checks agree through
+    dist_attn.agreement; no other module gathers or reduces to compare ranks."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    call = re.compile(r"\b(?:dist\.)?(all_gather\w*|all_reduce|broadcast_object_list)\(")
+    found = []
+    for path in sorted((root / "dist_attn").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "dist_attn/agreement.py":
+            continue
+        for line in path.read_text().splitlines():
+            code = line.split("#")[0]
+            if call.search(code) and not code.lstrip().startswith(('"', "'")) and "`" not in code:
+                if not any(rel == m and text in code for (m, text) in _NOT_AGREEMENT):
+                    found.append(f"{rel}: {code.strip()}")
+    assert not found, found
+    from dist_attn import agreement
+    from dist_attn.integrations.diffusers import _runtime, _vae_decode
+    from dist_attn.serve.config import quality
+    from dist_attn.serve.launch import checks, preflight
+
+    assert _runtime.gather_rows is _vae_decode.gather_rows is agreement.gather_rows
+    assert _runtime.fingerprint is _vae_decode.fingerprint is agreement.fingerprint
+    assert checks.gather_objects is preflight.gather_objects is agreement.gather_objects
+    assert "gather_objects" in quality.gather_device_facts.__code__.co_names

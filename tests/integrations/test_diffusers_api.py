@@ -215,7 +215,9 @@ def test_python_numbers_are_fingerprinted_by_value():
     is marked, so the check refuses it on every rank instead of skipping it as absent."""
     import numpy as np
 
-    from dist_attn.integrations.diffusers._runtime import _UNCOMPARABLE, _describe, _fingerprint
+    from dist_attn.agreement import UNCOMPARABLE as _UNCOMPARABLE
+    from dist_attn.agreement import describe_fingerprint as _describe
+    from dist_attn.agreement import fingerprint as _fingerprint
 
     cpu = torch.device("cpu")
     five = [_fingerprint(v, cpu) for v in (5, 5.0, np.int64(5), np.float32(5))]

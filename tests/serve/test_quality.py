@@ -126,8 +126,23 @@ def test_lossless_rejects_8bit_backends():
         name, exact = "mykernel", False
 
     assert quality_failures("lossless", facts, TOPO4, backend="mykernel", backend_obj=Fake())
-    assert is_8bit_backend("sage8") and is_8bit_backend("triton_fp8")
-    assert not is_8bit_backend("sdpa")
+    assert is_8bit_backend("sage8") and not is_8bit_backend("sdpa")
+
+
+def test_is_8bit_backend_reads_the_declared_numerics_not_the_name():
+    """One owner: AttentionBackend.exact. A name that merely sounds 8-bit decides nothing."""
+    from dist_attn import available_backends, get_backend
+
+    for name in available_backends():
+        if name != "auto":
+            assert is_8bit_backend(name) is (not get_backend(name).exact), name
+
+    class Exact:
+        name, exact = "sage_fp8_int8", True
+
+    assert not is_8bit_backend("sage_fp8_int8", Exact())
+    assert not is_8bit_backend("triton_fp8")  # not registered: declares nothing
+    assert not is_8bit_backend("auto")
 
 
 def test_unknown_tier_lists_valid_values():

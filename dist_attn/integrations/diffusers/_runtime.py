@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-import numbers
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_rows, ulysses_attention
+from dist_attn.agreement import (FLOAT_TENSOR, FP_ROW, FP_SHAPE, UNCOMPARABLE, describe_fingerprint,
+                                 fingerprint, fingerprint_kind, fingerprints_differ, gather_rows)
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.mesh import parallel_groups
 from dist_attn.plan import too_few_heads_fix
@@ -35,23 +34,6 @@ __all__ = ["Runtime", "fuses_qk_norm_rope", "install_hooks"]
 
 logger = logging.getLogger(__name__)
 
-# Per compared input: present flag (0 absent, 1 present, _UNCOMPARABLE), ndim, up to _MAX_DIMS
-# sizes, kind flag (_FLOAT_TENSOR, _INT_TENSOR, _HOST_NUMBERS), then two contents slots (float64):
-# sum |x| and sum x^2 for floating tensors; for integer and bool tensors, and for Python numbers
-# (a scalar: ndim 0; a flat tuple/list: ndim 1) by their float64 bits, an exact, order-sensitive
-# hash (bit-cast into the first slot) and 0. Index tensors (H3's video_indices, token_tags, ...)
-# are compared exactly: a rank with the same rows in another order has the same sums but scatters
-# its rows elsewhere.
-_MAX_DIMS = 6
-_SHAPE = 2 + _MAX_DIMS + 1
-_ROW = _SHAPE + 2
-_FLOAT_TENSOR, _INT_TENSOR, _HOST_NUMBERS = 0.0, 1.0, 2.0
-_UNCOMPARABLE = 2.0
-# Relative tolerance on the contents fingerprint. Another draw of N Gaussian values moves
-# sum |x| by ~0.75/sqrt(N) relative (3e-4 for the 4.8M latent values of a 720p Wan video, 3e-2
-# for the test's 1,440), so unseeded ranks are caught up to N ~ 5e9; values equal up to float32
-# rounding (a nondeterministic text encoder) move it by <= ~1e-7 and pass.
-_FINGERPRINT_RTOL = 1e-5
 # diffusers caches that decide from the activations whether to skip the remaining blocks: each
 # rank would decide from its own shard, and a rank that skips leaves the others waiting in the
 # next block's all-to-all. Caches that follow the step schedule decide alike on every rank.
@@ -228,61 +210,6 @@ def _gather_hook(rt: Runtime, path: str, dim: int):
     return hook
 
 
-def _host_codes(x: Any) -> torch.Tensor | None:
-    """A number (Python, numpy, or a one-element tensor inside a tuple) or a flat tuple/list of
-    them as int64 codes of their float64 values, compared exactly: host values are computed alike
-    on every rank, so no tolerance, and 5 equals 5.0 (the models use them as floats). A scalar
-    gives a 0-d tensor. None when ``x`` is anything else. Never raises (a rank raising here
-    alone would leave its peers in the all-gather)."""
-    items = x if isinstance(x, (tuple, list)) else (x,)
-    values = []
-    try:
-        for v in items:
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = v.item()  # LTX types rope_interpolation_scale tuple[Tensor, float, float]
-            if not isinstance(v, numbers.Real):
-                return None
-            values.append(float(v))
-    except Exception:  # noqa: BLE001 - e.g. an int too large for a float, a meta tensor
-        return None
-    if not values:
-        return None
-    codes = torch.tensor([struct.unpack("<q", struct.pack("<d", v))[0] for v in values],
-                         dtype=torch.int64)
-    return codes if isinstance(x, (tuple, list)) else codes[0]
-
-
-def _fingerprint(x: Any, device: torch.device) -> torch.Tensor:
-    """``[_ROW]`` float64 on ``device``; the sums stay on the device (no host synchronisation)."""
-    row = torch.zeros(_ROW, dtype=torch.float64, device=device)
-    if x is None:
-        return row  # absent
-    kind = _FLOAT_TENSOR
-    if not isinstance(x, torch.Tensor):
-        x, kind = _host_codes(x), _HOST_NUMBERS
-        if x is None:  # present, but nothing this check can compare: refused after the gather
-            row[0] = _UNCOMPARABLE
-            return row
-    elif not (x.is_floating_point() or x.is_complex()):
-        kind = _INT_TENSOR
-    # Nothing here may raise on one rank only: its peers would wait in the all-gather. A tensor
-    # of more dims than _MAX_DIMS is told apart by its ndim; the model's own checks refuse it.
-    dims = list(map(float, x.shape[:_MAX_DIMS]))
-    exact = kind != _FLOAT_TENSOR
-    sizes = [1.0, float(x.ndim), *dims] + [-1.0] * (_MAX_DIMS - len(dims)) + [kind]
-    if exact:
-        flat = x.detach().reshape(-1).to(device, torch.int64)
-        weights = 2 * torch.arange(flat.numel(), device=device, dtype=torch.int64) + 1
-        # int64 products and sums wrap mod 2**64: exact and order-sensitive (a swap of two
-        # different values at rows i and j changes it by 2 (x_i - x_j)(i - j)).
-        code = (flat * weights).sum().view(torch.float64)
-        sums = torch.stack((code, torch.zeros((), dtype=torch.float64, device=device)))
-    else:
-        flat = x.detach().to(device, torch.float64)
-        sums = torch.stack((flat.abs().sum(), flat.square().sum()))
-    return torch.cat((torch.tensor(sizes, dtype=torch.float64, device=device), sums))
-
-
 _FORWARD_ONLY = ("dist_attn's sequence-parallel attention is forward only: call the transformer "
                  "under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)")
 
@@ -299,25 +226,32 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device,
     # the last row: grad mode, then the settings that decide the collectives' shapes (a rank
     # with another bucket pads to another length; another chunk count issues other all-to-alls)
     settings = {"sequence_bucket": rt.sequence_bucket, "overlap_chunks": rt.overlap_chunks}
-    own = torch.zeros((1, _ROW), dtype=torch.float64, device=device)
+    own = torch.zeros((1, FP_ROW), dtype=torch.float64, device=device)
     own[0, :1 + len(settings)] = torch.tensor([float(grad), *map(float, settings.values())],
                                               dtype=torch.float64)
-    mine = torch.cat([torch.stack([_fingerprint(arguments.get(n), device) for n in names]),
-                      own])  # [len(names) + 1, _ROW]
-    rows = [torch.empty_like(mine) for _ in range(rt.world_size)]
-    dist.all_gather(rows, mine, group=rt.group)
-    every = torch.stack(rows).cpu()  # [W, len(names) + 1, _ROW]
-    with_grad = [r for r in range(rt.world_size) if every[r, -1, 0] != 0]
+    mine = torch.cat([torch.stack([fingerprint(arguments.get(n), device) for n in names]),
+                      own])  # [len(names) + 1, FP_ROW]
+    every = gather_rows(mine, rt.group, rt.world_size)  # [W, len(names) + 1, FP_ROW]
+    _check_settings(every[:, -1], settings, rt.world_size)
+    _check_inputs(every[:, :-1], names, rt.world_size)
+
+
+def _check_settings(every: torch.Tensor, settings: dict, world: int) -> None:
+    """``every``: ``[W, FP_ROW]``, each rank's grad mode and then its ``settings``."""
+    with_grad = [r for r in range(world) if every[r, 0] != 0]
     if with_grad:
         raise RuntimeError(f"{_FORWARD_ONLY}; grad mode is on for rank(s) {with_grad} of the group")
     for j, name in enumerate(settings, start=1):
-        values = [int(every[r, -1, j]) for r in range(rt.world_size)]
+        values = [int(every[r, j]) for r in range(world)]
         if len(set(values)) > 1:
-            raise ValueError(f"enable_ulysses({name}=...) differs across the W={rt.world_size} "
+            raise ValueError(f"enable_ulysses({name}=...) differs across the W={world} "
                              f"ranks of the group: {values} by rank; pass the same on every rank")
-    every = every[:, :-1]
+
+
+def _check_inputs(every: torch.Tensor, names, world: int) -> None:
+    """``every``: ``[W, len(names), FP_ROW]``, each rank's fingerprints of the compared inputs."""
     for i, name in enumerate(names):
-        odd = [r for r in range(rt.world_size) if every[r, i, 0] == _UNCOMPARABLE]
+        odd = [r for r in range(world) if every[r, i, 0] == UNCOMPARABLE]
         if odd:
             raise ValueError(
                 f"{name} on rank(s) {odd} is neither a tensor nor Python numbers (a number or a "
@@ -325,48 +259,30 @@ def _check_same_on_all_ranks(rt: Runtime, arguments: dict, device: torch.device,
                 f"{name} as one of those"
             )
     ref = every[0]
-    for r in range(1, rt.world_size):
-        other = every[r]
+    for r in range(1, world):
         for i, name in enumerate(names):
-            shape_ref, shape_r = ref[i, :_SHAPE], other[i, :_SHAPE]
-            if not torch.equal(shape_ref, shape_r):
-                kinds = (f" ({_kind(shape_r)} on rank {r}, {_kind(shape_ref)} on rank 0)"
-                         if shape_r[-1] != shape_ref[-1] else "")
+            mine, theirs = every[r, i], ref[i]
+            what = fingerprints_differ(mine, theirs)
+            if what == "shape":
+                kinds = (f" ({fingerprint_kind(mine)} on rank {r}, {fingerprint_kind(theirs)} on "
+                         "rank 0)" if mine[FP_SHAPE - 1] != theirs[FP_SHAPE - 1] else "")
                 raise ValueError(
-                    f"{name} differs across the W={rt.world_size} ranks of the group: "
-                    f"{_describe(shape_r)} on rank {r}, {_describe(shape_ref)} on rank 0{kinds}; "
-                    f"every rank must pass the same full inputs to the transformer"
+                    f"{name} differs across the W={world} ranks of the group: "
+                    f"{describe_fingerprint(mine)} on rank {r}, {describe_fingerprint(theirs)} on "
+                    f"rank 0{kinds}; every rank must pass the same full inputs to the transformer"
                 )
-            sums_ref, sums_r = ref[i, _SHAPE:], other[i, _SHAPE:]
-            if ref[i, _SHAPE - 1] != _FLOAT_TENSOR:  # integers, numbers: hashes match bit for bit
-                if not torch.equal(sums_r.view(torch.int64), sums_ref.view(torch.int64)):
-                    raise ValueError(
-                        f"{name} has different contents on rank {r} and rank 0 of the group (its "
-                        f"integers or Python numbers, compared exactly, differ in value or "
-                        f"order); every rank must pass the same full inputs to the transformer"
-                    )
-            elif not torch.allclose(sums_r, sums_ref, rtol=_FINGERPRINT_RTOL, atol=0.0, equal_nan=True):
+            if what and theirs[FP_SHAPE - 1] != FLOAT_TENSOR:  # integers, numbers: bit for bit
+                raise ValueError(
+                    f"{name} has different contents on rank {r} and rank 0 of the group (its "
+                    f"integers or Python numbers, compared exactly, differ in value or "
+                    f"order); every rank must pass the same full inputs to the transformer"
+                )
+            if what:
                 raise ValueError(
                     f"{name} has different contents on rank {r} and rank 0 of the group (sum |x| "
-                    f"{float(sums_r[0]):.6g} vs {float(sums_ref[0]):.6g}); every rank must pass "
-                    f"the same full inputs (same seed, same prompt) to the transformer"
+                    f"{float(mine[FP_SHAPE]):.6g} vs {float(theirs[FP_SHAPE]):.6g}); every rank "
+                    f"must pass the same full inputs (same seed, same prompt) to the transformer"
                 )
-
-
-def _describe(row: torch.Tensor) -> str:
-    if row[0] == 0:
-        return "absent"
-    ndim = int(row[1])
-    if row[_SHAPE - 1] == _HOST_NUMBERS:
-        return "a Python number" if ndim == 0 else f"{int(row[2])} Python numbers"
-    return f"shape {tuple(int(s) for s in row[2:2 + min(ndim, _MAX_DIMS)])}" + ("..." if ndim > _MAX_DIMS else "")
-
-
-def _kind(row: torch.Tensor) -> str:
-    if row[0] == 0:
-        return "absent"
-    return {_INT_TENSOR: "an integer tensor", _HOST_NUMBERS: "Python numbers"}.get(
-        float(row[_SHAPE - 1]), "a floating tensor")
 
 
 def _forward_pre_hook(rt: Runtime):

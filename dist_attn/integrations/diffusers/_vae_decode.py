@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_attn.agreement import FP_ROW, FP_SHAPE, fingerprint, fingerprints_differ, gather_rows
 from dist_attn.distributed import group_size_and_rank
 from dist_attn.integrations.diffusers._vae_plan import (Plan, plan_decode, stitch_clip,
                                                         temporal_runs, write_run)
@@ -206,23 +207,19 @@ def _agree(vae: nn.Module, z: torch.Tensor, settings: list[float], ok: bool, gro
     """One all-gather of the latents' fingerprint, the decode's settings and whether this rank
     is ready (its plan and buffers made); raises the same ValueError on every rank if a rank
     differs from rank 0 in latents or settings. Returns the ranks that are not ready."""
-    from dist_attn.integrations.diffusers._runtime import _SHAPE, _fingerprint
-
-    mine = torch.cat((_fingerprint(z, z.device),
+    mine = torch.cat((fingerprint(z, z.device),
                       torch.tensor([*settings, float(ok)], dtype=torch.float64, device=z.device)))
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
-    every = torch.stack(rows).cpu()  # [W, fingerprint + settings + ready]
-    k = len(settings) + 1
-    shape, sums, sets = slice(0, _SHAPE), slice(_SHAPE, -k), slice(-k, -1)
+    every = gather_rows(mine, group, world)  # [W, fingerprint + settings + ready]
+    sets = slice(FP_ROW, -1)
 
     def dims(row: torch.Tensor) -> list[int]:
         return [int(s) for s in row[2:2 + int(row[1])]]
 
     for r in range(1, world):
+        what = fingerprints_differ(every[r, :FP_ROW], every[0, :FP_ROW])
         # z's shape first: a rank whose z is malformed also fails to plan, so its settings
         # differ too, and "settings differ" hid the cause
-        if not torch.equal(every[r, shape], every[0, shape]):
+        if what == "shape":
             raise ValueError(f"z differs across the W={world} ranks: shape {dims(every[r])} on "
                              f"rank {r}, {dims(every[0])} on rank 0; every rank must pass the "
                              "same latents to vae.decode")
@@ -232,10 +229,9 @@ def _agree(vae: nn.Module, z: torch.Tensor, settings: list[float], ok: bool, gro
                              "use_tiling, tile height, width, overlaps, tiles_per_call, the "
                              "decoder's output dtype); every rank must decode with the same "
                              "VAE settings, dtype and autocast")
-        if not torch.allclose(every[r, sums], every[0, sums], rtol=1e-5, atol=0.0,
-                              equal_nan=True):
+        if what:
             raise ValueError(f"z has different contents on rank {r} and rank 0 (sum |z| "
-                             f"{float(every[r, _SHAPE]):.6g} vs {float(every[0, _SHAPE]):.6g}); "
+                             f"{float(every[r, FP_SHAPE]):.6g} vs {float(every[0, FP_SHAPE]):.6g}); "
                              "every rank must pass the same latents (same seed, same prompt) to "
                              "vae.decode")
     return [r for r in range(world) if every[r, -1] == 0]
@@ -384,8 +380,7 @@ def _parallel_decode(handle: ParallelDecodeHandle, z: torch.Tensor) -> torch.Ten
             stitched.clear()
     if world > 1:  # one last flag exchange: a failure after the last wave's tiles arrived
         flag = torch.tensor([float(error is not None)], dtype=torch.float32, device=z.device)
-        flags = [torch.empty_like(flag) for _ in range(world)]
-        dist.all_gather(flags, flag, group=group)
+        flags = gather_rows(flag, group, world)
         collectives += 1
         failed = [r for r in range(world) if float(flags[r]) != 0.0]
         if failed:

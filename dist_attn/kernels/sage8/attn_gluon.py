@@ -97,7 +97,9 @@ class GluonConfig:
 
 @gluon.jit
 def _seg_bounds(cu, seg, used, T, DENSE: gl.constexpr):
-    """(lo, L, pst): first source row, clipped length and padded start of segment ``seg``."""
+    """:func:`quant.seg_bounds` in Gluon, derived from it token for token (``tl`` -> ``gl``; the
+    dense ``lo`` is ``gl.to_tensor(0)``: the warp partitions take it as a tensor argument).
+    tests/core/test_kernel_sage8.py checks the two bodies agree."""
     if DENSE:
         lo = gl.to_tensor(0)
         hi = T

@@ -102,7 +102,9 @@ class Quantized:
 
 @triton.jit
 def seg_bounds(cu, seg, used, T, DENSE: tl.constexpr):
-    """(lo, L, pst): first source row, clipped length and padded start of segment ``seg``."""
+    """(lo, L, pst): first source row, clipped length and padded start of segment ``seg``.
+
+    The one rule: the Gluon kernel's ``_seg_bounds`` is derived from this body (a test checks)."""
     if DENSE:
         lo = 0
         hi = T

@@ -2,14 +2,14 @@
 """Quality tiers, decided at launch on every rank before the model is built.
 
 Every rank describes its device (:func:`local_device_facts`), the facts are gathered with
-``all_gather_object`` (:func:`gather_device_facts`), and every rank runs the same PURE decision
-(:func:`quality_failures`) on the same list, so all ranks agree and exit together without any
-further collective: a failed check cannot hang.
+``all_gather_object`` (:func:`gather_device_facts`, by :mod:`dist_attn.agreement`), and every
+rank runs the same PURE decision (:func:`quality_failures`) on the same list, so all ranks agree
+and exit together without any further collective: a failed check cannot hang.
 
 Tiers (``--quality``):
     absent      no constraint; every backend (Sage included) and any topology the config allows.
-    "lossless"  exact bf16 kernels only; an 8-bit backend (Sage, fp8, int8) is an error, and so
-                are FP8 linear layers (``model.linear_precision="fp8"``).
+    "lossless"  exact bf16 kernels only; a backend that declares 8-bit numerics (Sage) is an
+                error, and so are FP8 linear layers (``model.linear_precision="fp8"``).
     "high"      the strict H3 deployment: exactly 4 ranks on one host, each on its own GPU, every
                 GPU an H200 with compute capability 9.0, all four identical, every pair
                 peer-accessible (P2P), Ulysses degree 4, ring 1, tensor parallel 1. Sage and FP8
@@ -36,6 +36,7 @@ __all__ = [
     "gather_device_facts",
     "quality_failures",
     "is_8bit_backend",
+    "registered_backend",
     "check_tier_name",
     "tier_name_rule",
     "tier_backend_rule",
@@ -109,26 +110,28 @@ def local_device_facts(rank: int, device: torch.device) -> DeviceFacts:
 
 def gather_device_facts(facts: DeviceFacts, group: Any = None) -> list[DeviceFacts]:
     """All ranks' facts, in rank order (one all_gather_object; local list if not distributed)."""
-    import torch.distributed as dist
+    from dist_attn.agreement import gather_objects
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return [facts]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, dataclasses.asdict(facts), group=group)
+    out = gather_objects(dataclasses.asdict(facts), group)
     return [DeviceFacts(**{**d, "capability": tuple(d["capability"]) if d["capability"] else None})
             for d in out]
 
 
+def registered_backend(name: str):
+    """The core's backend object called ``name``, or None when no such backend is registered."""
+    from dist_attn import available_backends, get_backend
+
+    return get_backend(name) if name in available_backends() and name != "auto" else None
+
+
 def is_8bit_backend(name: str, backend: Any = None) -> bool:
-    """Whether a backend quantizes to 8 bits: by the backend object's ``exact`` attribute (the
-    core's AttentionBackend: False for 8-bit kernels) when it has one, else by its name (sage,
-    fp8, int8, 8bit)."""
-    for attr, quantized_if in (("exact", False), ("quantized", True)):
-        value = getattr(backend, attr, None)
-        if isinstance(value, bool):
-            return value is quantized_if
-    lowered = name.lower()
-    return any(tag in lowered for tag in ("sage", "fp8", "int8", "8bit"))
+    """Whether a backend quantizes to 8 bits, as it declares (``AttentionBackend.exact`` False):
+    ``backend``, else the backend registered as ``name``. "auto" and a name not registered yet
+    declare nothing (False): "auto" under "lossless" resolves exact kernels only, and the launch
+    checks the resolved backend's object again."""
+    if backend is None:
+        backend = registered_backend(name)
+    return backend is not None and not backend.exact
 
 
 def tier_name_rule(tier: Any) -> str | None:

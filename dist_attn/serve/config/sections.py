@@ -14,8 +14,8 @@ from dist_attn.fp8_linear import LINEAR_PRECISIONS, LinearPrecision
 from dist_attn.serve.config.compiling import (COMPILED_SEQUENCE_BUCKET, SERVED_RECOMPILE_LIMIT,
                                               WARMUP_STEPS, sequence_bucket_rule, warmup_shapes_rule)
 from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
-from dist_attn.serve.config.quality import (QualityTier, tier_backend_rule, tier_compile_rule,
-                                            tier_name_rule)
+from dist_attn.serve.config.quality import (QualityTier, registered_backend, tier_backend_rule,
+                                            tier_compile_rule, tier_name_rule)
 from dist_attn.validation import overlap_chunks_rule
 
 __all__ = [
@@ -269,7 +269,7 @@ class RuntimeConfig:
         rule = tier_name_rule(self.quality)
         if rule:
             raise field_error("RuntimeConfig", "quality", self.quality, rule)
-        rule = tier_backend_rule(self.quality, self.backend, registered_backend(self.backend))
+        rule = tier_backend_rule(self.quality, self.backend)
         if rule:
             raise field_error("RuntimeConfig", "backend", self.backend, rule)
         rule = tier_compile_rule(self.quality, self.compile)
@@ -301,13 +301,6 @@ class RuntimeConfig:
         if self.sequence_bucket == "auto":
             return COMPILED_SEQUENCE_BUCKET if self.compiled(device_type) else 1
         return self.sequence_bucket
-
-
-def registered_backend(name: str):
-    """The core's backend object called ``name``, or None when no such backend is registered."""
-    from dist_attn import available_backends, get_backend
-
-    return get_backend(name) if name in available_backends() and name != "auto" else None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -387,4 +380,3 @@ class ServeConfig:
                         f"must be > 0 and at most {_TORCHRUN_KILL_GRACE_S - 5} s (torchrun kills "
                         f"ranks {_TORCHRUN_KILL_GRACE_S} s after its SIGTERM; 5 s are left for "
                         "the shutdown itself)")
-

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dist_attn.agreement import gather_objects
 from dist_attn.distributed import DistEnv
 from dist_attn.fp8_linear import fp8_unsupported_reason, require_torchao
 from dist_attn.plan import heads_per_rank
@@ -91,8 +91,7 @@ def run_launch_checks(cfg: Config, env: DistEnv, dtype: torch.dtype,
     except ValueError as e:
         failures.append(f"parallel.ring_degree={p.ring_degree}: {e}")
     if env.distributed:
-        everyone: list[Any] = [None] * env.world_size
-        dist.all_gather_object(everyone, failures)
+        everyone = gather_objects(failures)
         merged: list[str] = []
         for rank_failures in everyone:
             merged += [f for f in rank_failures if f not in merged]

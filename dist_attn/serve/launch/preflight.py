@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
+from dist_attn.agreement import gather_objects
 from dist_attn.distributed import DistEnv
 from dist_attn.serve.config.deployment import Config
 from dist_attn.serve.config.tokens import padded_rows
@@ -120,9 +120,7 @@ def memory_preflight(cfg: Config, env: DistEnv, dtype: torch.dtype, checkpoint: 
                 f"memory.preflight={cfg.memory.preflight!r} on {env.device}: there is no device "
                 "memory to ask; set memory.device_gb to plan for a GPU of that size"))
         free = int((mem_get_info or (lambda: torch.cuda.mem_get_info(env.device)))()[0])
-    frees = [free] * env.world_size
-    if env.distributed:
-        dist.all_gather_object(frees, free)
+    frees = gather_objects(free) if env.distributed else [free] * env.world_size
     if device_type != "cuda":  # memory.device_gb plans a GPU: its dtypes, its sequence bucket
         device_type = "cuda"
         dtype = torch.bfloat16 if cfg.runtime.dtype == "auto" else getattr(torch, cfg.runtime.dtype)
