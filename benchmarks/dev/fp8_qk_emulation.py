@@ -4,7 +4,7 @@ real H3 activations, isolated from any kernel.
 
 FA3's FP8 forward (``fa3-fwd``) takes e4m3 q/k/v with one descale per (batch, head); on pre-quantized
 operands it is ~12% faster than sage8 at H3's shapes (44.8 vs 50.8 ms at 56 heads, one H200,
-``results/kernels-side-final_h200_2026-12-04``). This runs that scheme in float64 on the real first
+``results/archive/kernels-side-final_h200_2026-12-04``). This runs that scheme in float64 on the real first
 block's q/k/v (the GPU test's 4,176-row layout, 256 sampled rows, every key) beside sage8's reference
 (``dist_attn/kernels/sage8/reference.py``): FP8 Q K with one scale per head against INT8 per row / per
 key block, every MMA sum exact, P rounded to e4m3 with or without sage8's 2**8 prescale, V per head

@@ -3,7 +3,7 @@
 
 * the FFN-in GEMM (5376 -> 28672, rowwise FP8, ``torch._scaled_mm``) whole, as 2 or 4 column
   slices of its weight, and transposed (``W x^T``), at 38,016 and 9,504 rows: is the whole GEMM's
-  lower TFLOP/s (1281 against 1400-1520 for the other shapes, h3-fp8-single-pass_h200_2026-12-05) its shape?
+  lower TFLOP/s (1281 against 1400-1520 for the other shapes, archive/h3-fp8-single-pass_h200_2026-12-05) its shape?
 * sage8 through the bridge (``attend_varlen``, the receive buffer's strided q/k/v views, H3's
   trailing padding) at 3, 4, 6, 7, 8 and 14 heads, and the direct dense call at the same widths:
   where the head chunks of ``overlap_chunks`` lose time (waves of CTAs, or the bridge per call).
