@@ -300,8 +300,9 @@ class _Sage8Cute(BlockSteps):
     def _consume(self, mma_qk, mma_pvs, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO, mQin,
                  mLse, tidx, mb, seg, h, lo, L, pst, rows, n_full, lim, n_blocks, qk_scale):
         D = self.D
-        # 0 at run time (rows < 2 ** 31), unknown to the compilers: p_fence's operand of the new P
-        self.zero = Uint32(rows) >> Uint32(31)
+        if const_expr(self.cfg.p_fence):
+            # 0 at run time (rows < 2 ** 31), unknown to the compilers: folded into the new P
+            self.zero = Uint32(rows) >> Uint32(31)
         thr_qk = mma_qk.get_slice(tidx)
         mma_pv, mma_pv_ss = mma_pvs
         thr_pv = mma_pv.get_slice(tidx)

@@ -151,7 +151,7 @@ class BlockSteps:
             self._store_p(mma, j % 2)
         warpgroup.wait_group(0)  # P V of block j - 1 is in: acc_b and P's registers are free
         fenced = []
-        if const_expr(self.cfg.p_fence and not self.cfg.p_smem):
+        if const_expr(self.cfg.p_fence):  # CuteConfig: P in registers
             # the old P read again only now (folded into the new P through a zero the compiler
             # cannot see): its registers stay P's through the softmax above, which ptxas would
             # otherwise hand to softmax temporaries and wait for the P V before it
@@ -162,7 +162,7 @@ class BlockSteps:
             self._promote(acc_o, alpha_pend, acc_b, alpha)
         if const_expr(not self.cfg.p_smem):
             self._to_p8(f_s, p8_as_acc, p8_words)
-        if const_expr(self.cfg.p_fence and not self.cfg.p_smem):
+        if const_expr(self.cfg.p_fence):  # CuteConfig: P in registers
             for w in cutlass.range_constexpr(cute.size(p8_words)):
                 p8_words[w] = p8_words[w] ^ (fenced[w] & self.zero)
         return state
