@@ -41,6 +41,8 @@
 #                       CuteConfig changes) against the Triton loop, float64, cuDNN; each config's
 #                       cases in a child process killed after 60 s if hung, then each timed in a child (~5-8 min)
 #   cute-tests          tests/core/test_kernel_sage8_cute.py on the GPU (opted in)   -> cute-gpu-tests_<gpu>_<date>.log (~2 min)
+#   cute-ncu-src        dev/sage8_ncu under Nsight Compute's source counters: the CuTe loop's stall samples
+#                       per SASS instruction (CUTE_NCU_VARIANT, default {}) -> cute-ncu-src_*.{ncu-rep,csv} (~2 min)
 #   cute-ncu            dev/sage8_ncu under Nsight Compute: the CuTe loop's stall reasons, MUFU (xu) and
 #                       tensor-pipe use, default config vs CUTE_NCU_VARIANT (JSON; default P in shared memory) (~1 min)
 #   cute-accuracy       accuracy: sdpa, the Triton loop and the CuTe loop against float64 (needs
@@ -83,7 +85,7 @@ ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-varian
      alltoall scaling h3 fp8 serve-overhead serve-step decode decode-mux job job-full
      job-full-compiled job-full-fp8 job-full-fp8fast job-outside job-decode-eager decode-compiled
      memory memory-ranks)
-CUTE=(cute-a cute-b cute-check cute-tests cute-accuracy cute-ncu)  # named only, never by "all"
+CUTE=(cute-a cute-b cute-check cute-tests cute-accuracy cute-ncu cute-ncu-src)  # named only, never by "all"
 TREES=(job-tree)  # named only: it needs an older tree carried in (TREE)
 DRY=0
 
@@ -183,6 +185,10 @@ step() {
                 "$PY" -m benchmarks.dev.sage8_ncu "$c" cute
             [ "$DRY" = 1 ] || ncu_stalls "$RES/cute-ncu-$i-of-2_${HW}_$TODAY.csv"
         done ;;
+    cute-ncu-src)  # the default config's stall samples per SASS instruction (Nsight's source page)
+        local src='ncu --clock-control none --kernel-name regex:Sage8Cute --launch-skip 2 --launch-count 1 --section SourceCounters --section WarpStateStats --import-source no -f -o "$REP" "$0" -m benchmarks.dev.sage8_ncu "$VARIANT" cute && ncu -i "$REP.ncu-rep" --page source --csv --print-source sass > "$REP.csv" && wc -l "$REP.csv"'
+        run 240 cute-ncu-src env DIST_ATTN_SAGE8_CUTE=1 REP="$RES/cute-ncu-src_${HW}_$TODAY" \
+            VARIANT="${CUTE_NCU_VARIANT:-{\}}" bash -c "$src" "$PY" ;;
     cute-tests)
         run 300 cute-tests --log "$RES/cute-gpu-tests_${HW}_$TODAY.log" env DIST_ATTN_SAGE8_CUTE=1 "$PY" -m pytest \
             tests/core/test_kernel_sage8_cute.py -rs -q -s -p no:cacheprovider ;;
@@ -246,7 +252,7 @@ step() {
             --overlap 1,4 --backends sdpa,sage8 --out "$RES" --budget-s 35 --iters 5 --warmup 1 ;;
     fp8)
         run $((${BUDGET:-330} + 25)) fp8 "$PY" -m benchmarks.h3_fp8 --out "$RES" --budget-s "${BUDGET:-330}" \
-            ${PROFILE:+--profile "$PROFILE"} ${COMPILED:+--compiled "$COMPILED"} ;;
+            ${PROFILE:+--profile "$PROFILE"} ${COMPILED:+--compiled "$COMPILED"} ${FP8_ARGS:-} ;;
     serve-overhead)
         run 120 serve-overhead "$PY" -m benchmarks.serve_overhead --config configs/h3.toml --layers 1 --nproc 1 \
             --requests 20 --warmup 3 --load 1,4,50 --load-requests 60 --load-seconds 15 --out-dir "$RES" ;;

@@ -19,7 +19,8 @@ The block is ``MiniMaxH3Transformer3DModel()``'s (default config, own init, bf16
   quantization on CUDA since 2026-12-06, ``fuse_swiglu="auto"``) | ``fp8fastadaln`` (``fp8fast``
   with each norm + AdaLN modulation and its quantization in one kernel: the library's default
   on CUDA since 2026-12-07, ``fuse_adaln="auto"``, asked for here as ``True``; the other FP8 rows
-  pass ``fuse_adaln=False``, diffusers' block forward) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
+  pass ``fuse_adaln=False``, diffusers' block forward) | ``fp8adaln`` (the same with float32
+  accumulation: the library's defaults on CUDA) | ``fp8tfast`` (per-tensor scales, fast accumulation: benchmark-only, GPU-only, compiled rows
   named in ``--compiled`` and one accuracy row) linears x attention ``sdpa`` | ``sage8`` |
   ``fa3`` (dist_attn's H3 processor, one rank) | ``native`` (diffusers') | ``none`` (an opaque op
   that reads q, k, v: the block's rest; an ``empty_like`` stand-in would let the compiler drop
@@ -79,7 +80,7 @@ _ATTN = ("sdpa", "sage8", "fa3", "native", "none")
 _ATTN_OPT_IN = ("sage8_cute",)
 #: ``--compiled`` suffixes: the same path compiled with other inductor options (benchmark-only)
 _VARIANTS: dict[str, dict | None] = {"": None, "mk": {"triton.multi_kernel": 1}}
-_PRECISIONS = ("bf16", "fp8", "fp8fast", "fp8fastadaln", "fp8fastunfused", "fp8tfast")
+_PRECISIONS = ("bf16", "fp8", "fp8adaln", "fp8fast", "fp8fastadaln", "fp8fastunfused", "fp8tfast")
 _COMPILED = ("fp8:sage8,fp8fast:sage8,bf16:sage8,fp8:none@w4,fp8fast:none@w4,bf16:none@w4,bf16:native,"
              "fp8:sdpa,bf16:sdpa,fp8:native")
 
@@ -191,8 +192,8 @@ def _quantize(model, prec: str, emulate: bool) -> None:
     """The block linears of ``model`` in ``prec``: ``fp8`` / ``fp8fast``, the shipped recipe
     (``quantize_linears``, fused SwiGLU FFNs on CUDA), with float32 / fast accumulation;
     ``fp8fastunfused``, the same as ``fp8fast`` with diffusers' FFN (``fuse_swiglu=False``);
-    ``fp8fastadaln``, ``fp8fast`` with the fused AdaLN inputs (``fuse_adaln=True``; the other
-    recipes ``False``);
+    ``fp8fastadaln`` / ``fp8adaln``, ``fp8fast`` / ``fp8`` with the fused AdaLN inputs
+    (``fuse_adaln=True``; the other recipes ``False``): ``fp8adaln`` is the library's default on CUDA;
     ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
     activation tensor and per weight, fast accumulation (the other cuBLAS FP8 route)."""
     from dist_attn.integrations.diffusers import quantize_linears
@@ -200,7 +201,7 @@ def _quantize(model, prec: str, emulate: bool) -> None:
     if prec != "fp8tfast":
         quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec.startswith("fp8fast"),
                          fuse_swiglu=False if prec == "fp8fastunfused" else "auto",
-                         fuse_adaln=prec == "fp8fastadaln")  # True: fails loudly, runs emulated too
+                         fuse_adaln=prec.endswith("adaln"))  # True: fails loudly, runs emulated too
         return
     from torchao.quantization import PerTensor, quantize_
 
@@ -733,9 +734,10 @@ def main(argv: list[str] | None = None) -> int:
                     "<linears>:none@w4 (the block's rest at W = 4's rows)")
     for key in _names(args.acc_compiled):
         prec, _, attn = key.partition(":")
-        if prec not in _PRECISIONS or attn not in ("sdpa", "sage8", "fa3"):
+        if prec not in _PRECISIONS or attn not in ("sdpa", "sage8", "fa3") + _ATTN_OPT_IN:
             p.error(f"--acc-compiled entry {key!r} must be <linears>:<attention> with linears one of "
-                    f"{', '.join(_PRECISIONS)} and attention one of sdpa, sage8, fa3 (the served engine's)")
+                    f"{', '.join(_PRECISIONS)} and attention one of sdpa, sage8, fa3, "
+                    f"{', '.join(_ATTN_OPT_IN)} (the served engine's)")
     args.overlap = [int(c) for c in _names(args.overlap)]
     from diffusers.utils import logging as diffusers_logging
 
