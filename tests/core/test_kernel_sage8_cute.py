@@ -98,9 +98,9 @@ def test_unequal_lengths_without_the_cute_loop_say_which_backend_does():
         be.dense_lse(q, k, k, softmax_scale=0.1)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (the cute extra) is not installed")
 def test_config_rules():
-    from dist_attn.kernels.sage8.attn_cute import CuteConfig
+    # the config module imports no cutlass: its rules are checked on any machine
+    from dist_attn.kernels.sage8.attn_cute_config import CuteConfig
     with pytest.raises(ValueError, match="stages"):
         CuteConfig(stages=1)
     with pytest.raises(ValueError, match="65,536"):

@@ -22,7 +22,6 @@ Kernels are compiled once per configuration (:func:`compiled`) and cached for th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import from_dlpack
 
 from dist_attn.kernels.sage8 import numerics
+from dist_attn.kernels.sage8.attn_cute_config import CuteConfig
 from dist_attn.kernels.sage8.attn_cute_steps import BLOCK_M, BlockSteps
 
 if TYPE_CHECKING:  # the pre-pass imports triton; this loop does not need it
@@ -47,77 +47,6 @@ __all__ = ["CuteConfig", "V_ORDER", "BLOCK_M", "attention", "compiled", "compile
 
 #: the order of V's keys this loop reads (numerics.V_KEY_ORDERS)
 V_ORDER = "mma"
-
-
-@dataclass(frozen=True)
-class CuteConfig:
-    """Launch parameters of the CuTe loop.
-
-    ``stages``: shared-memory slots of the K and V^T ring. ``block_n``: keys per block (64 or
-    128; K's INT8 scales and the P V promotion follow it): 64 halves the score tile's and P's
-    registers (measured slower). ``overlap``: issue the next block's
-    QK wgmma before this block's softmax and alternate the two warpgroups at the tensor cores
-    (False: each warpgroup waits on every wgmma, the two interleave only by chance).
-    ``defer_add`` (with ``overlap``): a block's P V is added into the output one step later,
-    while the next S is in flight, so nothing independent of the softmax follows the P V wait
-    (False: added right after that wait, where ptxas hoists the wait above the softmax).
-    ``p_smem``: P goes to the P V wgmma through shared memory (two buffers) instead of registers,
-    so no register of an in-flight wgmma can be handed to the softmax (implies ``defer_add``;
-    slower than registers on an H100: benchmarks/KERNEL_NOTES.md).
-    ``prep_early``: the Q K^T wgmma starts from zero and the softmax adds the MAGIC_I offset
-    (integer adds where the MUFU leaves issue slots free), and with ``overlap`` the deferred
-    promotion runs before a warpgroup's turn at the tensor cores: the 64 constant moves and
-    most of the promotion held that turn (not yet timed: off).
-    ``p_fence`` (register P with ``overlap``): P's registers are read again after the P V wait,
-    so ptxas cannot give them to the softmax and wait for that P V before it (measured level: off).
-    ``short_chains``: the row max as a tree and the row sum as four running sums (dependency
-    chains of 5 and 8, not 32). ``ks_ahead`` (with ``overlap``): K's per-block scale is loaded one
-    block ahead, so its global-memory latency is not waited for at the softmax. ``poly_exp2``
-    (0-8): of every 8 scores of a row, this many take their exp2 as a polynomial on the FMA pipe
-    instead of the MUFU (FlashAttention-4's trick). ``short_chains`` with ``ks_ahead``, and both
-    with ``poly_exp2=2``, measured level with the defaults: off.
-    ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
-    the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
-    fastest combination measured.
-    """
-
-    stages: int = 2
-    overlap: bool = True
-    defer_add: bool = True
-    p_smem: bool = False
-    prep_early: bool = False
-    p_fence: bool = False
-    short_chains: bool = False
-    ks_ahead: bool = False
-    poly_exp2: int = 0
-    block_n: int = 128
-    consumer_regs: int = 232
-    producer_regs: int = 40
-
-    @property
-    def adds_late(self) -> bool:
-        """Whether a block's P V is added one step later (``defer_add``, implied by ``p_smem``)."""
-        return self.defer_add or self.p_smem
-
-    def __post_init__(self):
-        if self.stages not in (2, 3, 4):
-            raise ValueError(f"CuteConfig.stages={self.stages!r} must be 2, 3 or 4")
-        if isinstance(self.poly_exp2, bool) or not isinstance(self.poly_exp2, int) or not 0 <= self.poly_exp2 <= 8:
-            raise ValueError(f"CuteConfig.poly_exp2={self.poly_exp2!r} must be an int in [0, 8]")
-        if self.p_fence and (self.p_smem or not self.overlap):
-            raise ValueError(f"CuteConfig.p_fence=True needs P in registers with overlap (p_smem=False, "
-                             f"overlap=True), got p_smem={self.p_smem}, overlap={self.overlap}")
-        if self.ks_ahead and not self.overlap:
-            raise ValueError("CuteConfig.ks_ahead=True needs overlap=True (the loop it loads ahead in)")
-        if self.block_n not in (64, 128):
-            raise ValueError(f"CuteConfig.block_n={self.block_n!r} must be 64 or 128")
-        for name in ("consumer_regs", "producer_regs"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or val % 8 or not 24 <= val <= 256:
-                raise ValueError(f"CuteConfig.{name}={val!r} must be a multiple of 8 in [24, 256]")
-        if 2 * 128 * self.consumer_regs + 128 * self.producer_regs > 65536:
-            raise ValueError(f"CuteConfig: 256 x consumer_regs={self.consumer_regs} + 128 x "
-                             f"producer_regs={self.producer_regs} exceeds the SM's 65,536 registers")
 
 
 def _a_shape_of_acc(acc_shape, a_value_shape):
@@ -228,19 +157,7 @@ class _Sage8Cute(BlockSteps):
         D = self.D
         smem = utils.SmemAllocator()
         st = smem.allocate(self.storage)
-        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)  # the 8 consumer warps
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.bar_q.data_ptr(), num_stages=1, producer_group=one,
-            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.bar_k.data_ptr(), num_stages=self.stages, producer_group=one,
-            consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.bar_v.data_ptr(), num_stages=self.stages, producer_group=one,
-            consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipe_q, pipe_k, pipe_v = self._pipelines(st)
 
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (128, D, 1)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (128, D, stages)
@@ -261,40 +178,70 @@ class _Sage8Cute(BlockSteps):
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_q)
-                cpasync.prefetch_descriptor(tma_k)
-                cpasync.prefetch_descriptor(tma_v)
-                gQ = cute.local_tile(tQ, (BLOCK_M, D), (None, 0))  # (128, D, H * R / 128)
-                gK = cute.local_tile(tK, (BN, D), (None, 0))  # (BN, D, H * R / BN)
-                gV = cute.local_tile(tV, (D, BN), (None, None))  # (D, BN, H, R / BN)
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                 cute.group_modes(gQ, 0, 2))
-                tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                 cute.group_modes(gK, 0, 2))
-                tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                 cute.group_modes(gV, 0, 2))
-                state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                pipe_q.producer_acquire(state_q)
-                cute.copy(tma_q, tQg[None, q0 + mb], tQs[None, 0],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for j in cutlass.range(n_blocks, unroll=1):
-                    pipe_k.producer_acquire(state)
-                    cute.copy(tma_k, tKg[None, k0 + j], tKs[None, state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                    pipe_v.producer_acquire(state)
-                    cute.copy(tma_v, tVg[None, h, pst // BN + j], tVs[None, state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(state))
-                    state.advance()
-                # no producer_tail: it guards a cluster's CTAs against exiting while a peer still
-                # arrives on their barriers, and this kernel has no cluster. Both tails were called
-                # on one state, which the first advances in place: the prime suspect for the hang
-                # on segments of one key block (c1-c3; T = 129 and longer run)
+                self._produce((tma_q, tQ, tma_k, tK, tma_v, tV), sQ, sK, sV, (pipe_q, pipe_k, pipe_v),
+                              q0 + mb, k0, h, pst // BN, n_blocks)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self._consume(mma_qk, mma_pvs, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO,
                           mQin, mLse, tidx - 128, mb, seg, h, lo, L, pst, rows, n_full, lim, n_blocks,
                           qk_scale)
+
+    @cute.jit
+    def _pipelines(self, st):
+        """The Q, K and V^T TMA pipelines on ``st``'s barriers (one producer thread, the 8 consumer
+        warps), initialised and fenced for the whole CTA."""
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)  # the 8 consumer warps
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bar_q.data_ptr(), num_stages=1, producer_group=one,
+            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bar_k.data_ptr(), num_stages=self.stages, producer_group=one,
+            consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bar_v.data_ptr(), num_stages=self.stages, producer_group=one,
+            consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return pipe_q, pipe_k, pipe_v
+
+    @cute.jit
+    def _produce(self, tmas, sQ, sK, sV, pipes, q_tile, k0, h, v0, n_blocks):
+        """The producer warp: Q tile ``q_tile``, then key blocks ``k0 + j`` of K and ``v0 + j`` of
+        head ``h``'s V^T for j < ``n_blocks``, each into the next free slot of the ring."""
+        tma_q, tQ, tma_k, tK, tma_v, tV = tmas
+        pipe_q, pipe_k, pipe_v = pipes
+        D = self.D
+        BN = self.cfg.block_n
+        cpasync.prefetch_descriptor(tma_q)
+        cpasync.prefetch_descriptor(tma_k)
+        cpasync.prefetch_descriptor(tma_v)
+        gQ = cute.local_tile(tQ, (BLOCK_M, D), (None, 0))  # (128, D, H * R / 128)
+        gK = cute.local_tile(tK, (BN, D), (None, 0))  # (BN, D, H * R / BN)
+        gV = cute.local_tile(tV, (D, BN), (None, None))  # (D, BN, H, R / BN)
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                         cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                         cute.group_modes(gV, 0, 2))
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(state_q)
+        cute.copy(tma_q, tQg[None, q_tile], tQs[None, 0],
+                  tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for j in cutlass.range(n_blocks, unroll=1):
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, tKg[None, k0 + j], tKs[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVg[None, h, v0 + j], tVs[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+        # no producer_tail: it guards a cluster's CTAs against exiting while a peer still
+        # arrives on their barriers, and this kernel has no cluster. Both tails were called
+        # on one state, which the first advances in place: the prime suspect for the hang
+        # on segments of one key block (c1-c3; T = 129 and longer run)
 
     @cute.jit
     def _consume(self, mma_qk, mma_pvs, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQs, mKs, mVs, mKsum, mO, mQin,
@@ -348,45 +295,54 @@ class _Sage8Cute(BlockSteps):
         st = (mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o,
               acc_b, rem)
         if const_expr(self.cfg.overlap):
-            # defer_add: the P V waiting in acc_b for its fp32 promotion, and its block's alpha
-            alpha_pend = cute.make_rmem_tensor((2,), Float32)
-            alpha_pend.fill(1.0)
-            acc_b.fill(0.0)
-            self._turn_init()
-            # block 0: S, softmax, P (its P V is issued with the next block's S)
-            ks0 = Float32(mKs[ks_row])
-            if const_expr(self.cfg.ks_ahead):  # K's scale of the block the loop starts with
-                self.last_block = n_blocks - 1
-                self.ks_next = cute.make_rmem_tensor((1,), Float32)
-                self.ks_next[0] = Float32(mKs[ks_row + cutlass.min(1, self.last_block)])
-            self._issue_qk(pipe_k, state, mma, sync_turn=False)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(state)
-            # block 0 is masked when it is the partial one, without a branch around the softmax
-            # (c1's branch is the other suspect in its hang): a full block masks no column
-            rem0 = cutlass.select_(n_full == 0, rem, Int32(self.cfg.block_n))
-            alpha0 = alpha if const_expr(self.cfg.adds_late) else alpha_pend
-            self._softmax(f_s, qs, ks0, m_i, l_i, alpha0, True, rem0)
-            self._to_p8(f_s, p8_as_acc, p8_words)
-            if const_expr(self.cfg.p_smem):
-                self._store_p(mma, 0)
-            for j in cutlass.range(1, n_full, unroll=1):
-                state = self._overlap_step(st, alpha_pend, state, j, False)
-            if lim > 0:
-                if n_full > 0:
-                    state = self._overlap_step(st, alpha_pend, state, n_full, True)
-            if const_expr(self.cfg.adds_late):  # the P V in acc_b, then the last block's
-                self._promote(acc_o, alpha_pend, acc_b, alpha)
-            self._issue_pv(pipe_v, state, mma, (n_blocks - 1) % 2)
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(state)
-            self._add_block(acc_o, alpha_pend, acc_b)
+            self._overlap_loop(st, state, n_full, lim, n_blocks)
         else:
             for j in cutlass.range(n_full, unroll=1):
                 state = self._plain_step(st, state, j, False)
             if lim > 0:
                 state = self._plain_step(st, state, n_full, True)
         self._epilogue(acc_o, cO, m_i, l_i, mVs, mKsum, mO, mQin, mLse, seg, h, lo, L, mb, qk_scale)
+
+    @cute.jit
+    def _overlap_loop(self, st, state, n_full, lim, n_blocks):
+        """The ``overlap`` schedule over a segment's ``n_blocks`` key blocks (``n_full`` full ones,
+        then one of ``lim`` keys when ``lim`` > 0): block 0's S and softmax, the steps, and the last
+        block's P V; the output's promotion complete on return."""
+        mma, pipe_k, pipe_v, mKs, ks_row, f_s, qs, m_i, l_i, alpha, p8_as_acc, p8_words, acc_o, acc_b, rem = st
+        # defer_add: the P V waiting in acc_b for its fp32 promotion, and its block's alpha
+        alpha_pend = cute.make_rmem_tensor((2,), Float32)
+        alpha_pend.fill(1.0)
+        acc_b.fill(0.0)
+        self._turn_init()
+        # block 0: S, softmax, P (its P V is issued with the next block's S)
+        ks0 = Float32(mKs[ks_row])
+        if const_expr(self.cfg.ks_ahead):  # K's scale of the block the loop starts with
+            self.last_block = n_blocks - 1
+            self.ks_next = cute.make_rmem_tensor((1,), Float32)
+            self.ks_next[0] = Float32(mKs[ks_row + cutlass.min(1, self.last_block)])
+        self._issue_qk(pipe_k, state, mma, sync_turn=False)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        # block 0 is masked when it is the partial one, without a branch around the softmax
+        # (c1's branch is the other suspect in its hang): a full block masks no column
+        rem0 = cutlass.select_(n_full == 0, rem, Int32(self.cfg.block_n))
+        alpha0 = alpha if const_expr(self.cfg.adds_late) else alpha_pend
+        self._softmax(f_s, qs, ks0, m_i, l_i, alpha0, True, rem0)
+        self._to_p8(f_s, p8_as_acc, p8_words)
+        if const_expr(self.cfg.p_smem):
+            self._store_p(mma, 0)
+        for j in cutlass.range(1, n_full, unroll=1):
+            state = self._overlap_step(st, alpha_pend, state, j, False)
+        if lim > 0:
+            if n_full > 0:
+                state = self._overlap_step(st, alpha_pend, state, n_full, True)
+        if const_expr(self.cfg.adds_late):  # the P V in acc_b, then the last block's
+            self._promote(acc_o, alpha_pend, acc_b, alpha)
+        self._issue_pv(pipe_v, state, mma, (n_blocks - 1) % 2)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state)
+        self._add_block(acc_o, alpha_pend, acc_b)
+
 
 _CACHE: dict = {}
 _COMPILE_SECONDS: dict = {}
