@@ -33,6 +33,8 @@
 #   job-tree            the served 8 x 3 job, eager decode, from this tree and then from the older tree
 #                       in TREE (default .pre45: `mkdir -p .pre45 && git archive COMMIT dist_attn benchmarks
 #                       configs | tar -x -C .pre45`, git-ignored, carried): each MP4's SHA-256, compared (~2 min)
+#   layer-ab            dev/layer_ab: one Ulysses layer at h3-ref (rank 0 of a fake W = 4, and W = 1) from this
+#                       tree and the older one in TREE (default .pre47, carried), interleaved  (~3 min)
 #   cute-a              CuTe DSL, call 1 of 2: copy its wheels and the first half of the cu13 library
 #                       wheel (carry .whl: split -b 46000000, see below) to /tmp/cute-wheels       (~5 s)
 #   cute-b              CuTe DSL, call 2 of 2 (at once, carry .whl2): join the halves, install into
@@ -86,7 +88,7 @@ ALL=(tests fp8-tests kernels kernels-side accuracy accuracy-sage2 kernels-varian
      job-full-compiled job-full-fp8 job-full-fp8fast job-outside job-decode-eager decode-compiled
      memory memory-ranks)
 CUTE=(cute-a cute-b cute-check cute-tests cute-accuracy cute-ncu cute-ncu-src)  # named only, never by "all"
-TREES=(job-tree)  # named only: it needs an older tree carried in (TREE)
+TREES=(job-tree layer-ab)  # named only: they need an older tree carried in (TREE)
 DRY=0
 
 say() { echo "[h200 $(date -u +%T)] $*" | tee -a "$LOG"; }
@@ -296,6 +298,8 @@ print('steps ms', r['step_latency_ms'], 'phases', r['phase_ms'])" "$RES/h3-8l-on
     memory)
         run 480 memory "$PY" -m benchmarks.h3_memory --out "$RES" --worlds 4 8 --precisions bf16 fp8 \
             --budget-s 420 ;;
+    layer-ab)  # one Ulysses layer at h3-ref (fake W = 4, and W = 1) from this tree and ${TREE:-.pre47}
+        run 400 layer-ab "$PY" -m benchmarks.dev.layer_ab --old "${TREE:-.pre47}" --new . --out "$RES" --rounds 5 ;;
     job-tree)  # the eager-decode 8 x 3 job from this tree, then from ${TREE:-.pre45}: their MP4s' SHA-256
         local d t n=0 res sums
         res=$RES && [[ $res = /* ]] || res=$PWD/$RES  # the runs start in their own tree
