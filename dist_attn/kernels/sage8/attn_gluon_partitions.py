@@ -6,6 +6,12 @@ blocks issued asynchronously around the softmax, P to FP8 (through shared memory
 each block's P V added into the fp32 output; ``_producer`` is the 1-warp TMA partition that loads
 both Q tiles and then every key block into the ring of shared-memory slots. The numerics and the
 measurements behind each choice are in :mod:`.attn_gluon`'s docstring.
+
+Scores read as fp32 must be 12582912 + s: either the wgmma accumulator starts at 0x4B400000 (a
+64-register constant, re-materialized with 64 MOVs per block) or, ``ADD_MAGIC``, the wgmma
+overwrites the previous block's dead scores (``use_acc=False``) and one integer add per score
+follows. Next to ``PV_BLOCK``'s second fp32 accumulator the constant costs registers the loop
+lacks: it spills (benchmarks/kernels.py measures the cost; benchmarks/KERNEL_NOTES.md has it).
 """
 
 from __future__ import annotations
@@ -86,117 +92,88 @@ def _pv_operand(p8, p_smem, WG: gl.constexpr, j, P_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum,
-              Lse, h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
-              WG: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-              PV_BLOCK: gl.constexpr, PV_FIRST: gl.constexpr, ADD_MAGIC: gl.constexpr):
-    BM: gl.constexpr = q_smem.type.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
-    orow: gl.constexpr = gl.SliceLayout(1, o_layout)
-    ocol: gl.constexpr = gl.SliceLayout(0, o_layout)
+def _block_step(q, k_tile, v_tile, empty_bar, turn_other, p_smem, s, pv, acc, pa, magic, m_i, l_i, alpha, rs, lim,
+                j, orow: gl.constexpr, p_layout: gl.constexpr, WG: gl.constexpr, BN: gl.constexpr,
+                EXP16: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PV_BLOCK: gl.constexpr,
+                PV_FIRST: gl.constexpr, ADD_MAGIC: gl.constexpr):
+    """Key block j >= 1 of one consumer warpgroup, its K and V^T tiles in shared memory: block j's
+    scores and block j - 1's P V (``pa``) issued, the softmax of j, that P V added into ``acc``;
+    releases block j - 1's slot (``empty_bar``) and, with PINGPONG, passes the turn (``turn_other``).
+    Returns (s, pv, acc, pa, m_i, l_i, alpha) for block j + 1.
 
-    row0 = mrow0 + WG * BM  # first row of this warpgroup's tile, within the segment
-    h64 = h.to(gl.int64)
-    qs = gl.load(Qs + h64 * R + pst + row0 + gl.arange(0, BM, layout=srow))
-    ks_ptr = Ks + h64 * (R // BN) + pst // BN
-    # Scores read as fp32 must be 12582912 + s: either the wgmma accumulator starts at 0x4B400000
-    # (a 64-register constant, re-materialized with 64 MOVs per block) or, ADD_MAGIC, the wgmma
-    # overwrites the previous block's dead scores (use_acc=False) and one integer add per score
-    # follows. Next to PV_BLOCK's second fp32 accumulator the constant costs registers the loop
-    # lacks: it spills and took 1.13x as long at h3-ref (benchmarks/kernels.py; see
-    # benchmarks/KERNEL_NOTES.md).
-    if ADD_MAGIC:
-        magic = gl.zeros([BM, BN], gl.int32, s_layout)
-    else:
-        magic = gl.full([BM, BN], _MAGIC_I, gl.int32, s_layout)
-    m_i = gl.full([BM], float("-inf"), gl.float32, srow)
-    l_i = gl.zeros([BM], gl.float32, srow)
-    acc = gl.zeros([BM, D], gl.float32, o_layout)
-    q = q_smem.index(WG)
-    mbarrier.wait(q_bar, 0)
-
-    # block 0: scores only (its PV is issued with the scores of block 1)
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), 1 ^ WG)
-    mbarrier.wait(ready.index(0), 0)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), magic, use_acc=not ADD_MAGIC, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG))
-    s = warpgroup_mma_wait(0, deps=[s_tok])
-    ks_next = gl.load(ks_ptr + 1)  # one block ahead: its latency hides under this block's work
-    p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * gl.load(ks_ptr), L, p_layout, BN, EXP16, P_SMEM,
-                                         ADD_MAGIC)
-    pa = _pv_operand(p8, p_smem, WG, 0, P_SMEM)
-    # PV_BLOCK: acc holds blocks < j-1 relative to the max before block j-1; `alpha` is the rescale
-    # that block j-1's max applies to it (block 0's is exp2(-inf) = 0 on acc = 0). Each block's P V
-    # is written over the previous one's registers (use_acc=False ignores their value), which are
-    # dead once added into acc: passing acc there would make the compiler copy it first.
-    pv = gl.zeros([BM, D], gl.float32, o_layout)
-    for j in range(1, n_blocks):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        ks_j = ks_next
-        ks_next = gl.load(ks_ptr + j + 1)  # the scale array has a spare entry past every segment
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
-        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-        if PV_FIRST:
-            # block j-1's P V first, then block j's scores: waiting for the P V (one group left in
-            # flight) frees its registers before the softmax needs its own, at the price of the
-            # softmax no longer overlapping this warpgroup's P V (the other warpgroup's still does)
-            o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), pv, use_acc=False, is_async=True)
-            if ADD_MAGIC:
-                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-            else:
-                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), magic, is_async=True)
-            pv = warpgroup_mma_wait(1, deps=[o_tok])
-            mbarrier.arrive(empty.index(prev))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow), 1) + pv
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * ks_j, L - j * BN, p_layout, BN, EXP16, P_SMEM,
-                                                 ADD_MAGIC)
-            pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
+    PV_BLOCK: ``acc`` holds blocks < j - 1 relative to the max before block j - 1; ``alpha`` is the
+    rescale that block j - 1's max applies to it (block 0's is exp2(-inf) = 0 on acc = 0). Each
+    block's P V is written over the previous one's registers (use_acc=False ignores their value),
+    which are dead once added into acc: passing acc there would make the compiler copy it first."""
+    if PV_FIRST:
+        # block j-1's P V first, then block j's scores: waiting for the P V (one group left in
+        # flight) frees its registers before the softmax needs its own, at the price of the
+        # softmax no longer overlapping this warpgroup's P V (the other warpgroup's still does)
+        o_tok = warpgroup_mma(pa, v_tile, pv, use_acc=False, is_async=True)
+        if ADD_MAGIC:
+            s_tok = warpgroup_mma(q, k_tile, s, use_acc=False, is_async=True)
         else:
-            if ADD_MAGIC:
-                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-            else:
-                s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), magic, is_async=True)
-            if PV_BLOCK:
-                o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), pv, use_acc=False, is_async=True)
-            else:
-                o_tok = warpgroup_mma(pa, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            alpha_prev = alpha
-            p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * ks_j, L - j * BN, p_layout, BN, EXP16, P_SMEM,
-                                                 ADD_MAGIC)
-            # (P, read from registers by the PV wgmma, cannot be a dependency here: triton 3.6 rejects
-            # 8-bit values in the wait; ptxas tracks the registers of in-flight wgmmas itself)
-            pv = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(empty.index(prev))
-            if PV_BLOCK:
-                # one FFMA: the rescale that block j-1 brought, then block j-1's P V in fp32
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow), 1) + pv
-            else:
-                acc = pv * gl.expand_dims(gl.convert_layout(alpha, orow), 1)
-            pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
-    last = (n_blocks - 1) % STAGES
+            s_tok = warpgroup_mma(q, k_tile, magic, is_async=True)
+        pv = warpgroup_mma_wait(1, deps=[o_tok])
+        mbarrier.arrive(empty_bar)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow), 1) + pv
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, rs, lim, p_layout, BN, EXP16, P_SMEM,
+                                             ADD_MAGIC)
+        pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
+    else:
+        if ADD_MAGIC:
+            s_tok = warpgroup_mma(q, k_tile, s, use_acc=False, is_async=True)
+        else:
+            s_tok = warpgroup_mma(q, k_tile, magic, is_async=True)
+        if PV_BLOCK:
+            o_tok = warpgroup_mma(pa, v_tile, pv, use_acc=False, is_async=True)
+        else:
+            o_tok = warpgroup_mma(pa, v_tile, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_other)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        alpha_prev = alpha
+        p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, rs, lim, p_layout, BN, EXP16, P_SMEM,
+                                             ADD_MAGIC)
+        # (P, read from registers by the PV wgmma, cannot be a dependency here: triton 3.6 rejects
+        # 8-bit values in the wait; ptxas tracks the registers of in-flight wgmmas itself)
+        pv = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(empty_bar)
+        if PV_BLOCK:
+            # one FFMA: the rescale that block j-1 brought, then block j-1's P V in fp32
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, orow), 1) + pv
+        else:
+            acc = pv * gl.expand_dims(gl.convert_layout(alpha, orow), 1)
+        pa = _pv_operand(p8, p_smem, WG, j, P_SMEM)
+    return s, pv, acc, pa, m_i, l_i, alpha
+
+
+@gluon.jit
+def _last_pv(pa, v_tile, empty_bar, pv, acc, alpha, orow: gl.constexpr, PV_BLOCK: gl.constexpr):
+    """The last key block's P V added into ``acc`` (returned); releases its slot."""
     if PV_BLOCK:
-        o_tok = warpgroup_mma(pa, v_smem.index(last).permute((1, 0)), pv, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(pa, v_tile, pv, use_acc=False, is_async=True)
         pv = warpgroup_mma_wait(0, deps=[o_tok])
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow), 1) + pv
     else:
-        o_tok = warpgroup_mma(pa, v_smem.index(last).permute((1, 0)), acc, is_async=True)
+        o_tok = warpgroup_mma(pa, v_tile, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
-    mbarrier.arrive(empty.index(last))
+    mbarrier.arrive(empty_bar)
+    return acc
 
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, Vscale, Out, Q, Ksum, Lse, h, seg, lo, L, row0, H, sob, sot, soh, sqb, sqt, sqh,
+              slb, slh, qk_scale, o_layout: gl.constexpr, s_layout: gl.constexpr, D: gl.constexpr,
+              WITH_LSE: gl.constexpr):
+    """out = acc / l * vscale for the warpgroup's rows below L; with WITH_LSE the natural-log LSE
+    of each row, K's smoothing undone."""
+    orow: gl.constexpr = gl.SliceLayout(1, o_layout)
+    ocol: gl.constexpr = gl.SliceLayout(0, o_layout)
+    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+    BM: gl.constexpr = acc.type.shape[0]
+    h64 = h.to(gl.int64)
     offs_d = gl.arange(0, D, layout=ocol)
     seg64 = seg.to(gl.int64)
     vsc = gl.load(Vscale + (seg64 * H + h) * D + offs_d)
@@ -219,6 +196,69 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks,
         lse = (m_i + gl.log2(l_i) - _LOG2_PSCALE + shift) * _LN2
         srows = row0 + gl.arange(0, BM, layout=srow)
         gl.store(Lse + seg64 * slb + h64 * slh + lo + srows, lse, mask=srows < L)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, p_smem, q_bar, ready, empty, turn, Qs, Ks, Vscale, Out, Q, Ksum,
+              Lse, h, seg, lo, L, pst, mrow0, R, H, n_blocks, sob, sot, soh, sqb, sqt, sqh, slb, slh, qk_scale,
+              WG: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              WITH_LSE: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
+              PV_BLOCK: gl.constexpr, PV_FIRST: gl.constexpr, ADD_MAGIC: gl.constexpr):
+    BM: gl.constexpr = q_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    row0 = mrow0 + WG * BM  # first row of this warpgroup's tile, within the segment
+    h64 = h.to(gl.int64)
+    qs = gl.load(Qs + h64 * R + pst + row0 + gl.arange(0, BM, layout=srow))
+    ks_ptr = Ks + h64 * (R // BN) + pst // BN
+    # scores read as fp32 are 12582912 + s: the accumulator starts at 0x4B400000, or (ADD_MAGIC)
+    # one integer add per score follows (the module docstring says when each is chosen)
+    if ADD_MAGIC:
+        magic = gl.zeros([BM, BN], gl.int32, s_layout)
+    else:
+        magic = gl.full([BM, BN], _MAGIC_I, gl.int32, s_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, srow)
+    l_i = gl.zeros([BM], gl.float32, srow)
+    acc = gl.zeros([BM, D], gl.float32, o_layout)
+    q = q_smem.index(WG)
+    mbarrier.wait(q_bar, 0)
+
+    # block 0: scores only (its PV is issued with the scores of block 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), 1 ^ WG)
+    mbarrier.wait(ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), magic, use_acc=not ADD_MAGIC, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG))
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    ks_next = gl.load(ks_ptr + 1)  # one block ahead: its latency hides under this block's work
+    p8, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qs * gl.load(ks_ptr), L, p_layout, BN, EXP16, P_SMEM,
+                                         ADD_MAGIC)
+    pa = _pv_operand(p8, p_smem, WG, 0, P_SMEM)
+    pv = gl.zeros([BM, D], gl.float32, o_layout)  # each block's P V (PV_BLOCK: see _block_step)
+    for j in range(1, n_blocks):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        ks_j = ks_next
+        ks_next = gl.load(ks_ptr + j + 1)  # the scale array has a spare entry past every segment
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        s, pv, acc, pa, m_i, l_i, alpha = _block_step(
+            q, k_smem.index(stage).permute((1, 0)), v_smem.index(prev).permute((1, 0)), empty.index(prev),
+            turn.index(1 - WG), p_smem, s, pv, acc, pa, magic, m_i, l_i, alpha, qs * ks_j, L - j * BN, j,
+            orow, p_layout, WG, BN, EXP16, PINGPONG, P_SMEM, PV_BLOCK, PV_FIRST, ADD_MAGIC)
+    last = (n_blocks - 1) % STAGES
+    acc = _last_pv(pa, v_smem.index(last).permute((1, 0)), empty.index(last), pv, acc, alpha, orow, PV_BLOCK)
+
+    _epilogue(acc, m_i, l_i, Vscale, Out, Q, Ksum, Lse, h, seg, lo, L, row0, H, sob, sot, soh, sqb, sqt,
+              sqh, slb, slh, qk_scale, o_layout, s_layout, D, WITH_LSE)
 
 
 @gluon.jit
