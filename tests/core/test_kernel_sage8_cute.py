@@ -112,6 +112,8 @@ def test_config_rules():
         CuteConfig(p_fence=True, p_smem=True)
     with pytest.raises(ValueError, match="ks_ahead=True needs overlap=True"):
         CuteConfig(ks_ahead=True, overlap=False)
+    with pytest.raises(ValueError, match="turns=False needs overlap=True"):
+        CuteConfig(turns=False, overlap=False)
 
 
 def _ref_lse(q, k, v, scale, kv_len=None):

@@ -36,6 +36,9 @@ class CuteConfig:
     (0-8): of every 8 scores of a row, this many take their exp2 as a polynomial on the FMA pipe
     instead of the MUFU (FlashAttention-4's trick). ``short_chains`` with ``ks_ahead``, and both
     with ``poly_exp2=2``, measured level with the defaults: off.
+    ``turns`` (with ``overlap``): the two consumer warpgroups take turns issuing their wgmmas
+    (named barriers, FA3's ping-pong); False: each issues as soon as its operands are in, and the
+    tensor cores take the two warpgroups' wgmmas in whatever order they come (not yet timed).
     ``consumer_regs`` / ``producer_regs``: the per-thread register budgets ``setmaxnreg`` gives
     the two roles (their sum over 384 threads must fit 64K registers). The defaults are the
     fastest combination measured.
@@ -50,6 +53,7 @@ class CuteConfig:
     short_chains: bool = False
     ks_ahead: bool = False
     poly_exp2: int = 0
+    turns: bool = True
     block_n: int = 128
     consumer_regs: int = 232
     producer_regs: int = 40
@@ -67,6 +71,8 @@ class CuteConfig:
         if self.p_fence and (self.p_smem or not self.overlap):
             raise ValueError(f"CuteConfig.p_fence=True needs P in registers with overlap (p_smem=False, "
                              f"overlap=True), got p_smem={self.p_smem}, overlap={self.overlap}")
+        if not self.turns and not self.overlap:
+            raise ValueError("CuteConfig.turns=False needs overlap=True (only the overlap schedule takes turns)")
         if self.ks_ahead and not self.overlap:
             raise ValueError("CuteConfig.ks_ahead=True needs overlap=True (the loop it loads ahead in)")
         if self.block_n not in (64, 128):

@@ -97,23 +97,26 @@ class BlockSteps:
 
     @cute.jit
     def _turn_init(self):
-        if self._wg() == 0:
-            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+        if const_expr(self.cfg.turns):
+            if self._wg() == 0:
+                cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
 
     # (constant barrier ids under a branch: a computed id is a register held across the loop)
     @cute.jit
     def _turn_wait(self):
-        if self._wg() == 0:
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
-        else:
-            cute.arch.barrier(barrier_id=2, number_of_threads=256)
+        if const_expr(self.cfg.turns):
+            if self._wg() == 0:
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            else:
+                cute.arch.barrier(barrier_id=2, number_of_threads=256)
 
     @cute.jit
     def _turn_pass(self):
-        if self._wg() == 0:
-            cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
-        else:
-            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+        if const_expr(self.cfg.turns):
+            if self._wg() == 0:
+                cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
+            else:
+                cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
 
     @cute.jit
     def _overlap_step(self, st, alpha_pend, state, j, masked: cutlass.Constexpr):
