@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_attn.agreement import CallFacts, agree, tell_refusal
+from dist_attn._ulysses_exchange import apply_prologue, exchange
 from dist_attn.backends import available_backends, default_softmax_scale
-from dist_attn.buffers import StagingBuffers, default_staging_buffers
-from dist_attn.comm import all_to_all_flat, pack_qkv_chunks, unpack_output, unpack_qkv
+from dist_attn.buffers import StagingBuffers
 from dist_attn.distributed import (check_group, compile_key, register_for_compile,
                                    resolve_compile_key)
 from dist_attn.mesh import check_mesh, check_mesh_or_group, parallel_groups
-from dist_attn.plan import heads_per_rank, make_plan, too_few_heads_fix
+from dist_attn.plan import heads_per_rank, too_few_heads_fix
 from dist_attn.profiling import PhaseTimer
 from dist_attn.qk_prologue import QKNormRope, check_qk_prologue
 from dist_attn.ring import check_ring_transport, resolve_ring_backend, ring_attention
@@ -53,81 +53,83 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       head_dim: int | None = None, buffers: StagingBuffers | None = None,
                       timer: PhaseTimer | None = None, overlap_chunks: int = 1,
                       qk_prologue: QKNormRope | None = None) -> torch.Tensor:
-    """Sequence-parallel block-diagonal attention over the ranks of ``group`` or ``mesh`` (forward only).
+    """Sequence-parallel block-diagonal attention over the ranks of ``group`` or ``mesh`` (forward
+    only); returns a fresh tensor of q's shape, dtype and device.
 
     Args:
-        q, k, v: ``[S_local, H, D]`` or ``[B, S_local, H, D]`` fp16/bf16/fp32 on one device:
-            shard i's rows ``[i*S_local, (i+1)*S_local)`` of the packed global sequence of
-            ``S = S_local * W`` rows. With ``group``: i = the rank in the group, W its size. With
-            ``mesh`` (R ring x U Ulysses): i = ``r*U + u`` at mesh coordinate ``(r, u)``, W = R*U.
-            Never modified.
-        cu_seqlens: GLOBAL segment bounds 0, ..., S, the same for every sample: an int32/int64
-            tensor (q's device or CPU) or a list of ints. None = one segment of S rows. Bounds
-            are documents, never padding.
+        q, k, v: ``[S_local, H, D]`` or ``[B, S_local, H, D]`` fp16/bf16/fp32 on one device, never
+            modified: shard i's rows ``[i*S_local, (i+1)*S_local)`` of the packed sequence of
+            ``S = S_local * W`` rows; with ``group`` i = the rank in the group, W its size; with
+            ``mesh`` (R ring x U Ulysses) i = ``r*U + u`` at mesh coordinate ``(r, u)``, W = R*U.
+        cu_seqlens: GLOBAL segment bounds 0, ..., S (documents, never padding), the same for every
+            sample: an int32/int64 tensor (q's device or CPU) or a list of ints; None = one segment.
         max_seqlen: the longest segment (an int, a one-element tensor, or None).
-        cu_seqlens_host: optional list/tuple of the same bounds as Python ints; when given the
-            call makes no device-to-host synchronisation, except the first call of each layout
-            (:mod:`dist_attn.agreement`): the ranks then compare their inputs and kernel waves
-            with one all-reduce of 30 integers, which the host reads (through the device under
-            NCCL). Ranks that differ raise on every rank.
-        valid_len: rows ``>= valid_len`` of the global sequence are padding: never attended, and
-            exactly zero in the output. None = no padding. A Python int, or a one-element
-            int32/int64 tensor on the CPU (read on the host, no device sync): under
-            ``torch.compile`` an int is a constant of the graph, so each new value recompiles,
-            while a tensor is a graph input whose value may change from call to call.
+        cu_seqlens_host: the same bounds as a list/tuple of ints: no device-to-host sync, but in
+            the first call of a layout one all-reduce (read by the host) compares the ranks'
+            inputs and kernel waves (:mod:`dist_attn.agreement`); ranks that differ all raise.
+        valid_len: rows ``>= valid_len`` of the global sequence are padding, never attended and
+            exactly zero in the output (None = none): an int (a constant of a compiled graph:
+            each value recompiles) or a one-element int32/int64 CPU tensor (read on the host
+            without a device sync; a graph input whose value may change).
         group: process group (None = the default group; no group initialised = local attention).
-        mesh: a 2-D ``DeviceMesh`` with dims ``("ring", "ulysses")`` for Ulysses x Ring; not
-            together with ``group``. Ring size > 1 needs a backend that returns a log-sum-exp.
+        mesh: a 2-D ``("ring", "ulysses")`` ``DeviceMesh``, not together with ``group``; ring
+            size > 1 needs a backend that returns a log-sum-exp.
         backend: ``"auto"`` or a registered backend name (see :mod:`dist_attn.backends`).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         num_heads, head_dim: expected H and D (checked when given).
-        buffers: staging pool; None = the process-wide pool.
-        timer: optional :class:`PhaseTimer` that records pack / a2a_in / kernel / a2a_out / unpack.
-        overlap_chunks: number of head chunks to pipeline (1 = two all-to-alls per call, plus
-            R-1 K/V ring steps with a mesh; each chunk runs its own ring; with a Ulysses size
-            of 1 there is no all-to-all to overlap and one ring runs). Without a ring the chunks
-            are cut to the kernel's waves where the backend reports them (``kernel_waves``;
-            :func:`dist_attn.plan.chunk_widths`).
-        qk_prologue: a :class:`dist_attn.QKNormRope` (per-head RMSNorm + RoPE, its tables of
-            this rank's rows): q and k are then the raw projections, transformed inside the pack's
-            one pass over q, k and v where its kernel can, else by one kernel first (and always
-            so without an all-to-all). float32 arithmetic, one rounding: not bit for bit diffusers'
-            bf16 ops.
-
-    Returns:
-        Fresh tensor of q's shape, dtype and device.
+        buffers, timer: staging pool (None = the process-wide one); optional :class:`PhaseTimer`
+            that records pack / a2a_in / kernel / a2a_out / unpack.
+        overlap_chunks: head chunks pipelined against their all-to-alls (1 = two all-to-alls a
+            call, plus R-1 K/V ring steps with a mesh, one ring per chunk; U = 1: nothing to
+            overlap, one ring). Without a ring, cut to the kernel's waves where the backend
+            reports them (``kernel_waves``; :func:`dist_attn.plan.chunk_widths`).
+        qk_prologue: a :class:`dist_attn.QKNormRope` (per-head RMSNorm + RoPE, tables of this
+            rank's rows): q and k are the raw projections, transformed in the pack's one pass
+            where its kernel can, else (and always without an all-to-all) by one kernel first;
+            float32 arithmetic, one rounding: not bit for bit diffusers' bf16 ops.
     """
     if torch.compiler.is_compiling():
-        if timer is not None or buffers is not None:
-            raise ValueError("timer= and buffers= cannot cross torch.compile's custom-op boundary; "
-                             "leave them None in compiled code (the process-wide pool is used)")
-        check_op_scalars(valid_len=valid_len, max_seqlen=max_seqlen, num_heads=num_heads,
-                         head_dim=head_dim, softmax_scale=softmax_scale,
-                         overlap_chunks=overlap_chunks)
-        check_mesh_or_group(mesh, group)
-        check_group(group)  # before compile_key reads it
-        if isinstance(cu_seqlens, (list, tuple)):
-            cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
-        # A CPU tensor valid_len is a graph input (its value may change without a recompile);
-        # an int is a constant of the graph.
-        as_tensor = isinstance(valid_len, torch.Tensor)
-        p = qk_prologue
-        if p is not None and q.ndim in (3, 4):  # its fields become the op's arguments; other q: the op's checks
-            check_qk_prologue(p, q if q.ndim == 4 else q[None])
-        return torch.ops.dist_attn.ulysses_attention(
-            q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
-            max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,
-            softmax_scale, num_heads, head_dim, overlap_chunks, valid_len if as_tensor else None,
-            *((None, None, 0.0, None, None) if p is None else (p.q_weight, p.k_weight, float(p.eps), p.cos, p.sin)))
+        return _compiled_call(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len, group, mesh,
+                              backend, softmax_scale, num_heads, head_dim, buffers, timer,
+                              overlap_chunks, qk_prologue)
     return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len=valid_len,
                     group=group, mesh=mesh, backend=backend, softmax_scale=softmax_scale,
                     num_heads=num_heads, head_dim=head_dim, buffers=buffers, timer=timer,
                     overlap_chunks=overlap_chunks, prologue=qk_prologue)
 
 
+def _compiled_call(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len, group, mesh, backend,
+                   softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks,
+                   p: QKNormRope | None) -> torch.Tensor:
+    """:func:`ulysses_attention` under ``torch.compile``: its arguments checked where they cannot
+    cross the custom op's boundary (ValueError, TypeError as eager), then the op."""
+    if timer is not None or buffers is not None:
+        raise ValueError("timer= and buffers= cannot cross torch.compile's custom-op boundary; "
+                         "leave them None in compiled code (the process-wide pool is used)")
+    check_op_scalars(valid_len=valid_len, max_seqlen=max_seqlen, num_heads=num_heads,
+                     head_dim=head_dim, softmax_scale=softmax_scale,
+                     overlap_chunks=overlap_chunks)
+    check_mesh_or_group(mesh, group)
+    check_group(group)  # before compile_key reads it
+    if isinstance(cu_seqlens, (list, tuple)):
+        cu_seqlens_host, cu_seqlens = list(cu_seqlens), None
+    # A CPU tensor valid_len is a graph input (its value may change without a recompile);
+    # an int is a constant of the graph.
+    as_tensor = isinstance(valid_len, torch.Tensor)
+    if p is not None and q.ndim in (3, 4):  # its fields become the op's arguments; other q: the op's checks
+        check_qk_prologue(p, q if q.ndim == 4 else q[None])
+    return torch.ops.dist_attn.ulysses_attention(
+        q, k, v, cu_seqlens, None if cu_seqlens_host is None else list(cu_seqlens_host),
+        max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,
+        softmax_scale, num_heads, head_dim, overlap_chunks, valid_len if as_tensor else None,
+        *((None, None, 0.0, None, None) if p is None else (p.q_weight, p.k_weight, float(p.eps), p.cos, p.sin)))
+
+
 def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, mesh, backend,
              softmax_scale, num_heads, head_dim, buffers, timer, overlap_chunks,
              prologue=None, checked: CheckedScalars | None = None) -> torch.Tensor:
+    """The eager call (the compiled op's too): checks, the ranks' agreement, then the kernel on
+    this rank alone (Ulysses size 1) or the exchange; ``checked`` holds scalars already checked."""
     groups = parallel_groups(mesh=mesh, group=group)
     # checks of host facts; a rank that refuses its inputs tells its peers, which raise too
     try:
@@ -139,93 +141,45 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
         if groups.world > 1:
             tell_refusal(groups, groups.shard)
         raise
-    q4, k4, v4, layout, be, scale = call.q4, call.k4, call.v4, call.layout, call.be, call.scale
-    group, world, rank, n_ring = (groups.ulysses_group, groups.ulysses_size, groups.ulysses_rank,
-                                  groups.ring_size)
-    (batch, s_local, n_heads, d), overlap_chunks = q4.shape, call.facts.overlap_chunks
-    chunk = s_local * world  # rows one Ulysses group gathers: the whole sequence without a ring
-    wants_waves = n_ring == 1 and overlap_chunks > 1 and min(heads_per_rank(batch * n_heads, world)) > 1
-    kernel_waves = getattr(be, "kernel_waves", None) if wants_waves else None
-    # the first call of a layout: ranks that differ raise on every rank
-    waves = None if groups.world == 1 else agree(
-        call.facts, lambda: kernel_waves(layout, q4) if kernel_waves is not None else None, groups,
-        backend_arg=backend)
-    phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
-
-    if prologue is not None and world == 1:  # no pack to fold it into
-        q4, k4 = _apply_prologue(q4, k4, prologue)
-    if world == 1:
-        if n_ring > 1:
-            out = ring_attention(q4, k4, v4, layout=layout, groups=groups, backend=be,
-                                 softmax_scale=scale, phase=phase)
-        else:
-            with phase("kernel"):
-                out = attend_varlen(be, q4, k4, v4, layout=layout, cu_seqlens=cu_seqlens,
-                                    softmax_scale=scale, k_is_scratch=False)
-        return out if call.batched else out[0]
-
-    plan = make_plan(world=world, rank=rank, s_local=s_local, folded_heads=batch * n_heads,
-                     head_dim=d, overlap_chunks=overlap_chunks, waves=waves)
-    if prologue is not None and not _prologue_packs(plan, q4):
-        q4, k4 = _apply_prologue(q4, k4, prologue)
-        prologue = None
-    pool = buffers if buffers is not None else default_staging_buffers()
-    pool.reserve(plan.buffer_sizes(), q.dtype, q.device)  # raises on every rank alike
-    bufs = {role: pool.get(role, n, q.dtype, q.device) for role, n in plan.buffer_sizes().items()}
-
-    def view(role, span):
-        return bufs[role][span[0]:span[1]]
-
-    # Every input all-to-all is issued before any kernel, each right after the pack call that
-    # fills its chunk: they run in order on the communicator (the first while the other chunks
-    # are packed) and the kernels below wait only for their own chunk.
-    asynchronous = len(plan.chunks) > 1
-    works_in = []
-    for first, stop in plan.pack_runs:
-        run = plan.chunks[first:stop]
-        with phase("pack"):
-            send, ranges = bufs["in_send"][run[0].in_send[0]:run[-1].in_send[1]], [c.head_ranges for c in run]
-            if prologue is None:
-                pack_qkv_chunks(q4, k4, v4, send, ranges)
-            else:
-                from dist_attn.kernels.qk_norm_rope import pack_qkv_prologue
-                if not pack_qkv_prologue(q4, k4, v4, send, ranges, prologue):
-                    raise RuntimeError("the pack could not apply qk_prologue to a run that "
-                                       "_prologue_packs admitted (a dist_attn bug: please report it)")
-        with phase("a2a_in"):
-            works_in += [all_to_all_flat(view("in_recv", c.in_recv), view("in_send", c.in_send),
-                                         recv_splits=list(c.in_recv_splits),
-                                         send_splits=list(c.in_send_splits), group=group,
-                                         async_op=asynchronous) for c in run]
-    works_out = []
-    for c, work in zip(plan.chunks, works_in):
-        w_r = c.local_heads(rank)
-        if asynchronous:
-            with phase("a2a_in"):
-                work.wait()
-        qc, kc, vc = unpack_qkv(view("in_recv", c.in_recv), chunk, w_r, d)  # [L, w_r, D] views
-        dst = view("out_send", c.out_send).view(1, chunk, w_r, d)  # [1, L, w_r, D]
-        if n_ring > 1:
-            ring_attention(qc[None], kc[None], vc[None], layout=layout, groups=groups, backend=be,
-                           softmax_scale=scale, out=dst, phase=phase)
-        else:
-            with phase("kernel"):
-                # k lives in our receive buffer, so Sage 1.0.6 may smooth it in place (no copy).
-                attend_varlen(be, qc[None], kc[None], vc[None], layout=layout, cu_seqlens=cu_seqlens,
-                              softmax_scale=scale, k_is_scratch=True, out=dst)
-        with phase("a2a_out"):
-            works_out.append(all_to_all_flat(view("out_recv", c.out_recv), view("out_send", c.out_send),
-                                             recv_splits=list(c.out_recv_splits),
-                                             send_splits=list(c.out_send_splits), group=group,
-                                             async_op=asynchronous))
-    out = q4.new_empty(q4.shape)
-    for c, work in zip(plan.chunks, works_out):
-        if asynchronous:
-            with phase("a2a_out"):
-                work.wait()
-        with phase("unpack"):
-            unpack_output(view("out_recv", c.out_recv), out, c.head_ranges)
+    waves = _agreed_waves(call, groups, backend)
+    phase = timer.phase if timer is not None else _no_phase
+    if groups.ulysses_size == 1:
+        out = _attend_alone(call, groups, cu_seqlens, prologue, phase)
+    else:
+        out = exchange(call, groups, waves, prologue, cu_seqlens, buffers, phase)
     return out if call.batched else out[0]
+
+
+def _no_phase(name: str) -> contextlib.nullcontext:
+    """The phase context when no timer is given: times nothing."""
+    return contextlib.nullcontext()
+
+
+def _agreed_waves(call: _Call, groups, backend: str):
+    """On several ranks, the first call of a layout compares the ranks' facts (ranks that differ
+    raise on every rank) and returns the kernel waves they agree on (None: no waves asked or
+    reported; always None on one rank)."""
+    batch, _, n_heads, _ = call.q4.shape
+    wants_waves = (groups.ring_size == 1 and call.facts.overlap_chunks > 1
+                   and min(heads_per_rank(batch * n_heads, groups.ulysses_size)) > 1)
+    kernel_waves = getattr(call.be, "kernel_waves", None) if wants_waves else None
+    return None if groups.world == 1 else agree(
+        call.facts, lambda: kernel_waves(call.layout, call.q4) if kernel_waves is not None else None,
+        groups, backend_arg=backend)
+
+
+def _attend_alone(call: _Call, groups, cu_seqlens, prologue, phase) -> torch.Tensor:
+    """Ulysses size 1, no all-to-all: the prologue by its own kernel, then the kernel on this
+    rank's rows (or ring attention over the ring dim); ``[B, S_local, H, D]``."""
+    q4, k4 = call.q4, call.k4
+    if prologue is not None:  # no pack to fold it into
+        q4, k4 = apply_prologue(q4, k4, prologue)
+    if groups.ring_size > 1:
+        return ring_attention(q4, k4, call.v4, layout=call.layout, groups=groups, backend=call.be,
+                              softmax_scale=call.scale, phase=phase)
+    with phase("kernel"):
+        return attend_varlen(call.be, q4, k4, call.v4, layout=call.layout, cu_seqlens=cu_seqlens,
+                             softmax_scale=call.scale, k_is_scratch=False)
 
 
 @dataclass(frozen=True)
@@ -285,22 +239,6 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, gro
                       qk_prologue=prologue is not None, kernel=str(getattr(be, "name", backend)))
     return _Call(q4=q4, k4=k4, v4=v4, batched=q.ndim == 4, layout=layout, be=be, scale=scale,
                  facts=facts)
-
-
-def _apply_prologue(q4, k4, p: QKNormRope):
-    """``(q', k')`` through ``p`` by one kernel (its torch reference on a CPU without Triton's
-    interpreter)."""
-    from dist_attn.kernels.qk_norm_rope import qk_norm_rope
-    return qk_norm_rope(q4, k4, p.q_weight, p.k_weight, p.eps, p.cos, p.sin)
-
-
-def _prologue_packs(plan, q4) -> bool:
-    """Whether every pack call of ``plan`` can apply the prologue itself (one strided run each,
-    and a device its kernel runs on)."""
-    from dist_attn.comm import strided_run
-    from dist_attn.kernels._op_support import launchable
-    return launchable(q4) and all(strided_run(q4.shape, [c.head_ranges for c in plan.chunks[a:b]])
-                                  is not None for a, b in plan.pack_runs)
 
 
 # ---- torch.compile: the whole call as one custom op with a fake (shape-only) implementation ----

@@ -29,13 +29,19 @@ Contracts:
 - **Order.** Shard after everything that swaps modules or parameters (quantizing, loading) and
   after hooks that read module types (``enable_ulysses``), before compiling the units: a unit
   compiled first is refused.
+- **A model built on the meta device** (:func:`parameters_on_meta`) is materialised one unit at
+  a time, so that no rank ever holds more than its shards, the root's parameters and one unit
+  unsharded: the modules are visited in registration order (``root.named_modules()``: the order
+  a model's constructor draws its initialisation in), each one whose own parameters are on meta
+  is given storage on ``device`` and handed to ``materialize``, and each unit is sharded as soon
+  as its last module is filled.
 """
 
 from __future__ import annotations
 
 import logging
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -196,19 +202,12 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
                  materialize: Callable[[str, nn.Module], None] | None = None,
                  prepare: Callable[[str, nn.Module], None] | None = None,
                  device: torch.device | str | None = None) -> ShardedWeights:
-    """Shards ``root``'s parameters over the ranks of ``group`` with FSDP2, in place.
+    """Shards ``root``'s parameters over the ranks of ``group`` with FSDP2, in place; returns a
+    :class:`ShardedWeights`, also logged at INFO.
 
-    Afterwards every rank calls ``root`` as before, with the same inputs (each unit's gather is a
-    collective: every rank must run every unit, in the same order); the outputs are those of the
-    unsharded model. See the module docstring for the contracts (inference only, FP8 kept,
-    order).
-
-    A model built under :func:`parameters_on_meta` (its parameters on the meta device) is
-    materialised here one unit at a time, so that no rank ever holds more than its shards, the
-    root's parameters and one unit unsharded: the modules are visited in registration order
-    (``root.named_modules()``: the order a model's constructor draws its initialisation in), each
-    one whose own parameters are on meta is given storage on ``device`` and handed to
-    ``materialize``, and each unit is sharded as soon as its last module is filled.
+    Afterwards every rank calls ``root`` as before with the same inputs, running every unit in
+    the same order (each unit's gather is a collective), and gets the unsharded model's outputs.
+    Contracts (inference only, FP8 kept, order, a model built on meta): the module docstring.
 
     Args:
         root: the model, its parameters on the device it computes on (CUDA with NCCL, CPU with
@@ -216,22 +215,17 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
             rank holding (or materialising) the same weights.
         units: dotted names of the submodules gathered one at a time, in the order they run
             (each transformer block); their parameters must not be shared with other units.
-        group: process group to shard over (None = the default group). Without torch.distributed
-            initialised nothing is sharded (one rank holds the whole model) and the summary says
-            ``world=1``.
-        prefetch: how many units ahead each unit's gather is issued (1: the next, gathered while
-            the current unit computes; 0: each gather when its unit starts). Every prefetched
-            unit is held unsharded meanwhile.
+        group: process group to shard over (None = the default group); torch.distributed not
+            initialised: nothing is sharded (one rank holds the whole model), ``world=1``.
+        prefetch: how many units ahead each unit's gather is issued (1: the next, while the
+            current unit computes; 0: when its unit starts); a prefetched unit is held unsharded.
         materialize: ``materialize(name, module)`` fills ``module``'s own parameters (uninitialised
             storage on ``device``, same shapes and dtypes), e.g. ``module.reset_parameters()``
             under a seeded generator, or a copy from a checkpoint.
-        prepare: ``prepare(name, module)`` runs on each unit once it is materialised and before it
-            is sharded, then on the root (``name == ""``) before the root is: the place to
-            quantize a block or to re-draw modules in another dtype.
+        prepare: ``prepare(name, module)`` runs on each unit once materialised, then on the root
+            (``name == ""``), each before it is sharded: where to quantize a block or re-draw
+            modules in another dtype.
         device: where ``materialize``'d storage lives (this rank's device).
-
-    Returns:
-        A :class:`ShardedWeights` (also logged at INFO).
 
     Raises:
         ValueError: ``units`` is empty, names a missing module, repeats or nests one; the model
@@ -239,6 +233,26 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
             int; a torchao FP8 linear has a bias or non-per-row scales; meta parameters without
             ``materialize`` and ``device``, or left on meta after it.
     """
+    names, modules = _checked_units(root, units, prefetch)
+    meta = meta_parameters(root)
+    if meta and (materialize is None or device is None):
+        raise ValueError(f"{meta}: pass materialize= and device= to fill them unit by unit")
+    group, world, _ = group_size_and_rank(group)
+    root.requires_grad_(False)
+    run = _Sharding(root=root, mesh=_fsdp_mesh(group, root, device), prepare=prepare)
+    run.walk(modules, materialize if meta else None, device)
+    total = run.finish_root(names)
+    if run.mesh is not None:
+        _set_prefetch(root, [modules[n] for n in names], prefetch)
+    summary = run.summary(names, world, total, prefetch)
+    setattr(root, _ATTR, summary)
+    logger.info("shard_module: %s", summary.describe())
+    return summary
+
+
+def _checked_units(root: nn.Module, units: Sequence[str], prefetch: int) -> tuple[list, dict]:
+    """``(names, name -> module)`` of ``units``; ValueError for a bad ``prefetch``, no unit, a
+    repeated, missing, compiled or nested one, or a model already sharded."""
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r} must be a non-negative int")
     names = list(units)
@@ -264,75 +278,95 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
         for b in names:
             if a != b and b.startswith(a + "."):
                 raise ValueError(f"units: {b!r} lies inside {a!r}; units must not nest")
-    meta = meta_parameters(root)
-    on_meta = bool(meta)
-    if on_meta and (materialize is None or device is None):
-        raise ValueError(f"{meta}: pass materialize= and device= to fill them unit by unit")
-    group, world, _ = group_size_and_rank(group)
-    root.requires_grad_(False)
-    mesh = None
-    if group is not None:  # None: no process group, nothing to shard over (the summary says so)
-        from torch.distributed.device_mesh import DeviceMesh
+    return names, modules
 
-        if device is None:
-            device = next((p.device for p in root.parameters()), torch.device("cpu"))
-        mesh = DeviceMesh.from_group(group, torch.device(device).type)
-    counts = {"torchao": 0, "fp8": 0}
-    unit_bytes: list[int] = []
 
-    def finish(name: str, module: nn.Module) -> None:
-        if prepare is not None:
-            prepare(name, module)
+def _fsdp_mesh(group, root: nn.Module, device):
+    """The 1-D DeviceMesh FSDP2 shards over: ``group`` on ``device``'s type (None: the first
+    parameter's device, else CPU); None without a process group (nothing to shard over)."""
+    if group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if device is None:
+        device = next((p.device for p in root.parameters()), torch.device("cpu"))
+    return DeviceMesh.from_group(group, torch.device(device).type)
+
+
+@dataclass
+class _Sharding:
+    """One :func:`shard_module` run: the units finished so far and what they held."""
+
+    root: nn.Module
+    mesh: object
+    prepare: Callable[[str, nn.Module], None] | None
+    torchao: int = 0
+    fp8: int = 0
+    unit_bytes: list[int] = field(default_factory=list)
+
+    def walk(self, modules: dict, materialize, device) -> None:
+        """Visits the modules in registration order, materialising each whose own parameters are
+        on meta (``materialize`` None: none is), and finishes each unit after its last module."""
+        open_unit = None
+        for name, module in list(self.root.named_modules()):
+            if open_unit is not None and not name.startswith(open_unit + "."):
+                self.finish(open_unit, modules[open_unit])
+                open_unit = None
+            if name in modules:
+                open_unit = name
+            if materialize is not None and any(p.is_meta for p in module.parameters(recurse=False)):
+                module.to_empty(device=device, recurse=False)
+                materialize(name, module)
+        if open_unit is not None:
+            self.finish(open_unit, modules[open_unit])
+
+    def finish(self, name: str, module: nn.Module) -> None:
+        """``prepare``, the meta check, FP8 tensors as parameters and ``fully_shard`` for the unit
+        ``name`` (``""``: the root)."""
+        if self.prepare is not None:
+            self.prepare(name, module)
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
-            raise ValueError(f"{name or type(root).__name__}: parameters still on the meta device "
-                             f"after materialize: {left[:5]}")
-        if mesh is not None:
-            counts["torchao"] += _torchao_to_fp8_linear(module)
-            counts["fp8"] += _fp8_buffers_to_parameters(module)
+            raise ValueError(f"{name or type(self.root).__name__}: parameters still on the meta "
+                             f"device after materialize: {left[:5]}")
+        if self.mesh is not None:
+            self.torchao += _torchao_to_fp8_linear(module)
+            self.fp8 += _fp8_buffers_to_parameters(module)
         if name:
-            unit_bytes.append(parameter_bytes(module))
-        if mesh is not None:
+            self.unit_bytes.append(parameter_bytes(module))
+        if self.mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+            fully_shard(module, mesh=self.mesh, reshard_after_forward=True)
 
-    open_unit = None
-    for name, module in list(root.named_modules()):
-        if open_unit is not None and not name.startswith(open_unit + "."):
-            finish(open_unit, modules[open_unit])
-            open_unit = None
-        if name in modules:
-            open_unit = name
-        if on_meta and any(p.is_meta for p in module.parameters(recurse=False)):
-            module.to_empty(device=device, recurse=False)
-            materialize(name, module)
-    if open_unit is not None:
-        finish(open_unit, modules[open_unit])
-    if len(unit_bytes) != len(names):
-        raise ValueError(f"units: {len(names) - len(unit_bytes)} of {names} were not reached in "
-                         "root.named_modules()")
-    total = parameter_bytes(root)
-    finish("", root)
-    total = max(total, parameter_bytes(root))  # the root's swaps made FP8 buffers parameters
-    if mesh is not None:
-        # FSDP2 keeps the root's parameters gathered after a forward (training's backward would
-        # gather them again at once); for inference they are freed like every unit's
-        root.set_reshard_after_forward(True)
-        ordered = [modules[n] for n in names]
-        if prefetch:
-            root.set_modules_to_forward_prefetch(ordered[:prefetch])
-            for i, module in enumerate(ordered[:-1]):
-                module.set_modules_to_forward_prefetch(ordered[i + 1:i + 1 + prefetch])
-    summary = ShardedWeights(units=tuple(names), world=world, bytes_total=total,
-                             bytes_per_rank=_local_bytes(root) if mesh is not None else total,
-                             largest_unit_bytes=max(unit_bytes),
-                             root_bytes=total - sum(unit_bytes), fp8_tensors=counts["fp8"],
-                             torchao_linears=counts["torchao"], prefetch=prefetch,
-                             wrapped=mesh is not None)
-    setattr(root, _ATTR, summary)
-    logger.info("shard_module: %s", summary.describe())
-    return summary
+    def finish_root(self, names: list) -> int:
+        """After :meth:`walk` reached every unit of ``names`` (ValueError if not): the root
+        finished too; returns the bytes of every parameter of the unsharded model."""
+        if len(self.unit_bytes) != len(names):
+            raise ValueError(f"units: {len(names) - len(self.unit_bytes)} of {names} were not "
+                             "reached in root.named_modules()")
+        total = parameter_bytes(self.root)
+        self.finish("", self.root)
+        return max(total, parameter_bytes(self.root))  # the root's swaps made FP8 buffers parameters
+
+    def summary(self, names: list, world: int, total: int, prefetch: int) -> ShardedWeights:
+        """What the run did, on this rank (``total``: :meth:`finish_root`'s bytes)."""
+        wrapped = self.mesh is not None
+        return ShardedWeights(units=tuple(names), world=world, bytes_total=total,
+                              bytes_per_rank=_local_bytes(self.root) if wrapped else total,
+                              largest_unit_bytes=max(self.unit_bytes),
+                              root_bytes=total - sum(self.unit_bytes), fp8_tensors=self.fp8,
+                              torchao_linears=self.torchao, prefetch=prefetch, wrapped=wrapped)
+
+
+def _set_prefetch(root: nn.Module, ordered: list, prefetch: int) -> None:
+    """The root frees its parameters after a forward like every unit (FSDP2 keeps them gathered
+    for training's backward); each unit's gather is issued ``prefetch`` units ahead."""
+    root.set_reshard_after_forward(True)
+    if prefetch:
+        root.set_modules_to_forward_prefetch(ordered[:prefetch])
+        for i, module in enumerate(ordered[:-1]):
+            module.set_modules_to_forward_prefetch(ordered[i + 1:i + 1 + prefetch])
 
 
 @contextlib.contextmanager

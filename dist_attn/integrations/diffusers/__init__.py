@@ -165,11 +165,10 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
                    timer=None, overlap_chunks: int = 1, sequence_bucket: int = 1) -> UlyssesHandle:
     """Makes ``transformer`` sequence-parallel over the ranks of ``group`` (or ``mesh``), in place.
 
-    Afterwards every rank calls ``transformer(...)`` (or the pipeline that owns it) with the same
-    full inputs, under ``torch.no_grad()`` or ``torch.inference_mode()``, and receives the same
-    full output. Each forward first checks that the ranks agree on the inputs' shapes and contents
-    (one small all-gather), so a rank with another seed or resolution raises a ``ValueError`` on
-    every rank instead of returning a silently mixed result.
+    Afterwards every rank calls ``transformer(...)`` (or its pipeline) with the same full inputs,
+    under ``torch.no_grad()`` or ``torch.inference_mode()``, and gets the same full output. Each
+    forward first checks, in one small all-gather, that the ranks' inputs agree in shapes and
+    contents: a rank with another seed or resolution raises ``ValueError`` on every rank.
 
     Args:
         transformer: a diffusers transformer of a class in :func:`supported_models`, whose
@@ -187,14 +186,11 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
         overlap_chunks: C > 1 cuts each attention call's heads into C chunks whose all-to-alls
             run under the other chunks' kernels (see :func:`dist_attn.ulysses_attention`); 1 =
             the plain path. The output is the same up to the kernel's per-head arithmetic.
-        sequence_bucket: the packed sequence of S rows is padded at its end (rows never
-            attended, dropped from the output) to a multiple of ``W * ceil(sequence_bucket / W)``
-            rows (``sequence_bucket`` itself when W divides it; 1 = to a multiple of W only). For
-            blocks under ``torch.compile(dynamic=False)``: every S of one bucket gives the blocks
-            the same shapes, and the true length reaches the compiled attention as a tensor, so
-            a bucket compiles once, where each S would compile again (H3's S holds the prompt's
-            token count). Costs up to ``W * ceil(sequence_bucket / W) - 1`` rows of work outside
-            the attention, which never computes padding.
+        sequence_bucket: the packed S rows are padded at their end (never attended, dropped from
+            the output) to a multiple of ``W * ceil(sequence_bucket / W)`` (1: of W only), so
+            that blocks under ``torch.compile(dynamic=False)`` see one shape, and compile once,
+            for every S of a bucket (the true length reaches the attention as a tensor); costs up
+            to that multiple - 1 rows of work outside the attention.
 
     Returns:
         A :class:`UlyssesHandle`; ``handle.remove()`` (or leaving ``with handle:``) restores the
@@ -205,6 +201,19 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
         ValueError: an argument is invalid, or the transformer is already enabled or holds a
             non-default attention processor or diffusers' own context parallelism.
     """
+    spec = _supported_spec(transformer)
+    _check_arguments(group, mesh, backend, timer, overlap_chunks, sequence_bucket)
+    attns = _default_attentions(transformer, spec)
+    register_for_compile(group, mesh)  # compiled attention's group key, entered outside traced code
+    runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer,
+                      overlap_chunks=overlap_chunks, sequence_bucket=int(sequence_bucket),
+                      fused_qk_norm_rope=fuses_qk_norm_rope(backend))
+    return _install(transformer, attns, runtime)
+
+
+def _supported_spec(transformer: nn.Module) -> ModelSpec:
+    """The plan of ``transformer``'s exact class; TypeError for another class (or a non-module),
+    ValueError for a model whose weights are already sharded."""
     if not isinstance(transformer, nn.Module):
         raise TypeError(f"transformer={type(transformer).__name__!r} must be a diffusers model "
                         f"(a torch.nn.Module); supported: {', '.join(supported_models())}")
@@ -216,6 +225,12 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
             f"is not supported by dist_attn.integrations.diffusers; supported: "
             f"{', '.join(supported_models())} (exact classes: a subclass may change forward)"
         )
+    return spec
+
+
+def _check_arguments(group, mesh, backend, timer, overlap_chunks, sequence_bucket) -> None:
+    """:func:`enable_ulysses`'s other arguments (ValueError or TypeError naming the one that is
+    off); a mesh must put shard ``r*U + u`` at global rank ``r*U + u`` of the default group."""
     if not isinstance(backend, str) or backend not in available_backends():
         raise ValueError(f"backend={backend!r} must be one of {available_backends()}")
     if timer is not None and not isinstance(timer, PhaseTimer):
@@ -234,6 +249,12 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
                 f"span it with shard r*U + u at global rank r*U + u (build it with "
                 f"dist_attn.init_usp_mesh)"
             )
+
+
+def _default_attentions(transformer: nn.Module, spec: ModelSpec) -> list:
+    """``(name, attention module)`` of every self-attention ``enable_ulysses`` takes over;
+    ValueError when the transformer is already enabled, uses diffusers' context parallelism or
+    holds another processor. Warns when diffusers is not the tested release."""
     if getattr(transformer, _HANDLE_ATTR, None) is not None:
         raise ValueError("this transformer is already sequence-parallel (enable_ulysses was "
                          "called before); call handle.remove() or disable_ulysses() first")
@@ -253,21 +274,22 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
     if _diffusers.__version__ != TESTED_DIFFUSERS:
         logger.warning("diffusers %s is installed; dist_attn's %s processor was written for %s",
                        _diffusers.__version__, type(transformer).__name__, TESTED_DIFFUSERS)
+    return attns
 
-    # Compiled attention names its group by a key that must be entered outside the traced code.
-    register_for_compile(group, mesh)
-    runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer,
-                      overlap_chunks=overlap_chunks, sequence_bucket=int(sequence_bucket),
-                      fused_qk_norm_rope=fuses_qk_norm_rope(backend))
+
+def _install(transformer: nn.Module, attns: list, runtime: Runtime) -> UlyssesHandle:
+    """Hooks ``transformer`` and gives each of ``attns`` ``runtime``'s processor; returns the
+    handle that undoes both (also kept on the transformer) and logs what was done."""
     handle = UlyssesHandle(transformer=transformer, runtime=runtime)
     install_hooks(runtime, transformer)
     for _, attn in attns:
         handle.processors.append((attn, attn.processor))
-        attn.set_processor(spec.make_processor(runtime))
+        attn.set_processor(runtime.spec.make_processor(runtime))
     setattr(transformer, _HANDLE_ATTR, handle)
     logger.info("enable_ulysses: %s, %d self-attention modules through dist_attn (backend=%r, "
                 "overlap_chunks=%d, sequence_bucket=%d, %s)", type(transformer).__name__, len(attns),
-                backend, overlap_chunks, sequence_bucket, parallel_groups(mesh=mesh, group=group).desc)
+                runtime.backend, runtime.overlap_chunks, runtime.sequence_bucket,
+                parallel_groups(mesh=runtime.mesh, group=runtime.group).desc)
     return handle
 
 

@@ -36,8 +36,10 @@ from torch import nn
 
 from dist_attn.agreement import FP_ROW, FP_SHAPE, fingerprint, fingerprints_differ, gather_rows
 from dist_attn.distributed import group_size_and_rank
-from dist_attn.integrations.diffusers._vae_plan import (Plan, plan_decode, stitch_clip,
-                                                        temporal_runs, write_run)
+from dist_attn.integrations.diffusers._vae_plan import (DEFAULT_DECODE_BUDGET_BYTES, Assembly, Plan,
+                                                        deal_wave, decoder_tile_bytes, plan_decode,
+                                                        temporal_runs, tiles_per_call,
+                                                        tiles_within_budget)
 
 __all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "DecodeStats", "FrameSink", "ParallelDecodeHandle",
            "decoder_tile_bytes", "enable_parallel_decode", "supported_vaes", "tiles_within_budget"]
@@ -51,26 +53,6 @@ logger = logging.getLogger(__name__)
 FrameSink = Callable[[int, torch.Tensor], None]
 
 _HANDLE_ATTR = "_dist_attn_parallel_decode"
-# Planning figure for the batch cap: bytes of activations one decoder tile holds at its peak, per
-# token, as multiples of the model width: the float32 residual stream and its norm (2 x 4 B), the
-# SwiGLU's doubled up-projection and its product (3 x ffn_mult x elt), q/k/v/out (4 x elt).
-_FLOAT32_STREAM_WIDTHS = 8
-#: The activation budget of one batched decoder call when ``tiles_per_call`` is None.
-DEFAULT_DECODE_BUDGET_BYTES = 8 << 30
-# at most 8 tiles a call: more did not decode H3's video faster (within 1.5% from 4 to 28 tiles a
-# call in benchmarks/vae_decode.py; docs/benchmarks.md) and each tile adds to the peak
-_MAX_TILES_PER_CALL = 8
-
-
-def decoder_tile_bytes(tokens: int, *, width: int, ffn_mult: int | float, elt: int) -> int:
-    """One decoder tile's peak activations in bytes (a planning figure; the decode's batch and the
-    server's memory pre-flight both use it): ``tokens`` tokens, GEMMs in ``elt``-byte dtype."""
-    return int(tokens * width * (_FLOAT32_STREAM_WIDTHS + (3 * ffn_mult + 4) * elt))
-
-
-def tiles_within_budget(tile_bytes: int, budget: int = DEFAULT_DECODE_BUDGET_BYTES) -> int:
-    """The decode's batch when ``tiles_per_call`` is None: tiles of ``tile_bytes`` within ``budget``, 1 to 8."""
-    return max(1, min(_MAX_TILES_PER_CALL, budget // max(1, tile_bytes)))
 
 
 def supported_vaes() -> tuple[str, ...]:
@@ -244,26 +226,124 @@ def _output_dtype(vae: nn.Module, device: torch.device) -> torch.dtype:
     return vae.decoder.proj_out.weight.dtype
 
 
-def _tiles_per_call(handle: ParallelDecodeHandle, plan: Plan) -> int:
-    """The batch: as given, or what ``memory_budget_bytes`` allows for this video's tiles."""
-    if handle.tiles_per_call is not None:
-        return handle.tiles_per_call
-    vae, cfg = handle.vae, handle.vae.config
-    tokens = math.prod(plan.clips[0].shape[2:3]) * math.prod(plan.tile_out[3:]) \
-        // vae.spatial_compression_ratio ** 2
-    blocks = vae.decoder.transformer_blocks
-    elt = blocks[0].attn.to_q.weight.element_size() if len(blocks) else 4  # the GEMMs' dtype
-    tile = decoder_tile_bytes(tokens, width=cfg.decoder_num_attention_heads * cfg.decoder_attention_head_dim,
-                              ffn_mult=cfg.decoder_ffn_mult, elt=elt)
-    return tiles_within_budget(tile, handle.memory_budget_bytes)
-
-
 def _detached(e: BaseException, where: str) -> BaseException:
     """Logs ``e`` with its traceback, then drops the traceback: it would keep the failed call's
     activations alive while this rank still joins its peers' exchanges."""
     logger.error("the parallel VAE decode failed on this rank (%s); the other ranks are told "
                  "at the next exchange", where, exc_info=e)
     return e.with_traceback(None)
+
+
+class _Failure:
+    """This rank's first failure in one decode, ``with failure.caught(where):`` around each step.
+    On one rank the exception propagates as it is; on several it is logged and kept without its
+    traceback (:func:`_detached`), ``then`` runs, and the next exchange tells the other ranks."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.error = world, None
+        self._where, self._then = "", None
+
+    def caught(self, where: str, then: Callable[[], None] | None = None) -> "_Failure":
+        self._where, self._then = where, then
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if not isinstance(e, Exception) or self.world == 1:
+            return False
+        if self.error is None:
+            self.error = _detached(e, self._where)
+        if self._then is not None:
+            self._then()
+        return True
+
+
+def _raise_failed(failed: list[int], world: int, error: BaseException | None, what: str,
+                  when: str = "") -> None:
+    """Once any rank ``failed``: raises this rank's own ``error`` where it has one, else a
+    RuntimeError naming the ranks that did."""
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    raise RuntimeError(f"the VAE decode {what} on rank(s) {failed} of {world}{when}; their logs "
+                       "say why")
+
+
+@dataclass
+class _Setup:
+    """What one decode makes before its first exchange; a step that failed leaves its field as it
+    was (``per_call`` then the value the ranks compare)."""
+
+    per_call: int
+    plan: Plan | None = None
+    runs: list | None = None
+    arena: tuple[torch.Tensor, torch.Tensor] | None = None
+    """W > 1: the send ``[per_call * tile + 1]`` and receive ``[W, per_call * tile + 1]``
+    buffers of every exchange (the last element: the rank's failure flag)."""
+
+
+def _set_up(s: _Setup, handle: ParallelDecodeHandle, z: torch.Tensor, dtype: torch.dtype,
+            world: int) -> None:
+    """Fills ``s`` step by step: the plan, the batch, the frame runs, and (W > 1) the exchange
+    buffers, made once so that a failed rank can always take part."""
+    s.plan = plan_decode(handle.vae, z)
+    s.per_call = tiles_per_call(handle.vae, s.plan, handle.tiles_per_call, handle.memory_budget_bytes)
+    s.runs = temporal_runs(handle.vae, s.plan, dtype, z.device)
+    numel = math.prod(s.plan.tile_out)
+    if world > 1:
+        s.arena = (torch.empty(s.per_call * numel + 1, dtype=dtype, device=z.device),
+                   torch.empty(world, s.per_call * numel + 1, dtype=dtype, device=z.device))
+
+
+def _start(vae: nn.Module, z: torch.Tensor, per_call: int, dtype: torch.dtype,
+           error: BaseException | None, group: Any, world: int) -> None:
+    """W > 1, before any decoder call: the ranks compare latents and settings (:func:`_agree`)
+    and all raise when one differs or could not set up."""
+    code = float(_DTYPES.index(dtype)) if dtype in _DTYPES else -1.0
+    settings = [float(vae.use_tiling), vae.tile_sample_min_height, vae.tile_sample_min_width,
+                vae.tile_sample_min_overlap_height, vae.tile_sample_min_overlap_width,
+                float(per_call), code]
+    not_ready = _agree(vae, z, settings, error is None, group, world)
+    _raise_failed(not_ready, world, error, "could not start")
+
+
+def _decode_calls(vae: nn.Module, plan: Plan, calls: range, dtype: torch.dtype) -> torch.Tensor:
+    """``[k*B, C_out, T_out, H_tile, W_tile]``: the k decoder ``calls``, as one batched call."""
+    lat = torch.cat([plan.latents(i) for i in calls])  # [k*B, C, t, h, w]
+    return vae.decoder(vae.post_quant_conv(lat)).to(dtype)  # [k*B, C_out, ...]
+
+
+def _load(send: torch.Tensor, local: torch.Tensor | None, error: BaseException | None) -> None:
+    """This rank's part of a wave into ``send``: its tiles (``local``; None: none, or it failed)
+    and, last, its failure flag."""
+    if local is not None:
+        send[:local.numel()] = local.reshape(-1)
+    send[-1] = float(error is not None)
+
+
+def _exchange(arena: tuple[torch.Tensor, torch.Tensor], group: Any, world: int,
+              error: BaseException | None, when: str) -> torch.Tensor:
+    """One wave's all-gather of every rank's send buffer into ``recv`` ``[W, per_call * tile +
+    1]``; all ranks raise when one's flag is set."""
+    send, recv = arena
+    dist.all_gather(list(recv.unbind(0)), send, group=group)
+    _raise_failed([r for r in range(world) if float(recv[r, -1]) != 0.0], world, error, "failed", when)
+    return recv
+
+
+def _collect(asm: Assembly, counts: list[int], starts: list[int], local: torch.Tensor | None,
+             recv: torch.Tensor | None, world: int) -> None:
+    """The wave's tiles into ``asm.decoded``: this rank's own on one rank, else copies out of
+    the receive buffer."""
+    b, numel = asm.plan.tile_out[0], math.prod(asm.plan.tile_out)
+    for r in range(world):
+        for k in range(counts[r]):
+            asm.decoded[starts[r] + k] = (local[k * b:(k + 1) * b] if world == 1 else
+                                          recv[r, k * numel:(k + 1) * numel]
+                                          .view(asm.plan.tile_out).clone())
 
 
 def _parallel_decode(handle: ParallelDecodeHandle, z: torch.Tensor) -> torch.Tensor:
@@ -275,122 +355,40 @@ def _parallel_decode(handle: ParallelDecodeHandle, z: torch.Tensor) -> torch.Ten
     vae = handle.vae
     group, world, rank = group_size_and_rank(handle.group)
     dtype = _output_dtype(vae, z.device)
-    error: BaseException | None = None
-    plan = runs = arena = None
-    per_call = handle.tiles_per_call or 0
-    try:  # everything before the first exchange that could fail on one rank only
-        plan = plan_decode(vae, z)
-        per_call = _tiles_per_call(handle, plan)
-        runs = temporal_runs(vae, plan, dtype, z.device)
-        numel = math.prod(plan.tile_out)
-        if world > 1:  # the exchange buffers, made once: a failed rank can always take part
-            arena = (torch.empty(per_call * numel + 1, dtype=dtype, device=z.device),
-                     torch.empty(world, per_call * numel + 1, dtype=dtype, device=z.device))
-    except Exception as e:  # noqa: BLE001 - told to every rank by _agree
-        if world == 1:
-            raise
-        error = _detached(e, "planning")
-    collectives = 0
+    failure, setup = _Failure(world), _Setup(per_call=handle.tiles_per_call or 0)
+    with failure.caught("planning"):  # everything before the first exchange that could fail on one rank only
+        _set_up(setup, handle, z, dtype, world)
     if world > 1:
-        code = float(_DTYPES.index(dtype)) if dtype in _DTYPES else -1.0
-        settings = [float(vae.use_tiling), vae.tile_sample_min_height, vae.tile_sample_min_width,
-                    vae.tile_sample_min_overlap_height, vae.tile_sample_min_overlap_width,
-                    float(per_call), code]
-        not_ready = _agree(vae, z, settings, error is None, group, world)
-        collectives += 1
-        if not_ready:
-            if error is not None:
-                raise error
-            raise RuntimeError(f"the VAE decode could not start on rank(s) {not_ready} of "
-                               f"{world}; their logs say why")
-    assert plan is not None and runs is not None
-    n_tiles, n_calls = len(plan.boxes), plan.calls
-    b = plan.tile_out[0]
-    numel = math.prod(plan.tile_out)
-    out: torch.Tensor | None = None
-    decoded: dict[int, torch.Tensor] = {}
-    stitched: dict[int, torch.Tensor] = {}
-    next_clip = next_run = 0
+        _start(vae, z, setup.per_call, dtype, failure.error, group, world)
+    plan, per_call = setup.plan, setup.per_call
+    assert plan is not None and setup.runs is not None
+    asm = Assembly(vae, plan, setup.runs)
     per_wave = world * per_call
-    waves = math.ceil(n_calls / per_wave)
+    waves = math.ceil(plan.calls / per_wave)
     mine_total = 0
     for w in range(waves):
-        lo = w * per_wave
-        n = min(n_calls, lo + per_wave) - lo
-        # the last wave's remainder goes to the highest ranks: rank 0 also decodes the audio
-        # and encodes the MP4 in the served job
-        counts = [n // world + (r >= world - n % world) for r in range(world)]
-        starts = [lo + sum(counts[:r]) for r in range(world)]
+        counts, starts = deal_wave(plan.calls, w * per_wave, per_wave, world)
         mine = range(starts[rank], starts[rank] + counts[rank])
         mine_total += len(mine)
-        local = None
-        if error is None and len(mine):
-            try:
-                lat = torch.cat([plan.latents(i) for i in mine])  # [k*B, C, t, h, w]
-                local = vae.decoder(vae.post_quant_conv(lat)).to(dtype)  # [k*B, C_out, ...]
-            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
-                if world == 1:
-                    raise
-                error, local = _detached(e, f"decoder call, wave {w}"), None
+        local = recv = None
+        if failure.error is None and len(mine):
+            with failure.caught(f"decoder call, wave {w}"):
+                local = _decode_calls(vae, plan, mine, dtype)
         if world > 1:
-            send, recv = arena
-            if local is not None:
-                send[:len(mine) * numel] = local.reshape(-1)
-            del local
-            send[-1] = float(error is not None)
-            dist.all_gather(list(recv.unbind(0)), send, group=group)
-            collectives += 1
-            failed = [r for r in range(world) if float(recv[r, -1]) != 0.0]
-            if failed:
-                if error is not None:
-                    raise error
-                raise RuntimeError(f"the VAE decode failed on rank(s) {failed} of {world} (wave "
-                                   f"{w + 1} of {waves}); their logs say why")
-        try:  # a failure from here on is told to the other ranks at the next exchange
-            for r in range(world):
-                for k in range(counts[r]):
-                    decoded[starts[r] + k] = (local[k * b:(k + 1) * b] if world == 1 else
-                                              recv[r, k * numel:(k + 1) * numel]
-                                              .view(plan.tile_out).clone())
-            while next_clip < len(plan.clips) and all(
-                    next_clip * n_tiles + j in decoded for j in range(n_tiles)):
-                tiles = [decoded.pop(next_clip * n_tiles + j) for j in range(n_tiles)]
-                stitched[next_clip] = stitch_clip(vae, plan, next_clip, tiles)
-                next_clip += 1
-            if out is None and stitched:
-                first = stitched[min(stitched)]
-                out = torch.empty(first.shape[0], first.shape[1], plan.frames, *first.shape[3:],
-                                  dtype=first.dtype, device=first.device)
-            f_start = runs[next_run].f0 if next_run < len(runs) else plan.frames
-            while next_run < len(runs) and runs[next_run].last_clip < next_clip:
-                write_run(out, runs[next_run], stitched)
-                next_run += 1
-            f_end = runs[next_run].f0 if next_run < len(runs) else plan.frames
-            keep = runs[next_run].first_clip if next_run < len(runs) else len(plan.clips)
-            for i in [i for i in stitched if i < keep]:
-                del stitched[i]
-            if handle.sink is not None and f_end > f_start:
-                handle.sink(f_start, out[:, :, f_start:f_end])
-        except Exception as e:  # noqa: BLE001
-            if world == 1:
-                raise
-            if error is None:
-                error = _detached(e, f"stitching or the frame sink, wave {w + 1}")
-            decoded.clear()
-            stitched.clear()
+            _load(setup.arena[0], local, failure.error)
+            local = None  # its tiles live in the send buffer only: freed before the exchange
+            recv = _exchange(setup.arena, group, world, failure.error, f" (wave {w + 1} of {waves})")
+        # a failure from here on is told to the other ranks at the next exchange
+        with failure.caught(f"stitching or the frame sink, wave {w + 1}", then=asm.clear):
+            _collect(asm, counts, starts, local, recv, world)
+            asm.advance(handle.sink)
     if world > 1:  # one last flag exchange: a failure after the last wave's tiles arrived
-        flag = torch.tensor([float(error is not None)], dtype=torch.float32, device=z.device)
+        flag = torch.tensor([float(failure.error is not None)], dtype=torch.float32, device=z.device)
         flags = gather_rows(flag, group, world)
-        collectives += 1
-        failed = [r for r in range(world) if float(flags[r]) != 0.0]
-        if failed:
-            if error is not None:
-                raise error
-            raise RuntimeError(f"the VAE decode failed on rank(s) {failed} of {world} after its "
-                               "last wave; their logs say why")
-    if next_run != len(runs) or out is None:
-        raise RuntimeError(f"the parallel decode wrote {next_run} of {len(runs)} frame runs")
-    handle.last = DecodeStats(calls=n_calls, clips=len(plan.clips), tiles_per_clip=n_tiles,
+        _raise_failed([r for r in range(world) if float(flags[r]) != 0.0], world, failure.error,
+                      "failed", " after its last wave")
+    out = asm.video()
+    handle.last = DecodeStats(calls=plan.calls, clips=len(plan.clips), tiles_per_clip=len(plan.boxes),
                               my_calls=mine_total, waves=waves, tiles_per_call=per_call,
-                              collectives=collectives, frames=plan.frames)
+                              collectives=waves + 2 if world > 1 else 0, frames=plan.frames)
     return out

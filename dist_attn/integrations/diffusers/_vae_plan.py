@@ -1,18 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 """The geometry of one video's parallel decode, decided by diffusers' own code (see
 :mod:`dist_attn.integrations.diffusers._vae_decode`): which latents each (clip, tile) decoder
-call reads, how the decoded tiles are stitched, and which decoded clip frames make each output
-frame (a copy, or diffusers' cross-fade with its own weights)."""
+call reads, how many tiles one batched call takes, how the decoded tiles are stitched, and which
+decoded clip frames make each output frame (a copy, or diffusers' cross-fade with its own
+weights); :class:`Assembly` puts the video together as the tiles arrive."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["Plan", "Run", "Stand", "plan_decode", "stitch_clip", "temporal_runs", "write_run"]
+__all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "Assembly", "Plan", "Run", "Stand", "deal_wave",
+           "decoder_tile_bytes", "plan_decode", "stitch_clip", "temporal_runs", "tiles_per_call", "tiles_within_budget",
+           "write_run"]
+
+# Planning figure for the batch cap: bytes of activations one decoder tile holds at its peak, per
+# token, as multiples of the model width: the float32 residual stream and its norm (2 x 4 B), the
+# SwiGLU's doubled up-projection and its product (3 x ffn_mult x elt), q/k/v/out (4 x elt).
+_FLOAT32_STREAM_WIDTHS = 8
+#: The activation budget of one batched decoder call when ``tiles_per_call`` is None.
+DEFAULT_DECODE_BUDGET_BYTES = 8 << 30
+# at most 8 tiles a call: more did not decode H3's video faster (within 1.5% from 4 to 28 tiles a
+# call in benchmarks/vae_decode.py; docs/benchmarks.md) and each tile adds to the peak
+_MAX_TILES_PER_CALL = 8
 
 
 class Stand:
@@ -53,6 +67,31 @@ class Plan:
         return self.clips[call // len(self.boxes)][..., rows, cols]
 
 
+def decoder_tile_bytes(tokens: int, *, width: int, ffn_mult: int | float, elt: int) -> int:
+    """One decoder tile's peak activations in bytes (a planning figure; the decode's batch and the
+    server's memory pre-flight both use it): ``tokens`` tokens, GEMMs in ``elt``-byte dtype."""
+    return int(tokens * width * (_FLOAT32_STREAM_WIDTHS + (3 * ffn_mult + 4) * elt))
+
+
+def tiles_within_budget(tile_bytes: int, budget: int = DEFAULT_DECODE_BUDGET_BYTES) -> int:
+    """The decode's batch when ``tiles_per_call`` is None: tiles of ``tile_bytes`` within ``budget``, 1 to 8."""
+    return max(1, min(_MAX_TILES_PER_CALL, budget // max(1, tile_bytes)))
+
+
+def tiles_per_call(vae: nn.Module, plan: Plan, given: int | None, budget: int) -> int:
+    """The batch: ``given``, or when None what ``budget`` bytes allow for this video's tiles."""
+    if given is not None:
+        return given
+    cfg = vae.config
+    tokens = math.prod(plan.clips[0].shape[2:3]) * math.prod(plan.tile_out[3:]) \
+        // vae.spatial_compression_ratio ** 2
+    blocks = vae.decoder.transformer_blocks
+    elt = blocks[0].attn.to_q.weight.element_size() if len(blocks) else 4  # the GEMMs' dtype
+    tile = decoder_tile_bytes(tokens, width=cfg.decoder_num_attention_heads * cfg.decoder_attention_head_dim,
+                              ffn_mult=cfg.decoder_ffn_mult, elt=elt)
+    return tiles_within_budget(tile, budget)
+
+
 def plan_decode(vae: nn.Module, z: torch.Tensor) -> Plan:
     """Runs diffusers' ``_decode`` and ``_decode_clip`` on stand-ins that record what they would
     decode; nothing is computed (the recorded outputs live on the meta device)."""
@@ -91,6 +130,15 @@ def plan_decode(vae: nn.Module, z: torch.Tensor) -> Plan:
                            f"{sorted(set(tile_out))}; the parallel decode batches equal tiles")
     return Plan(clips=clips, boxes=boxes, tile_out=tile_out[0], frames=out.shape[2],
                  latent_frames=z.shape[2])
+
+
+def deal_wave(n_calls: int, lo: int, per_wave: int, world: int) -> tuple[list[int], list[int]]:
+    """``(counts, starts)``: how many of the wave's calls from ``lo`` (clip-major) each rank
+    runs, and its first; the last wave's remainder goes to the highest ranks (rank 0 also
+    decodes the audio and encodes the MP4 in the served job)."""
+    n = min(n_calls, lo + per_wave) - lo
+    counts = [n // world + (r >= world - n % world) for r in range(world)]
+    return counts, [lo + sum(counts[:r]) for r in range(world)]
 
 
 @dataclass(kw_only=True)
@@ -177,3 +225,57 @@ def stitch_clip(vae: nn.Module, plan: Plan, clip: int, tiles: list[torch.Tensor]
     it = iter(tiles)
     stand = Stand(vae, post_quant_conv=lambda t: t, decoder=lambda _t: next(it))
     return type(vae)._decode_clip(stand, torch.empty(plan.clips[clip].shape, device="meta"))
+
+
+@dataclass
+class Assembly:
+    """One video put together as its decoded tiles arrive, in any order: each clip is stitched once
+    all its tiles are in, each frame run written once all its clips are stitched, and a clip is
+    dropped once no later run reads it."""
+
+    vae: nn.Module
+    plan: Plan
+    runs: list[Run]
+    decoded: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Decoder call (clip-major) -> its decoded tile ``[B, C_out, T_out, H_tile, W_tile]``."""
+    stitched: dict[int, torch.Tensor] = field(default_factory=dict)
+    next_clip: int = 0
+    next_run: int = 0
+    out: torch.Tensor | None = None
+    """``[B, C_out, F, H, W]``, made when the first clip is stitched."""
+
+    def advance(self, sink: Callable[[int, torch.Tensor], None] | None) -> None:
+        """Stitches the clips and writes the frame runs that the tiles so far complete, then hands
+        the frames written now to ``sink(start, frames)`` (a view of :attr:`out`)."""
+        plan, runs, n_tiles = self.plan, self.runs, len(self.plan.boxes)
+        while self.next_clip < len(plan.clips) and all(
+                self.next_clip * n_tiles + j in self.decoded for j in range(n_tiles)):
+            tiles = [self.decoded.pop(self.next_clip * n_tiles + j) for j in range(n_tiles)]
+            self.stitched[self.next_clip] = stitch_clip(self.vae, plan, self.next_clip, tiles)
+            self.next_clip += 1
+        if self.out is None and self.stitched:
+            first = self.stitched[min(self.stitched)]
+            self.out = torch.empty(first.shape[0], first.shape[1], plan.frames, *first.shape[3:],
+                                   dtype=first.dtype, device=first.device)
+        f_start = runs[self.next_run].f0 if self.next_run < len(runs) else plan.frames
+        while self.next_run < len(runs) and runs[self.next_run].last_clip < self.next_clip:
+            write_run(self.out, runs[self.next_run], self.stitched)
+            self.next_run += 1
+        f_end = runs[self.next_run].f0 if self.next_run < len(runs) else plan.frames
+        keep = runs[self.next_run].first_clip if self.next_run < len(runs) else len(plan.clips)
+        for i in [i for i in self.stitched if i < keep]:
+            del self.stitched[i]
+        if sink is not None and f_end > f_start:
+            sink(f_start, self.out[:, :, f_start:f_end])
+
+    def clear(self) -> None:
+        """Drops the tiles and clips held (after a failure on this rank)."""
+        self.decoded.clear()
+        self.stitched.clear()
+
+    def video(self) -> torch.Tensor:
+        """:attr:`out` once every frame run is written; RuntimeError before."""
+        if self.next_run != len(self.runs) or self.out is None:
+            raise RuntimeError(f"the parallel decode wrote {self.next_run} of {len(self.runs)} "
+                               "frame runs")
+        return self.out
