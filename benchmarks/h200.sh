@@ -34,7 +34,8 @@
 #                       in TREE (default .pre45: `mkdir -p .pre45 && git archive COMMIT dist_attn benchmarks
 #                       configs | tar -x -C .pre45`, git-ignored, carried): each MP4's SHA-256, compared (~2 min)
 #   layer-ab            dev/layer_ab: one Ulysses layer at h3-ref (rank 0 of a fake W = 4, and W = 1) from this
-#                       tree and the older one in TREE (default .pre47, carried), interleaved  (~3 min)
+#                       tree and the older one in TREE (default .pre47: `mkdir -p .pre47 && git archive 57a7c8c
+#                       dist_attn | tar -x -C .pre47`, the tree before the hub split; git-ignored, carried) (~3 min)
 #   cute-a              CuTe DSL, call 1 of 2: copy its wheels and the first half of the cu13 library
 #                       wheel (carry .whl: split -b 46000000, see below) to /tmp/cute-wheels       (~5 s)
 #   cute-b              CuTe DSL, call 2 of 2 (at once, carry .whl2): join the halves, install into
