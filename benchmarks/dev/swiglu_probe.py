@@ -23,8 +23,8 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     args = probe_parser(__doc__).parse_args(argv)
     from benchmarks.harness import time_fn
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
-    from dist_attn.kernels import swiglu_fp8
+    from dist_attn.models.h3.fp8.linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
+    from dist_attn.models.h3.fp8 import swiglu_kernel as swiglu_fp8
 
     dev, inner = torch.device("cuda"), 14336
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The FP8 linear recipe (dist_attn.fp8_linear) on CPU: its emulation is torchao's quantizer bit
+"""The FP8 linear recipe (dist_attn.models.h3.fp8.linear) on CPU: its emulation is torchao's quantizer bit
 for bit and torch._scaled_mm's arithmetic up to float32 rounding; zero rows stay finite; a CPU
 or a missing torchao is refused by name; the core imports without torchao."""
 
@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, E4M3_MAX, FP8_EXTRA, EmulatedFp8Linear, Fp8Linear,
-                                  Fp8SwiGLUFeedForward,
-                                  fp8_linear_emulated, fp8_unsupported_reason, quantize_rows_e4m3,
-                                  quantize_weight_e4m3, require_torchao)
+from dist_attn.models.h3.fp8.linear import (ACTIVATION_AMAX_FLOOR, E4M3_MAX, FP8_EXTRA,
+                                            EmulatedFp8Linear, Fp8Linear, Fp8SwiGLUFeedForward,
+                                            fp8_linear_emulated, fp8_unsupported_reason,
+                                            quantize_rows_e4m3, quantize_weight_e4m3,
+                                            require_torchao)
 
 from tests.conftest import ROOT, subprocess_env
 
@@ -194,9 +195,9 @@ def test_core_and_server_import_without_torchao():
     integration import, a bf16 config validates, and an fp8 config still validates (the device
     and torchao are launch checks); nothing imported torchao on the way."""
     code = _BLOCK_TORCHAO + """
-import dist_attn, dist_attn.fp8_linear, dist_attn.serve.config, dist_attn.serve.launch.checks
-import dist_attn.serve.launch.cli, dist_attn.serve.h3.model
-from dist_attn.serve.config import apply_overrides, load_config
+import dist_attn, dist_attn.models.h3.fp8.linear, dist_attn.models.h3.serve.config, dist_attn.models.h3.serve.launch.checks
+import dist_attn.models.h3.serve.launch.cli, dist_attn.models.h3.serve.h3.model
+from dist_attn.models.h3.serve.config import apply_overrides, load_config
 cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})
 assert cfg.model.linear_precision == "fp8"
 try:

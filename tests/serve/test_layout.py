@@ -13,8 +13,10 @@ import pytest
 
 from tests.conftest import ROOT
 
-SERVE = os.path.join(ROOT, "dist_attn", "serve")
-PREFIX = "dist_attn.serve"
+PREFIX = "dist_attn.models.h3.serve"
+SERVE = os.path.join(ROOT, *PREFIX.split("."))
+#: Dotted parts of :data:`PREFIX`: a sub-package is the part after them.
+_DEPTH = len(PREFIX.split("."))
 
 #: The sub-packages, top down: each may import those after it, never one before it.
 LAYERS = ("launch", "ranks", "http", "h3", "jobs", "wire", "config")
@@ -23,17 +25,17 @@ MAX_LINES = 400
 
 
 def _modules() -> dict[str, str]:
-    """Dotted module name -> file path, for every .py under dist_attn/serve."""
+    """Dotted module name -> file path, for every .py under dist_attn/models/h3/serve."""
     found = {}
     for folder, _, files in os.walk(SERVE):
         for name in files:
             if not name.endswith(".py"):
                 continue
             path = os.path.join(folder, name)
-            parts = os.path.relpath(path, os.path.dirname(SERVE)).removesuffix(".py").split(os.sep)
+            parts = os.path.relpath(path, ROOT).removesuffix(".py").split(os.sep)
             if parts[-1] == "__init__":
                 parts.pop()
-            found[".".join(["dist_attn", *parts])] = path
+            found[".".join(parts)] = path
     return found
 
 
@@ -41,7 +43,7 @@ MODULES = _modules()
 
 
 def _imports(module: str, path: str) -> set[str]:
-    """The dist_attn.serve modules ``module`` imports anywhere in its file (top level, inside
+    """The dist_attn.models.h3.serve modules ``module`` imports anywhere in its file (top level, inside
     functions, under TYPE_CHECKING), each resolved to the module file it names."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
@@ -73,10 +75,11 @@ GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
 def _layer(module: str) -> str | None:
-    """The sub-package of ``module``; None for the package's own face (``dist_attn.serve``,
+    """The sub-package of ``module``; None for the package's own face (:data:`PREFIX`,
     ``__main__``)."""
     parts = module.split(".")
-    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in LAYERS) else None
+    d = _DEPTH
+    return parts[d] if len(parts) > d + 1 or (len(parts) == d + 1 and parts[d] in LAYERS) else None
 
 
 def test_every_module_is_in_a_declared_sub_package():

@@ -4,7 +4,7 @@ this module imports triton).
 
 Before each of its two GEMM groups (q/k/v, then the FFN's projection) an H3 block computes
 ``y = RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` over its rows, and with FP8 linears the recipe
-then quantizes ``y`` per row (:func:`dist_attn.fp8_linear.quantize_rows_e4m3`). Compiled,
+then quantizes ``y`` per row (:func:`dist_attn.models.h3.fp8.linear.quantize_rows_e4m3`). Compiled,
 inductor fuses the two into one looped reduction that reads ``x`` three times; here one program
 holds a row in registers: one read of ``x`` and one write of the codes (timed against inductor by
 ``benchmarks/dev/adaln_quant_probe.py``; see benchmarks/KERNEL_NOTES.md).
@@ -18,7 +18,7 @@ round it (after the product and after the sum), and writes ``h`` beside the code
 Arithmetic: float32 from the inputs (the norm, its weight, ``1 + scale``, the product and the
 shift), one rounding of ``y`` to bfloat16 (the dtype the linear's input has), then the recipe on
 that bf16 row: ``amax`` floored at ``ACTIVATION_AMAX_FLOOR``, ``scale = bf16(amax / 448)``, codes
-``e4m3(clamp(y / scale))`` with the division exact (as in :mod:`dist_attn.kernels.swiglu_fp8`).
+``e4m3(clamp(y / scale))`` with the division exact (as in :mod:`dist_attn.models.h3.fp8.swiglu_kernel`).
 diffusers' eager path rounds to bf16 after the norm, after ``1 + scale``, after the product and
 after the sum; inductor's compiled path keeps float32 between them, as here. On the GPU the
 row's sum runs in another order and ``rsqrt`` is the hardware's: a float32 ulp or two that rarely
@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX, quantize_rows_e4m3
 from dist_attn.kernels._op_support import forward_only, launchable
-from dist_attn.kernels.swiglu_fp8 import _FLOOR_BF16, _bf16, _quantize_row
+from dist_attn.models.h3.fp8.linear import quantize_rows_e4m3
+from dist_attn.models.h3.fp8.numerics import ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX
+from dist_attn.models.h3.fp8.swiglu_kernel import _FLOOR_BF16, _bf16, _quantize_row
 
 __all__ = ["adaln_e4m3_rows", "adaln_e4m3_rows_reference", "residual_adaln_e4m3_rows",
            "residual_adaln_e4m3_rows_reference"]
@@ -182,7 +183,7 @@ def adaln_e4m3_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, sc
 
     Returns:
         ``codes [..., S, K]`` float8_e4m3fn and ``scales [..., S, 1]`` float32 (the recipe of
-        :mod:`dist_attn.fp8_linear` applied to ``y`` rounded once to bf16).
+        :mod:`dist_attn.models.h3.fp8.linear` applied to ``y`` rounded once to bf16).
 
     Raises:
         ValueError: a dtype, shape, stride or ``eps`` outside the rules above. An index outside

@@ -5,10 +5,10 @@ An H3 block feeds each of its two GEMM groups (``attn.to_q/to_k/to_v``, then the
 projection) ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]``; with FP8 linears the recipe then
 quantizes that bf16 tensor per row. :func:`fuse_adaln_blocks` gives each such block a forward
 that computes the modulated input and its e4m3 codes in one pass
-(:func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`; before the FFN the same pass also does the
-attention's residual step, :func:`~dist_attn.kernels.adaln_fp8.residual_adaln_e4m3_rows`, which
+(:func:`dist_attn.models.h3.fp8.adaln_kernel.adaln_e4m3_rows`; before the FFN the same pass also does the
+attention's residual step, :func:`~dist_attn.models.h3.fp8.adaln_kernel.residual_adaln_e4m3_rows`, which
 rounds it as diffusers' bf16 ops do) and hands the linears the codes
-(:class:`dist_attn.fp8_linear.Fp8Rows`): the GEMMs are the recipe's, only the pass before them
+(:class:`dist_attn.models.h3.fp8.linear.Fp8Rows`): the GEMMs are the recipe's, only the pass before them
 changes (see the kernel's docstring for its roundings). The forward is diffusers' block
 (``MiniMaxH3TransformerBlock.forward`` of diffusers 0.42) step for step otherwise; the attention
 processor is whatever the block has (diffusers', or dist_attn's Ulysses one): both call
@@ -27,8 +27,9 @@ import functools
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import (ADALN_MAX_HIDDEN, EmulatedFp8Linear, Fp8Linear, Fp8Rows,
-                                  Fp8SwiGLUFeedForward, fused_input_dtype_error)
+from dist_attn.models.h3.fp8.linear import (EmulatedFp8Linear, Fp8Linear, Fp8Rows,
+                                            Fp8SwiGLUFeedForward, fused_input_dtype_error)
+from dist_attn.models.h3.fp8.numerics import ADALN_MAX_HIDDEN
 
 __all__ = ["adaln_unfusable_reason", "fuse_adaln_blocks"]
 
@@ -103,7 +104,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, temb: torch.Tensor,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """diffusers' H3 block, the two AdaLN inputs quantized as they are computed (the second with
     the attention's residual step in the same pass)."""
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows, residual_adaln_e4m3_rows
+    from dist_attn.models.h3.fp8.adaln_kernel import adaln_e4m3_rows, residual_adaln_e4m3_rows
 
     if hidden_states.dtype != torch.bfloat16:
         raise fused_input_dtype_error(f"hidden_states.dtype={hidden_states.dtype}", "an H3 block",

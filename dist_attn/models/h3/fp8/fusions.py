@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which blocks of a transformer take :func:`~dist_attn.integrations.diffusers.quantize_linears`'
+"""Which blocks of a transformer take :func:`~dist_attn.models.h3.fp8.quantize_linears`'
 fused FP8 kernels (the SwiGLU FFN, the norm + AdaLN step), checked before anything changes, and
 the FFN swap itself."""
 
@@ -11,12 +11,13 @@ from typing import Collection
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import SWIGLU_MAX_INNER, Fp8SwiGLUFeedForward
-from dist_attn.integrations.diffusers._h3_fp8_block import adaln_unfusable_reason
+from dist_attn.models.h3.fp8.block import adaln_unfusable_reason
+from dist_attn.models.h3.fp8.linear import Fp8SwiGLUFeedForward
+from dist_attn.models.h3.fp8.numerics import SWIGLU_MAX_INNER
 
 __all__ = ["adaln_blocks", "fuse_swiglu_ffns", "swiglu_blocks"]
 
-logger = logging.getLogger("dist_attn.integrations.diffusers.linear_precision")
+logger = logging.getLogger("dist_attn.models.h3.fp8.quantize")
 
 
 def _blocks(transformer: nn.Module, only: Collection[int] | None):
@@ -59,7 +60,7 @@ def swiglu_blocks(transformer: nn.Module, strict: bool, emulate: bool,
         return []
     if found:
         try:  # triton missing: True fails here, before any change; "auto" fuses nothing, and says so
-            import dist_attn.kernels.swiglu_fp8  # noqa: F401
+            import dist_attn.models.h3.fp8.swiglu_kernel  # noqa: F401
         except ImportError as exc:
             if strict:
                 raise
@@ -86,7 +87,7 @@ def adaln_blocks(transformer: nn.Module, strict: bool, emulate: bool,
                             "fuse_adaln='auto' or False")
     if found:
         try:  # triton missing: True fails here; "auto" fuses nothing, and says so
-            import dist_attn.kernels.adaln_fp8  # noqa: F401
+            import dist_attn.models.h3.fp8.adaln_kernel  # noqa: F401
         except ImportError as exc:
             if strict:
                 raise ImportError(f"fuse_adaln=True runs a Triton kernel and triton cannot be "

@@ -35,6 +35,9 @@ import torch
 from torch import nn
 
 from dist_attn.extras import install_hint
+from dist_attn.models.h3.fp8.numerics import (ACTIVATION_AMAX_FLOOR, ADALN_MAX_HIDDEN, E4M3_MAX,
+                                              SWIGLU_MAX_INNER)
+from dist_attn.weight_sharding import register_fp8_linear
 
 __all__ = [
     "ACTIVATION_AMAX_FLOOR",
@@ -65,19 +68,8 @@ __all__ = [
 #: (bfloat16 on CUDA), "fp8" is this module's recipe.
 LinearPrecision = Literal["bf16", "fp8"]
 LINEAR_PRECISIONS: tuple[str, ...] = get_args(LinearPrecision)
-#: The largest finite float8_e4m3fn value.
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-#: Floor of an activation row's max |x| (torchao's ``activation_value_lb``): an all-zero row
-#: quantizes to zero codes instead of 0/0 = NaN.
-ACTIVATION_AMAX_FLOOR = 1e-12
 #: ``torch._scaled_mm`` with e4m3 operands needs Ada (8.9), Hopper (9.0) or newer.
 FP8_MIN_CAPABILITY = (8, 9)
-#: Widest SwiGLU output row (the FFN's inner size) that :class:`Fp8SwiGLUFeedForward`'s kernel
-#: holds in one program's registers.
-SWIGLU_MAX_INNER = 16384
-#: Widest row (a block's hidden size) that :func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`
-#: holds in one program's registers.
-ADALN_MAX_HIDDEN = 16384
 #: The command that installs torchao (the ``fp8`` extra).
 FP8_EXTRA = install_hint("fp8")
 
@@ -133,7 +125,7 @@ class Fp8Rows(NamedTuple):
     """An activation already quantized by the recipe: what an FP8 linear of this module takes in
     place of the bf16 tensor it would quantize itself (:class:`Fp8Linear`,
     :class:`EmulatedFp8Linear`, :class:`Fp8SwiGLUFeedForward`), so that the pass producing the
-    activation can quantize it (:func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows`)."""
+    activation can quantize it (:func:`dist_attn.models.h3.fp8.adaln_kernel.adaln_e4m3_rows`)."""
 
     codes: torch.Tensor
     """``[..., K]`` float8_e4m3fn."""
@@ -208,8 +200,9 @@ class QuantizedTensors(nn.Module):
     bf16 scales would lose bits). Other parameters (a bias) follow the cast as usual.
 
     The codes and scales are buffers, or frozen parameters of the same names once
-    :func:`dist_attn.weight_sharding.shard_module` has made them shardable (:attr:`quantized`
-    names them either way)."""
+    :func:`dist_attn.weight_sharding.shard_module` has made them shardable: :attr:`quantized`
+    names them either way (the library's
+    :class:`~dist_attn.weight_sharding.HoldsQuantizedTensors`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -271,7 +264,7 @@ class Fp8Linear(QuantizedTensors):
     weight (``weight_codes [N, K]``, ``weight_scales [1, N]``: torchao's ``qdata`` and ``scale``,
     shared, not copied) and, given a bf16 tensor, quantizes it by the same recipe
     (:func:`quantize_rows_e4m3`, then ``torch._scaled_mm``), or, given :class:`Fp8Rows`, runs only
-    the GEMM. :func:`dist_attn.integrations.diffusers.quantize_linears` puts it where the
+    the GEMM. :func:`dist_attn.models.h3.fp8.quantize_linears` puts it where the
     activation's producer quantizes (``fuse_adaln``).
     """
 
@@ -296,9 +289,13 @@ class Fp8Linear(QuantizedTensors):
                 f"fast_accum={self.fast_accum}, fp8=e4m3 per-row, takes Fp8Rows")
 
 
+# shard_module puts this module in place of each torchao FP8 linear (the same codes and recipe)
+register_fp8_linear(Fp8Linear)
+
+
 class Fp8SwiGLUFeedForward(QuantizedTensors):
     """A SwiGLU feed-forward whose two linears are FP8 (the recipe above), with the SwiGLU and the
-    quantization of its output in one kernel (:func:`dist_attn.kernels.swiglu_fp8.swiglu_e4m3_rows`).
+    quantization of its output in one kernel (:func:`dist_attn.models.h3.fp8.swiglu_kernel.swiglu_e4m3_rows`).
 
     ``forward(x) = down(value * silu(gate))`` with ``[value, gate] = proj(x)``, as diffusers'
     ``FeedForward(activation_fn="swiglu")``; the down projection is ``torch._scaled_mm`` on the
@@ -327,7 +324,7 @@ class Fp8SwiGLUFeedForward(QuantizedTensors):
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         """``[..., K]`` bf16 (or its rows quantized, when ``proj`` takes :class:`Fp8Rows`) ->
         ``[..., N]`` bf16."""
-        from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+        from dist_attn.models.h3.fp8.swiglu_kernel import swiglu_e4m3_rows  # imports triton
 
         lead = (x.codes if isinstance(x, Fp8Rows) else x).shape[:-1]
         h = self.proj(x)

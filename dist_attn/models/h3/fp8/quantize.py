@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers for a diffusers transformer: which linears, and the one call that swaps them.
 
-    from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
+    from dist_attn.integrations.diffusers import enable_ulysses
+    from dist_attn.models.h3.fp8 import quantize_linears
 
     summary = quantize_linears(pipe.transformer, "fp8")   # in place; logs what it did
     handle = enable_ulysses(pipe.transformer)             # before or after: independent
@@ -29,11 +30,11 @@ from typing import Collection
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import (LINEAR_PRECISIONS, EmulatedFp8Linear,
-                                  Fp8Linear, LinearPrecision, fix_zero_rows,
-                                  fp8_unsupported_reason, torchao_fp8_config)
-from dist_attn.integrations.diffusers._fp8_fusions import adaln_blocks, fuse_swiglu_ffns, swiglu_blocks
-from dist_attn.integrations.diffusers._h3_fp8_block import fuse_adaln_blocks
+from dist_attn.models.h3.fp8.block import fuse_adaln_blocks
+from dist_attn.models.h3.fp8.fusions import adaln_blocks, fuse_swiglu_ffns, swiglu_blocks
+from dist_attn.models.h3.fp8.linear import (LINEAR_PRECISIONS, EmulatedFp8Linear, Fp8Linear,
+                                            LinearPrecision, fix_zero_rows, fp8_unsupported_reason,
+                                            torchao_fp8_config)
 from dist_attn.weight_sharding import refuse_sharded
 
 __all__ = ["LINEAR_PRECISIONS", "LinearPrecision", "LinearQuantization", "fp8_linear_names",
@@ -63,7 +64,7 @@ class LinearQuantization:
     """"torchao" (torch._scaled_mm), "emulated" (float32 emulation, tests) or "none" (bf16)."""
     layers: tuple[str, ...]
     """Dotted names of the linears now in FP8 (a fused FFN's down projection is named by the
-    :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward` that holds its weight, see ``fused_ffns``)."""
+    :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward` that holds its weight, see ``fused_ffns``)."""
     bytes_before: int
     """Bytes of those layers' weights and biases before."""
     bytes_after: int
@@ -76,7 +77,7 @@ class LinearQuantization:
     kept_other: str
     """Other linears left in the blocks' dtype on purpose, in words."""
     fused_ffns: tuple[str, ...] = ()
-    """Dotted names of the SwiGLU FFNs now :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`
+    """Dotted names of the SwiGLU FFNs now :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward`
     (in ``layers`` their projection is ``<ff>.proj`` and their down projection ``<ff>`` itself)."""
     cast_fp32: tuple[str, ...] = ()
     """The class's float32 modules found in another dtype (a model cast after loading, e.g. by
@@ -85,7 +86,7 @@ class LinearQuantization:
     fused_adaln: tuple[str, ...] = ()
     """Dotted names of the blocks whose two AdaLN inputs are quantized by the pass computing them
     (``fuse_adaln``; their q/k/v and FFN input projections are
-    :class:`~dist_attn.fp8_linear.Fp8Linear` or emulated)."""
+    :class:`~dist_attn.models.h3.fp8.linear.Fp8Linear` or emulated)."""
 
     @property
     def count(self) -> int:
@@ -203,27 +204,27 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         precision: "fp8" quantizes; "bf16" changes nothing and says so (so a caller can pass a
             config value straight through; ``fast_accum``, ``fuse_swiglu`` and ``fuse_adaln``
             are then not checked against the blocks, and the log names those passed as True).
-        emulate: for tests only: replace each linear by :class:`dist_attn.fp8_linear.
+        emulate: for tests only: replace each linear by :class:`dist_attn.models.h3.fp8.linear.
             EmulatedFp8Linear` (the same recipe in float32, on any device, slow). Never chosen
             automatically.
         fast_accum: ``use_fast_accum`` of ``torch._scaled_mm``: Hopper's FP8 accumulator without
             periodic float32 promotion (faster, fewer bits kept over K = 5,376-14,336). No effect
             with ``emulate`` (the emulation accumulates in float32; the summary says so).
         fuse_swiglu: with torchao on CUDA, a block's SwiGLU FFN becomes
-            :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
+            :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
             projection's activation quantization run as one kernel (one read of the FFN's
             projection instead of two; docs/diffusers.md has the timings). The same recipe as the
             unfused torchao FFN, with the GPU's fast exponential
-            (:mod:`dist_attn.kernels.swiglu_fp8`). "auto":
+            (:mod:`dist_attn.models.h3.fp8.swiglu_kernel`). "auto":
             every block whose FFN is diffusers' bias-free SwiGLU of inner size <= 16,384, when
             the weights are on CUDA and not ``emulate`` (the summary counts them); True: every
             block, or an error naming the first that cannot; False: none.
         fuse_adaln: a block's ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` and its row
             quantization run as one kernel, before the q/k/v projections and before the FFN's,
             that one with the attention's residual step in the same pass
-            (:mod:`dist_attn.kernels.adaln_fp8`: float32 with one bf16 rounding where diffusers'
+            (:mod:`dist_attn.models.h3.fp8.adaln_kernel`: float32 with one bf16 rounding where diffusers'
             eager path rounds four times); the block gets a forward of its own
-            (:mod:`~dist_attn.integrations.diffusers._h3_fp8_block`). The residual step's output
+            (:mod:`~dist_attn.models.h3.fp8.block`). The residual step's output
             equals diffusers' bf16 ops bit for bit at H3's width; compiled latents keep eager's
             roundings (docs/diffusers.md has the timings and errors). "auto" (the default): every
             ``MiniMaxH3TransformerBlock`` it applies to, with torchao on CUDA (not ``emulate``);

@@ -4,7 +4,7 @@ imports triton).
 
 A SwiGLU feed-forward with FP8 linears runs ``h = x W_in^T`` (``[M, 2I]``), ``y = h[:, :I] *
 silu(h[:, I:])`` (``[M, I]``, bf16) and then quantizes ``y`` per row for the down projection
-(:func:`dist_attn.fp8_linear.quantize_rows_e4m3`). Compiled, inductor fuses the two into one
+(:func:`dist_attn.models.h3.fp8.linear.quantize_rows_e4m3`). Compiled, inductor fuses the two into one
 looped reduction that reads ``h`` twice. Here one program holds a whole row in registers: ``h``
 is read once (timed against inductor by ``benchmarks/dev/swiglu_probe.py``; see
 benchmarks/KERNEL_NOTES.md).
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, E4M3_MAX, SWIGLU_MAX_INNER
 from dist_attn.kernels._op_support import forward_only
+from dist_attn.models.h3.fp8.numerics import ACTIVATION_AMAX_FLOOR, E4M3_MAX, SWIGLU_MAX_INNER
 
 __all__ = ["NUM_WARPS", "swiglu_e4m3_rows"]
 

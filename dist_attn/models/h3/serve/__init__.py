@@ -15,15 +15,15 @@ Sub-packages, top down; each imports only those below it (``tests/serve/test_lay
 - ``wire``: what the ranks say to each other (control messages, abort votes, the prompt);
 - ``config``: the deployment, validated (sections, H3's packing rules, quality tiers).
 
-Entry point: ``python -m dist_attn.serve`` or ``torchrun ... launch/serve.py``. Needs the
+Entry point: ``python -m dist_attn.models.h3.serve`` or ``torchrun ... launch/serve.py``. Needs the
 ``serve`` extra (starlette, uvicorn, prometheus_client, safetensors, accelerate) and the
 ``diffusers`` extra (the model).
 """
 
-from dist_attn.serve.config import Config, load_config
-from dist_attn.serve.config.quality import DeviceFacts, Topology, quality_failures
-from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
-from dist_attn.serve.h3.weights import WeightsError, load_output, save_output
+from dist_attn.models.h3.serve.config import Config, load_config
+from dist_attn.models.h3.serve.config.quality import DeviceFacts, Topology, quality_failures
+from dist_attn.models.h3.serve.h3.model import build_h3, compile_blocks, parallelize
+from dist_attn.models.h3.serve.h3.weights import WeightsError, load_output, save_output
 
 __all__ = [
     "Config",

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``python -m dist_attn.serve`` (or ``torchrun ... -m dist_attn.serve``): see
-:mod:`dist_attn.serve.launch.cli`."""
+"""``python -m dist_attn.models.h3.serve`` (or ``torchrun ... -m dist_attn.models.h3.serve``): see
+:mod:`dist_attn.models.h3.serve.launch.cli`."""
 
-from dist_attn.serve.launch import run
+from dist_attn.models.h3.serve.launch import run
 
 __all__: list[str] = []
 

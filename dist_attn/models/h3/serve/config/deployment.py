@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dist_attn.plan import heads_per_rank
-from dist_attn.serve.config.compiling import warmup_bound_rule
-from dist_attn.serve.config.fields import field_error, steps_rule
-from dist_attn.serve.config.jobs import JobsConfig
-from dist_attn.serve.config.memory import DecodeConfig, MemoryConfig
-from dist_attn.serve.config.quality import tier_linear_rule
-from dist_attn.serve.config.sections import (WARMUP_STEPS, ModelConfig, ParallelConfig, RequestConfig,
-                                             RuntimeConfig, ServeConfig, registered_backend)
-from dist_attn.serve.config.tokens import PackedLayout, TokenConfig, request_layout
+from dist_attn.models.h3.serve.config.compiling import warmup_bound_rule
+from dist_attn.models.h3.serve.config.fields import field_error, steps_rule
+from dist_attn.models.h3.serve.config.jobs import JobsConfig
+from dist_attn.models.h3.serve.config.memory import DecodeConfig, MemoryConfig
+from dist_attn.models.h3.serve.config.quality import tier_linear_rule
+from dist_attn.models.h3.serve.config.sections import (WARMUP_STEPS, ModelConfig, ParallelConfig,
+                                                       RequestConfig, RuntimeConfig, ServeConfig,
+                                                       registered_backend)
+from dist_attn.models.h3.serve.config.tokens import PackedLayout, TokenConfig, request_layout
 
 __all__ = ["Config"]
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from dist_attn.serve.config.fields import field_error, require_positive
+from dist_attn.models.h3.serve.config.fields import field_error, require_positive
 
 __all__ = ["JobsConfig", "RunnerName"]
 

@@ -19,8 +19,8 @@ are checked by :meth:`Config.check_world`, which the launcher calls on every ran
 process group is used.
 
 The shipped configs (``tiny``, the CPU default, and ``h3``, the real model) are package data,
-``dist_attn/serve/configs/*.toml`` (the clone's ``configs/`` points there): ``load_config(None)``
-reads ``tiny.toml`` through :mod:`importlib.resources`, so ``python -m dist_attn.serve`` works
+``dist_attn/models/h3/serve/configs/*.toml`` (the clone's ``configs/`` points there): ``load_config(None)``
+reads ``tiny.toml`` through :mod:`importlib.resources`, so ``python -m dist_attn.models.h3.serve`` works
 with no arguments from a clone, an editable install or a plain ``pip install .``, and
 ``--config h3`` names the shipped H3 config wherever the package is installed.
 """
@@ -36,18 +36,18 @@ import sys
 import tomllib
 from typing import Any
 
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.config.jobs import JobsConfig
-from dist_attn.serve.config.memory import DecodeConfig, MemoryConfig
-from dist_attn.serve.config.sections import (ModelConfig, ParallelConfig, RequestConfig,
-                                             RuntimeConfig, ServeConfig)
-from dist_attn.serve.config.tokens import TokenConfig
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.config.jobs import JobsConfig
+from dist_attn.models.h3.serve.config.memory import DecodeConfig, MemoryConfig
+from dist_attn.models.h3.serve.config.sections import (ModelConfig, ParallelConfig, RequestConfig,
+                                                       RuntimeConfig, ServeConfig)
+from dist_attn.models.h3.serve.config.tokens import TokenConfig
 
 __all__ = ["DEFAULT_CONFIG_PATH", "SHIPPED_CONFIGS", "load_config", "parse_config", "apply_overrides",
            "parse_override"]
 
 #: The folder of the shipped configs, inside the installed package.
-_SHIPPED = importlib.resources.files("dist_attn.serve") / "configs"
+_SHIPPED = importlib.resources.files("dist_attn.models.h3.serve") / "configs"
 #: The shipped configs by name (``--config h3``): the one copy of each, package data.
 SHIPPED_CONFIGS = {"tiny": _SHIPPED / "tiny.toml", "h3": _SHIPPED / "h3.toml"}
 #: The default config: the shipped ``tiny.toml``.

@@ -1,21 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 """The sections of a serving config, one kw-only dataclass per TOML table (``[tokens]`` is
-:class:`dist_attn.serve.config.tokens.TokenConfig`, ``[jobs]``
-:class:`dist_attn.serve.config.jobs.JobsConfig`). Every ``__post_init__`` raises
+:class:`dist_attn.models.h3.serve.config.tokens.TokenConfig`, ``[jobs]``
+:class:`dist_attn.models.h3.serve.config.jobs.JobsConfig`). Every ``__post_init__`` raises
 :class:`ValueError` naming the field, its value and the rule it breaks; rules across sections are
-:class:`dist_attn.serve.config.deployment.Config`'s."""
+:class:`dist_attn.models.h3.serve.config.deployment.Config`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from dist_attn.fp8_linear import LINEAR_PRECISIONS, LinearPrecision
-from dist_attn.serve.config.compiling import (COMPILED_SEQUENCE_BUCKET, SERVED_RECOMPILE_LIMIT,
-                                              WARMUP_STEPS, sequence_bucket_rule, warmup_shapes_rule)
-from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
-from dist_attn.serve.config.quality import (QualityTier, registered_backend, tier_backend_rule,
-                                            tier_compile_rule, tier_name_rule)
+from dist_attn.models.h3.fp8.linear import LINEAR_PRECISIONS, LinearPrecision
+from dist_attn.models.h3.serve.config.compiling import (COMPILED_SEQUENCE_BUCKET,
+                                                        SERVED_RECOMPILE_LIMIT, WARMUP_STEPS,
+                                                        sequence_bucket_rule, warmup_shapes_rule)
+from dist_attn.models.h3.serve.config.fields import (field_error, require_non_negative,
+                                                     require_positive)
+from dist_attn.models.h3.serve.config.quality import (QualityTier, registered_backend,
+                                                      tier_backend_rule, tier_compile_rule,
+                                                      tier_name_rule)
 from dist_attn.validation import overlap_chunks_rule
 
 __all__ = [
@@ -97,7 +100,7 @@ class ModelConfig:
     accumulation: torchao's float8 inference through ``torch._scaled_mm``; needs CUDA compute
     capability >= 8.9, bfloat16 blocks and the ``fp8`` extra; refused under quality="lossless").
     The float32 modules, the token refiner, the AdaLN projections and the output heads stay as
-    they are (:func:`dist_attn.integrations.diffusers.quantize_linears`)."""
+    they are (:func:`dist_attn.models.h3.fp8.quantize_linears`)."""
     fp8_fast_accum: bool = False
     """With ``linear_precision = "fp8"``: ``torch._scaled_mm(use_fast_accum=True)``, Hopper's FP8
     accumulator without periodic float32 promotion (faster GEMMs, fewer bits kept over

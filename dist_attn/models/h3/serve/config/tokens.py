@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dist_attn.serve.config.fields import field_error, require_non_negative, require_positive
+from dist_attn.models.h3.serve.config.fields import (field_error, require_non_negative,
+                                                     require_positive)
 from dist_attn.sharding import bucket_multiple, padded_length
 
 __all__ = ["TokenConfig", "PackedLayout", "padded_rows", "request_layout", "VIDEO_TAG", "TEXT_TAG", "AUDIO_TAG"]

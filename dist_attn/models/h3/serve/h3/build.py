@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.config.deployment import Config
+from dist_attn.models.h3.serve.config.deployment import Config
 
 __all__ = ["ServedModel", "build_served"]
 
@@ -45,8 +45,8 @@ def build_served(cfg: Config, env: DistEnv, dtype: torch.dtype, backend: str,
         ImportError: an extra is missing.
     """
     from dist_attn.profiling import PhaseTimer
-    from dist_attn.serve.h3.model import (build_h3, compile_blocks, meta_h3, parallelize,
-                                          shard_h3)
+    from dist_attn.models.h3.serve.h3.model import (build_h3, compile_blocks, meta_h3, parallelize,
+                                                    shard_h3)
 
     device_type = env.device.type
     mesh = None

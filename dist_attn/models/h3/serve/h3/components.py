@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """What one rank holds of a diffusers-format H3 pipeline (:class:`H3Components`): each component
-loaded with its own ``from_pretrained``, where it runs (:mod:`dist_attn.serve.h3.pipeline` says
+loaded with its own ``from_pretrained``, where it runs (:mod:`dist_attn.models.h3.serve.h3.pipeline` says
 why), and the checks that the served DiT fits the rest."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from dist_attn.serve.h3.decode import video_vae_dtype
-from dist_attn.serve.h3.text import load_processor, load_text_encoder, load_text_encoder_sharded
-from dist_attn.serve.h3.tiny import MARKER
+from dist_attn.models.h3.serve.h3.decode import video_vae_dtype
+from dist_attn.models.h3.serve.h3.text import (load_processor, load_text_encoder,
+                                               load_text_encoder_sharded)
+from dist_attn.models.h3.serve.h3.tiny import MARKER
 
 __all__ = ["H3Components", "load_components", "check_fit", "checkpoint_is_tiny"]
 
@@ -69,7 +70,7 @@ def load_components(checkpoint: str, *, device: torch.device, dtype: torch.dtype
         audio_scheduler=MiniMaxH3Scheduler.from_pretrained(sub("audio_scheduler")),
         vae=None, audio_vae=None)
     # Every rank decodes a share of the video: its VAE is real everywhere, the decoder block
-    # stack in float16 on CUDA (dist_attn.serve.h3.decode says why), its float32 modules kept.
+    # stack in float16 on CUDA (dist_attn.models.h3.serve.h3.decode says why), its float32 modules kept.
     comps.vae = AutoencoderKLMiniMaxH3.from_pretrained(
         sub("vae"), torch_dtype=video_vae_dtype(device)).to(device).eval().requires_grad_(False)
     if not rank0:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.jobs.mp4 import EncoderThread, Mp4Writer, VideoFile
+from dist_attn.models.h3.serve.jobs.mp4 import EncoderThread, Mp4Writer, VideoFile
 
 __all__ = ["DecodeResult", "JobDecoder", "cast_like_from_pretrained", "video_vae_dtype"]
 
@@ -101,7 +101,7 @@ class JobDecoder:
         self.handle = enable_parallel_decode(vae, tiles_per_call=tiles_per_call)
         self.compiled = compile
         if compile:
-            from dist_attn.serve.h3.model import raise_recompile_limit
+            from dist_attn.models.h3.serve.h3.model import raise_recompile_limit
 
             raise_recompile_limit()
             compile_vae_decoder(vae)

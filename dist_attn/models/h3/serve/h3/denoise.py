@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from dist_attn.serve.wire.abort import Abort
+from dist_attn.models.h3.serve.wire.abort import Abort
 
 __all__ = ["DenoiseHook", "ServedDenoise"]
 

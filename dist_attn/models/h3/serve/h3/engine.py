@@ -6,7 +6,7 @@ calls the (sequence-parallel) ``MiniMaxH3Transformer3DModel`` with the same full
 the same full velocity back and takes the same ``MiniMaxH3Scheduler`` step on the video rows
 (shift 12) and the audio rows (shift 3), so the state stays identical on every rank (each forward
 checks that it is, in one small all-gather). Between denoise steps all ranks vote on whether to go
-on (:func:`dist_attn.serve.wire.abort.agree_abort`), so a request whose client left, whose deadline
+on (:func:`dist_attn.models.h3.serve.wire.abort.agree_abort`), so a request whose client left, whose deadline
 passed or that a shutdown ends stops at the same step on every rank.
 """
 
@@ -24,11 +24,11 @@ import torch
 
 from dist_attn.distributed import DistEnv
 from dist_attn.profiling import PhaseTimer
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.config.tokens import PackedLayout, padded_rows
-from dist_attn.serve.h3.weights import prune_outputs, save_output
-from dist_attn.serve.jobs.requests import Request
-from dist_attn.serve.wire.abort import Abort, agree_abort
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.config.tokens import PackedLayout, padded_rows
+from dist_attn.models.h3.serve.h3.weights import prune_outputs, save_output
+from dist_attn.models.h3.serve.jobs.requests import Request
+from dist_attn.models.h3.serve.wire.abort import Abort, agree_abort
 
 __all__ = ["Checksum", "TokenCounts", "RunResult", "Engine", "latent_checksum", "patchify",
            "initial_state"]

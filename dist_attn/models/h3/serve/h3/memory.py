@@ -240,10 +240,10 @@ def model_sizes(model_cfg: Any, *, dtype: torch.dtype, vae_dtype: torch.dtype,
     """:class:`ModelSizes` of the served transformer (``model_cfg``: ``[model]``) and of the
     components whose configs are given (None: not counted, and said so in ``notes``), each
     built on the meta device in the dtypes the server holds it in."""
-    from dist_attn.integrations.diffusers.linear_precision import fp8_linear_names
-    from dist_attn.serve.h3.decode import cast_like_from_pretrained
-    from dist_attn.serve.h3.model import fp32_module_names
-    from dist_attn.serve.h3.transformer import h3_class
+    from dist_attn.models.h3.fp8.quantize import fp8_linear_names
+    from dist_attn.models.h3.serve.h3.decode import cast_like_from_pretrained
+    from dist_attn.models.h3.serve.h3.model import fp32_module_names
+    from dist_attn.models.h3.serve.h3.transformer import h3_class
 
     model = _meta(lambda: h3_class()(**model_cfg.diffusers_config()), dtype)
     for name in fp32_module_names(model):

@@ -19,9 +19,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dist_attn.serve.config.sections import SERVED_RECOMPILE_LIMIT, ModelConfig
-from dist_attn.serve.h3.transformer import h3_class
-from dist_attn.serve.h3.weights import load_checkpoint
+from dist_attn.models.h3.serve.config.sections import SERVED_RECOMPILE_LIMIT, ModelConfig
+from dist_attn.models.h3.serve.h3.transformer import h3_class
+from dist_attn.models.h3.serve.h3.weights import load_checkpoint
 
 __all__ = ["SERVED_RECOMPILE_LIMIT", "build_h3", "compile_blocks", "fp32_module_names", "meta_h3",
            "parallelize", "raise_recompile_limit", "shard_h3"]
@@ -81,7 +81,7 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
     """The served ``MiniMaxH3Transformer3DModel`` on ``device``, in eval mode, no grad.
 
     With ``cfg.linear_precision = "fp8"`` the blocks' q/k/v/out and FFN linears are then quantized
-    (with fast accumulation when ``cfg.fp8_fast_accum``) in place (:func:`dist_attn.integrations.diffusers.quantize_linears`, which logs the layer
+    (with fast accumulation when ``cfg.fp8_fast_accum``) in place (:func:`dist_attn.models.h3.fp8.quantize_linears`, which logs the layer
     count and the bytes saved; with ``cfg.fp8_fused_kernels``, its default, on CUDA the FFNs'
     SwiGLU and the norms + AdaLN run fused with their quantization); on a device without FP8
     GEMMs that raises, naming the device.
@@ -100,7 +100,7 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
         model = load_checkpoint(checkpoint, cfg, device=device, dtype=dtype)
     model = model.eval().requires_grad_(False)
     if cfg.linear_precision != "bf16":
-        from dist_attn.integrations.diffusers import quantize_linears
+        from dist_attn.models.h3.fp8 import quantize_linears
 
         fused = "auto" if cfg.fp8_fused_kernels else False
         quantize_linears(model, cfg.linear_precision, fast_accum=cfg.fp8_fast_accum,
@@ -141,8 +141,10 @@ def shard_h3(model: nn.Module, cfg: ModelConfig, *, device: torch.device, dtype:
         WeightsError: the checkpoint lacks a tensor, has another shape, or holds tensors the
             model has no parameter for.
     """
-    from dist_attn.integrations.diffusers import quantize_linears, weight_units
-    from dist_attn.serve.h3.weights import CheckpointTensors, WeightsError, check_checkpoint
+    from dist_attn.integrations.diffusers import weight_units
+    from dist_attn.models.h3.fp8 import quantize_linears
+    from dist_attn.models.h3.serve.h3.weights import (CheckpointTensors, WeightsError,
+                                                      check_checkpoint)
     from dist_attn.weight_sharding import shard_module
 
     reader = None

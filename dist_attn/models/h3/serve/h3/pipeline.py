@@ -16,7 +16,7 @@ README's "Serve H3" section):
 - **Transformer on every rank**, sequence-parallel through ``enable_ulysses``: every rank calls
   it with the same full inputs and gets the same full outputs.
 - **Video VAE decode on every rank, audio decode and muxing on rank 0**
-  (:mod:`dist_attn.serve.h3.decode`). Every rank already holds the denoised latents (the
+  (:mod:`dist_attn.models.h3.serve.h3.decode`). Every rank already holds the denoised latents (the
   transformer's outputs are gathered); the video's (clip, tile) decoder calls are dealt over the
   ranks (:func:`dist_attn.integrations.diffusers.enable_parallel_decode`, float16 on CUDA) and
   rank 0 encodes each clip's frames while later ones decode. The audio VAE (~0.05 s) stays on
@@ -53,15 +53,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.h3.components import (H3Components, check_fit, checkpoint_is_tiny,
-                                           load_components)
-from dist_attn.serve.h3.decode import JobDecoder
-from dist_attn.serve.h3.denoise import DenoiseHook, ServedDenoise
-from dist_attn.serve.h3.tiny import ensure_tiny_checkpoint
-from dist_attn.serve.jobs.runner import StepHook, VideoOutcome
-from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
-from dist_attn.serve.wire.abort import Abort, agree_abort
-from dist_attn.serve.wire.prompt import broadcast_prompt, broadcast_text
+from dist_attn.models.h3.serve.h3.components import (H3Components, check_fit, checkpoint_is_tiny,
+                                                     load_components)
+from dist_attn.models.h3.serve.h3.decode import JobDecoder
+from dist_attn.models.h3.serve.h3.denoise import DenoiseHook, ServedDenoise
+from dist_attn.models.h3.serve.h3.tiny import ensure_tiny_checkpoint
+from dist_attn.models.h3.serve.jobs.runner import StepHook, VideoOutcome
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest, VideoRules
+from dist_attn.models.h3.serve.wire.abort import Abort, agree_abort
+from dist_attn.models.h3.serve.wire.prompt import broadcast_prompt, broadcast_text
 
 __all__ = ["H3Pipeline", "H3Runner"]
 
@@ -157,7 +157,7 @@ class H3Pipeline:
 
 
 class H3Runner:
-    """:class:`dist_attn.serve.jobs.runner.VideoRunner` over :class:`H3Pipeline`."""
+    """:class:`dist_attn.models.h3.serve.jobs.runner.VideoRunner` over :class:`H3Pipeline`."""
 
     def __init__(self, pipe: H3Pipeline, rules: VideoRules | None) -> None:
         self.pipe = pipe

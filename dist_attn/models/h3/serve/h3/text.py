@@ -4,7 +4,7 @@ processor ``t2va`` needs (a text-only stand-in where transformers cannot build Q
 without torchvision). Either rank 0 holds the whole encoder (:func:`load_text_encoder`) or every
 rank holds 1/W of it (:func:`load_text_encoder_sharded`, FSDP2 one decoder layer at a time, with
 ``parallel.shard_weights``) and every rank runs it; either way rank 0's output reaches the other
-ranks through :func:`dist_attn.serve.wire.prompt.broadcast_prompt`, so every rank conditions on
+ranks through :func:`dist_attn.models.h3.serve.wire.prompt.broadcast_prompt`, so every rank conditions on
 the same tensor by construction."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def load_text_encoder_sharded(cls: Any, path: str, *, dtype: torch.dtype, device
     Raises:
         WeightsError: the checkpoint lacks a tensor of the encoder or has another shape.
     """
-    from dist_attn.serve.h3.weights import CheckpointTensors
+    from dist_attn.models.h3.serve.h3.weights import CheckpointTensors
 
     reader = CheckpointTensors(path)
     return shard_text_encoder(cls, _cut_config(path), dtype=dtype, device=device, group=group,

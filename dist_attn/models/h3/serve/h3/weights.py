@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from dist_attn.extras import install_hint
-from dist_attn.serve.config.sections import H3_ARCHITECTURE, ModelConfig
-from dist_attn.serve.h3.transformer import H3_CLASS_NAME, h3_class
+from dist_attn.models.h3.serve.config.sections import H3_ARCHITECTURE, ModelConfig
+from dist_attn.models.h3.serve.h3.transformer import H3_CLASS_NAME, h3_class
 
 __all__ = ["CheckpointTensors", "WeightsError", "check_checkpoint", "load_checkpoint",
            "save_output", "load_output", "prune_outputs", "SERVED_OUTPUTS"]

@@ -2,9 +2,9 @@
 """HTTP on rank 0: a Starlette app served by uvicorn in a thread of its own.
 
 Endpoints: ``GET /health`` (200 ok, 503 not ready or shutting down; never needs a token),
-``POST /v1/generate`` (:mod:`dist_attn.serve.http.generate`), ``/v1/videos`` (the jobs API,
-:mod:`dist_attn.serve.http.videos`), ``GET /metrics`` (Prometheus text). Every error is a JSON
-body ``{"error": {"code", "message"}}`` (:mod:`dist_attn.serve.http.gate`); no server banner;
+``POST /v1/generate`` (:mod:`dist_attn.models.h3.serve.http.generate`), ``/v1/videos`` (the jobs API,
+:mod:`dist_attn.models.h3.serve.http.videos`), ``GET /metrics`` (Prometheus text). Every error is a JSON
+body ``{"error": {"code", "message"}}`` (:mod:`dist_attn.models.h3.serve.http.gate`); no server banner;
 messages never carry server paths or library internals (those go to the log).
 """
 
@@ -22,13 +22,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from dist_attn.serve.http.gate import Gate
-from dist_attn.serve.http.generate import generate_routes
-from dist_attn.serve.http.guard import GuardedH11Protocol
-from dist_attn.serve.http.metrics import CONTENT_TYPE
-from dist_attn.serve.http.state import ServerState
-from dist_attn.serve.http.videos import video_routes
-from dist_attn.serve.jobs.records import StoreError
+from dist_attn.models.h3.serve.http.gate import Gate
+from dist_attn.models.h3.serve.http.generate import generate_routes
+from dist_attn.models.h3.serve.http.guard import GuardedH11Protocol
+from dist_attn.models.h3.serve.http.metrics import CONTENT_TYPE
+from dist_attn.models.h3.serve.http.state import ServerState
+from dist_attn.models.h3.serve.http.videos import video_routes
+from dist_attn.models.h3.serve.jobs.records import StoreError
 
 __all__ = ["build_app", "HttpServer"]
 

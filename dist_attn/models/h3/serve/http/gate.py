@@ -14,9 +14,9 @@ from typing import Any, Callable, TypeVar
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from dist_attn.serve.config.sections import ServeConfig
-from dist_attn.serve.http.state import ServerState
-from dist_attn.serve.jobs.requests import RequestError
+from dist_attn.models.h3.serve.config.sections import ServeConfig
+from dist_attn.models.h3.serve.http.state import ServerState
+from dist_attn.models.h3.serve.jobs.requests import RequestError
 
 __all__ = ["Gate", "decode_json", "error_response"]
 

@@ -14,11 +14,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 from starlette.routing import Route
 
-from dist_attn.serve.http.gate import Gate, error_response
-from dist_attn.serve.http.state import ServerState
-from dist_attn.serve.jobs.queue import Job, JobError, QueueFull, StepTimes
-from dist_attn.serve.jobs.requests import parse_request
-from dist_attn.serve.wire.abort import Abort
+from dist_attn.models.h3.serve.http.gate import Gate, error_response
+from dist_attn.models.h3.serve.http.state import ServerState
+from dist_attn.models.h3.serve.jobs.queue import Job, JobError, QueueFull, StepTimes
+from dist_attn.models.h3.serve.jobs.requests import parse_request
+from dist_attn.models.h3.serve.wire.abort import Abort
 
 __all__ = ["generate_routes"]
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The HTTP/1.1 protocol under the app: uvicorn's h11 protocol with what it lacks for a server
-facing hostile clients (:class:`GuardedH11Protocol`). :class:`dist_attn.serve.http.app.HttpServer`
+facing hostile clients (:class:`GuardedH11Protocol`). :class:`dist_attn.models.h3.serve.http.app.HttpServer`
 builds one subclass per server."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from dist_attn.serve.http.metrics import Metrics
+from dist_attn.models.h3.serve.http.metrics import Metrics
 
 __all__ = ["GuardedH11Protocol"]
 

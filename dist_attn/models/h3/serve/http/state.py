@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.http.metrics import Metrics
-from dist_attn.serve.jobs.queue import Job, JobQueue, Liveness, StepTimes
-from dist_attn.serve.jobs.records import JobRecord, JobStatus
-from dist_attn.serve.jobs.space import space_refusal
-from dist_attn.serve.jobs.store import JobStore
-from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.http.metrics import Metrics
+from dist_attn.models.h3.serve.jobs.queue import Job, JobQueue, Liveness, StepTimes
+from dist_attn.models.h3.serve.jobs.records import JobRecord, JobStatus
+from dist_attn.models.h3.serve.jobs.space import space_refusal
+from dist_attn.models.h3.serve.jobs.store import JobStore
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest, VideoRules
 
 __all__ = ["ServerState", "VideoJobs", "VideoProgress"]
 
@@ -57,7 +57,7 @@ class VideoJobs:
 
     def space_refusal(self, req: VideoRequest) -> str | None:
         """Why the output directory cannot take ``req`` now (507), or None
-        (:func:`dist_attn.serve.jobs.space.space_refusal`)."""
+        (:func:`dist_attn.models.h3.serve.jobs.space.space_refusal`)."""
         ahead = [j.request for j in self.store.list(limit=self.max_queued + 1,
                                                       status=JobStatus.RUNNING)]
         ahead += [j.request for j in self.store.queued()]

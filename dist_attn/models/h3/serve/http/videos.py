@@ -2,7 +2,7 @@
 """The jobs API over HTTP: ``/v1/videos``.
 
 - ``POST /v1/videos`` validates the request
-  (:func:`dist_attn.serve.jobs.videos.parse_video_request`), stores the job (committed before the answer) and answers **202** with the job and a
+  (:func:`dist_attn.models.h3.serve.jobs.videos.parse_video_request`), stores the job (committed before the answer) and answers **202** with the job and a
   ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 507 when the output
   directory's free space cannot hold its files and those of the jobs before it; 503 while
   shutting down.
@@ -29,11 +29,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from dist_attn.serve.http.gate import Gate
-from dist_attn.serve.http.state import ServerState, VideoJobs
-from dist_attn.serve.jobs.queue import StepTimes
-from dist_attn.serve.jobs.records import JobRecord, JobStatus
-from dist_attn.serve.jobs.videos import parse_video_request
+from dist_attn.models.h3.serve.http.gate import Gate
+from dist_attn.models.h3.serve.http.state import ServerState, VideoJobs
+from dist_attn.models.h3.serve.jobs.queue import StepTimes
+from dist_attn.models.h3.serve.jobs.records import JobRecord, JobStatus
+from dist_attn.models.h3.serve.jobs.videos import parse_video_request
 
 __all__ = ["job_json", "video_routes"]
 
@@ -135,7 +135,7 @@ def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any
 
 
 def video_routes(state: ServerState, gate: Gate) -> list[Route]:
-    """The routes of :mod:`this module <dist_attn.serve.http.videos>` over ``state.videos``,
+    """The routes of :mod:`this module <dist_attn.models.h3.serve.http.videos>` over ``state.videos``,
     through ``gate`` (the token and the body limits of ``/v1/generate`` apply alike)."""
     jobs: VideoJobs = state.videos
     times = state.step_times

@@ -18,8 +18,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from dist_attn.serve.jobs.requests import Request
-from dist_attn.serve.wire.abort import Abort
+from dist_attn.models.h3.serve.jobs.requests import Request
+from dist_attn.models.h3.serve.wire.abort import Abort
 
 __all__ = ["JobError", "Job", "QueueFull", "JobQueue", "Liveness", "StepTimes"]
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The job store's records and its error: what a job is (:class:`JobRecord`), where it is
 (:class:`JobStatus`), what a restart did (:class:`Recovery`), and :class:`StoreError`. Split from
-:mod:`dist_attn.serve.jobs.store` (the SQLite store), which re-exports the records and the error."""
+:mod:`dist_attn.models.h3.serve.jobs.store` (the SQLite store), which re-exports the records and the error."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dist_attn.serve.jobs.videos import VideoRequest
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest
 
 __all__ = ["JobStatus", "JobRecord", "Recovery", "StoreError", "STORE_NAME", "new_job_id"]
 

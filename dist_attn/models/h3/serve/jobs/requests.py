@@ -4,7 +4,7 @@
 Everything here runs on rank 0 before anything is broadcast; a rejected request costs no
 collective. Limits are checked before the costly step they guard: the geometry before multiplying
 it out (the body's JSON nesting depth and integer length before parsing:
-:func:`dist_attn.serve.http.gate.decode_json`).
+:func:`dist_attn.models.h3.serve.http.gate.decode_json`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.config.fields import steps_rule
-from dist_attn.serve.config.tokens import PackedLayout
-from dist_attn.serve.wire.control import WIRE_FIELDS
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.config.fields import steps_rule
+from dist_attn.models.h3.serve.config.tokens import PackedLayout
+from dist_attn.models.h3.serve.wire.control import WIRE_FIELDS
 
 __all__ = ["RequestError", "Request", "parse_request", "request_from_wire"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from dist_attn.serve.jobs.store import JobStore
+from dist_attn.models.h3.serve.jobs.store import JobStore
 
 __all__ = ["prune_videos", "remove_files"]
 

@@ -9,8 +9,8 @@ decides) whether to go on, so a cancel or a shutdown stops every rank at the sam
 rank 0 does (decoding, muxing, writing) fails the job alone: the outcome carries the error and the
 server serves on.
 
-Runners: :class:`dist_attn.serve.h3.pipeline.H3Runner` (the MiniMax-H3 pipeline) and
-:class:`dist_attn.serve.jobs.synthetic.SyntheticRunner` (a test pattern and a tone, no model: the
+Runners: :class:`dist_attn.models.h3.serve.h3.pipeline.H3Runner` (the MiniMax-H3 pipeline) and
+:class:`dist_attn.models.h3.serve.jobs.synthetic.SyntheticRunner` (a test pattern and a tone, no model: the
 serving layer's own cost, for tests and load tests of the jobs API).
 """
 
@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from dist_attn.serve.jobs.mp4 import VideoFile
-from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
-from dist_attn.serve.wire.abort import Abort
-from dist_attn.serve.wire.control import WIRE_FIELDS
+from dist_attn.models.h3.serve.jobs.mp4 import VideoFile
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest, VideoRules
+from dist_attn.models.h3.serve.wire.abort import Abort
+from dist_attn.models.h3.serve.wire.control import WIRE_FIELDS
 
 __all__ = ["StepHook", "VideoOutcome", "VideoRunner", "video_wire", "video_from_wire"]
 

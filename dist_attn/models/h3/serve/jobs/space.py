@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import shutil
 
-from dist_attn.serve.jobs.mp4 import AUDIO_BIT_RATE
-from dist_attn.serve.jobs.videos import VideoRequest
+from dist_attn.models.h3.serve.jobs.mp4 import AUDIO_BIT_RATE
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest
 
 __all__ = ["job_bytes", "space_refusal"]
 

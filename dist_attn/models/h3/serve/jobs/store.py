@@ -14,7 +14,7 @@ What the store promises (the server's restart semantics):
   attempt (:meth:`JobStore.requeue`): the job did not cause the stop.
 
 A job's end that cannot be committed (a full disk) is held in memory and read over its row by
-every read (:mod:`dist_attn.serve.jobs.ends`): clients see the job finished at once, and
+every read (:mod:`dist_attn.models.h3.serve.jobs.ends`): clients see the job finished at once, and
 :meth:`JobStore.flush` commits it when the store can (before any job starts, and at close).
 
 Progress (step k of n) is not written per step (an fsync per step would cost ~10% of a tiny CPU
@@ -43,12 +43,12 @@ import threading
 import time
 from typing import Any, Iterator
 
-from dist_attn.serve.jobs.ends import HeldEnds, JobEnd
-from dist_attn.serve.jobs.records import (STORE_NAME, JobRecord, JobStatus, Recovery, StoreError,
-                                          new_job_id)
-from dist_attn.serve.jobs.store_sql import SCHEMA, Transaction, row_record
-from dist_attn.serve.jobs.store_sql import store_errors as _store_errors
-from dist_attn.serve.jobs.videos import VideoRequest
+from dist_attn.models.h3.serve.jobs.ends import HeldEnds, JobEnd
+from dist_attn.models.h3.serve.jobs.records import (STORE_NAME, JobRecord, JobStatus, Recovery,
+                                                    StoreError, new_job_id)
+from dist_attn.models.h3.serve.jobs.store_sql import SCHEMA, Transaction, row_record
+from dist_attn.models.h3.serve.jobs.store_sql import store_errors as _store_errors
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest
 
 __all__ = ["JobStatus", "JobRecord", "Recovery", "JobStore", "StoreError", "STORE_NAME",
            "MAX_ATTEMPTS", "new_job_id"]

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The job store's SQLite plumbing: the table, a row as a :class:`JobRecord`, the write
 transaction, and what turns SQLite's errors into :class:`StoreError`. Split from
-:mod:`dist_attn.serve.jobs.store`, its one user."""
+:mod:`dist_attn.models.h3.serve.jobs.store`, its one user."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sqlite3
 import threading
 from typing import Any, Callable, TypeVar
 
-from dist_attn.serve.jobs.records import STORE_NAME, JobRecord, JobStatus, StoreError
-from dist_attn.serve.jobs.videos import VideoRequest
+from dist_attn.models.h3.serve.jobs.records import STORE_NAME, JobRecord, JobStatus, StoreError
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest
 
 __all__ = ["SCHEMA", "Transaction", "row_record", "store_errors"]
 

@@ -10,10 +10,10 @@ import time
 import numpy as np
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.jobs.mp4 import write_mp4
-from dist_attn.serve.jobs.runner import StepHook, VideoOutcome
-from dist_attn.serve.jobs.videos import VideoRequest, VideoRules
-from dist_attn.serve.wire.abort import Abort, agree_abort
+from dist_attn.models.h3.serve.jobs.mp4 import write_mp4
+from dist_attn.models.h3.serve.jobs.runner import StepHook, VideoOutcome
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest, VideoRules
+from dist_attn.models.h3.serve.wire.abort import Abort, agree_abort
 
 __all__ = ["SyntheticRunner"]
 

@@ -15,8 +15,8 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from dist_attn.serve.config.fields import steps_rule
-from dist_attn.serve.jobs.requests import RequestError
+from dist_attn.models.h3.serve.config.fields import steps_rule
+from dist_attn.models.h3.serve.jobs.requests import RequestError
 
 __all__ = ["VideoRules", "VideoRequest", "parse_video_request", "FIELDS"]
 
@@ -27,7 +27,7 @@ FIELDS = ("prompt", "negative_prompt", "frames", "height", "width", "steps", "gu
 @dataclass(kw_only=True, frozen=True)
 class VideoRules:
     """What the served pipeline accepts, and its defaults. Built by the runner from the loaded
-    components (see :meth:`dist_attn.serve.h3.pipeline.H3Pipeline.rules`)."""
+    components (see :meth:`dist_attn.models.h3.serve.h3.pipeline.H3Pipeline.rules`)."""
 
     canvas_multiple: int = 32
     """height and width are multiples of this (the VAE's spatial compression x the patch)."""

@@ -13,12 +13,13 @@ import torch
 
 from dist_attn.agreement import gather_objects
 from dist_attn.distributed import DistEnv
-from dist_attn.fp8_linear import fp8_unsupported_reason, require_torchao
+from dist_attn.models.h3.fp8.linear import fp8_unsupported_reason, require_torchao
 from dist_attn.plan import heads_per_rank
 from dist_attn.ring import check_ring_transport, resolve_ring_backend
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.config.quality import (Topology, gather_device_facts, local_device_facts,
-                                     quality_failures, tier_exact_only)
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.config.quality import (Topology, gather_device_facts,
+                                                      local_device_facts, quality_failures,
+                                                      tier_exact_only)
 
 __all__ = ["linear_precision_failures", "resolve_backend_name", "run_launch_checks"]
 

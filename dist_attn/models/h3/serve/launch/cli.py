@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The validated config: file (or embedded default), then --set, then dedicated flags."""
-    from dist_attn.serve.config import apply_overrides, load_config
-    from dist_attn.serve.config.load import parse_override
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.config.load import parse_override
 
     cfg = load_config(args.config)
     overrides: dict[str, Any] = dict(parse_override(item) for item in args.set)
@@ -151,7 +151,7 @@ def run() -> NoReturn:
     ``std::terminate`` then turns a clean shutdown into SIGABRT (exit -6, seen on 1 in ~6 supervised
     SIGTERM drains on 2 CPU ranks; torch 2.13). The supervisor and single processes exit as
     usual."""
-    from dist_attn.serve.launch.supervise import under_torchrun
+    from dist_attn.models.h3.serve.launch.supervise import under_torchrun
 
     try:
         code = main()
@@ -174,7 +174,7 @@ def _stopped(exc: BaseException) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sig = _EARLY_STOPS[0] if _EARLY_STOPS else None
     if sig is None:
-        from dist_attn.serve.ranks.lifecycle import stop_signal
+        from dist_attn.models.h3.serve.ranks.lifecycle import stop_signal
 
         sig = stop_signal()
     if sig is None:
@@ -186,8 +186,8 @@ def _stopped(exc: BaseException) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from dist_attn.extras import install_hint, missing_modules
-    from dist_attn.serve.launch.supervise import (restore_default_signals, strip_flag, supervise,
-                                                  under_torchrun)
+    from dist_attn.models.h3.serve.launch.supervise import (restore_default_signals, strip_flag,
+                                                            supervise, under_torchrun)
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     restore_default_signals()  # a rank under the supervisor inherits them ignored
     signal.signal(signal.SIGINT, _early_interrupt)  # until interrupt_start_up's, below
-    from dist_attn.serve.ranks.lifecycle import interrupt_start_up
+    from dist_attn.models.h3.serve.ranks.lifecycle import interrupt_start_up
 
     interrupt_start_up()  # Ctrl-C before the rank serves: one line, not a traceback (run)
     rank = int(os.environ.get("RANK", 0))
@@ -224,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dist_attn.distributed import init_distributed
-    from dist_attn.serve.launch.checks import run_launch_checks
-    from dist_attn.serve.launch.keeper import announce_serving, rank0_listener
-    from dist_attn.serve.launch.logs import setup_logging
-    from dist_attn.serve.launch.process import (exposure_warnings, resolve_api_key,
-                                                set_parent_death_signal)
-    from dist_attn.serve.jobs.requests import RequestError, parse_request
+    from dist_attn.models.h3.serve.launch.checks import run_launch_checks
+    from dist_attn.models.h3.serve.launch.keeper import announce_serving, rank0_listener
+    from dist_attn.models.h3.serve.launch.logs import setup_logging
+    from dist_attn.models.h3.serve.launch.process import (exposure_warnings, resolve_api_key,
+                                                          set_parent_death_signal)
+    from dist_attn.models.h3.serve.jobs.requests import RequestError, parse_request
 
     setup_logging(rank, level=args.log_level, all_ranks=args.log_all_ranks)
     set_parent_death_signal()
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         for warning in exposure_warnings(host, api_key):
             log.warning("%s", warning)
         store = _open_store(cfg, local_failures)
-    from dist_attn.serve.launch.preflight import log_measured, memory_preflight
+    from dist_attn.models.h3.serve.launch.preflight import log_measured, memory_preflight
 
     # before any weight is loaded; its one message joins the launch checks' failures
     pre = memory_preflight(cfg, env, dtype, args.checkpoint)
@@ -288,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"quality={cfg.runtime.quality or 'none'}, backend {backend}, device "
                       f"{env.device})", flush=True)
             return 0
-        from dist_attn.serve.h3.engine import Engine
-        from dist_attn.serve.ranks.loop import serve
+        from dist_attn.models.h3.serve.h3.engine import Engine
+        from dist_attn.models.h3.serve.ranks.loop import serve
 
-        from dist_attn.serve.launch.build import block_linears, build_model
+        from dist_attn.models.h3.serve.launch.build import block_linears, build_model
 
         model, timer = build_model(cfg, env, dtype, backend, _transformer_dir(args.checkpoint),
                                    shard=pre.shard, report=lambda message: _rank0_error(rank, message))
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 _rank0_error(rank, f"video pipeline: {e}")
                 return 1
         if cfg.runtime.warmup_shapes:  # every rank, before HTTP answers /health
-            from dist_attn.serve.launch.warmup import warm_up
+            from dist_attn.models.h3.serve.launch.warmup import warm_up
 
             warm_up(engine, cfg, pipeline=getattr(runner, "pipe", None))
             log_measured(pre, env.device)
@@ -352,8 +352,8 @@ def _open_store(cfg: Any, failures: list[str]) -> Any:
     ``failures``, never a traceback."""
     if cfg.jobs.runner == "off":
         return None
-    from dist_attn.serve.jobs.store import StoreError
-    from dist_attn.serve.jobs.store_open import open_job_store
+    from dist_attn.models.h3.serve.jobs.store import StoreError
+    from dist_attn.models.h3.serve.jobs.store_open import open_job_store
 
     try:
         return open_job_store(cfg.jobs.output_dir)
@@ -370,9 +370,9 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
     """The video runner on every rank (around the served DiT ``transformer``: one H3 in memory)
     and, on rank 0, what HTTP shares about the jobs over ``store`` (opened by
     :func:`_open_store`); ``(None, None)`` with ``jobs.runner = "off"``."""
-    from dist_attn.serve.http.state import VideoJobs
-    from dist_attn.serve.jobs.synthetic import SyntheticRunner
-    from dist_attn.serve.jobs.videos import VideoRules
+    from dist_attn.models.h3.serve.http.state import VideoJobs
+    from dist_attn.models.h3.serve.jobs.synthetic import SyntheticRunner
+    from dist_attn.models.h3.serve.jobs.videos import VideoRules
 
     jobs = cfg.jobs
     if jobs.runner == "off":
@@ -382,7 +382,7 @@ def _build_jobs(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | 
                            max_steps=cfg.serve.max_steps, max_rows=cfg.serve.max_tokens)
         runner: Any = SyntheticRunner(env, step_s=jobs.synthetic_step_s, rules=rules)
     else:
-        from dist_attn.serve.h3.pipeline import H3Runner
+        from dist_attn.models.h3.serve.h3.pipeline import H3Runner
 
         if checkpoint is not None and _transformer_dir(checkpoint) == checkpoint:
             raise ValueError(f"--checkpoint {checkpoint} is a bare transformer checkpoint; the "

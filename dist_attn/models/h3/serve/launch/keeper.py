@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 
-from dist_attn.serve.launch.process import bind_listener
+from dist_attn.models.h3.serve.launch.process import bind_listener
 
 __all__ = ["KEEPER_ENV", "PortKeeper", "rank0_listener", "announce_serving"]
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory pre-flight at launch, on every rank before any weight is loaded: each rank's peak
-estimated by arithmetic (:mod:`dist_attn.serve.h3.memory`) against the free memory of every
+estimated by arithmetic (:mod:`dist_attn.models.h3.serve.h3.memory`) against the free memory of every
 rank's device, ``parallel.shard_weights = "auto"`` decided from it, and either a logged estimate
 or one failure message naming what would fit.
 
@@ -22,8 +22,8 @@ import torch
 
 from dist_attn.agreement import gather_objects
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.config.tokens import padded_rows
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.config.tokens import padded_rows
 
 __all__ = ["Preflight", "component_configs", "decide", "largest_geometry", "log_measured",
            "memory_preflight"]
@@ -38,7 +38,7 @@ class Preflight:
     shard: bool
     """``parallel.shard_weights``, resolved."""
     estimate: Any = None
-    """This rank's :class:`~dist_attn.serve.h3.memory.MemoryEstimate` (None: no pre-flight)."""
+    """This rank's :class:`~dist_attn.models.h3.serve.h3.memory.MemoryEstimate` (None: no pre-flight)."""
     budget: int = 0
     """Bytes the estimate had to stay within (free memory less the headroom)."""
     failure: str | None = None
@@ -52,7 +52,7 @@ def component_configs(checkpoint: str | None, runner: str) -> tuple[Any, dict | 
     the CPU default's tiny ones (no checkpoint)."""
     if runner != "h3" or checkpoint is None or not os.path.isdir(os.path.join(checkpoint, "vae")):
         return None, None, None
-    from dist_attn.serve.h3.text import _cut_config
+    from dist_attn.models.h3.serve.h3.text import _cut_config
 
     def read(name: str) -> dict:
         with open(os.path.join(checkpoint, name, "config.json"), encoding="utf-8") as f:
@@ -64,7 +64,7 @@ def component_configs(checkpoint: str | None, runner: str) -> tuple[Any, dict | 
 def largest_geometry(cfg: Config, world: int, device_type: str) -> Any:
     """The largest (by packed rows) of ``runtime.warmup_shapes`` and the default request, its
     prompt at ``runtime.warmup_prompt_tokens`` or ``tokens.text_tokens``, whichever is longer."""
-    from dist_attn.serve.h3.memory import Geometry
+    from dist_attn.models.h3.serve.h3.memory import Geometry
 
     shapes = [*cfg.runtime.warmup_shapes, (cfg.request.frames, cfg.request.height, cfg.request.width)]
     text = max(cfg.runtime.warmup_prompt_tokens, cfg.tokens.text_tokens)
@@ -102,8 +102,8 @@ def memory_preflight(cfg: Config, env: DistEnv, dtype: torch.dtype, checkpoint: 
         mem_get_info: ``() -> (free, total)`` bytes of this rank's device (None:
             ``torch.cuda.mem_get_info``; ``memory.device_gb`` overrides both).
     """
-    from dist_attn.serve.h3.decode import video_vae_dtype
-    from dist_attn.serve.h3.memory import model_sizes
+    from dist_attn.models.h3.serve.h3.decode import video_vae_dtype
+    from dist_attn.models.h3.serve.h3.memory import model_sizes
 
     want = cfg.parallel.shard_weights
     device_type = env.device.type
@@ -134,12 +134,12 @@ def memory_preflight(cfg: Config, env: DistEnv, dtype: torch.dtype, checkpoint: 
 def decide(cfg: Config, sizes: Any, frees: list[int], *, rank: int, device_type: str,
            elt: int) -> Preflight:
     """The pre-flight's arithmetic, given every rank's free bytes (``len(frees)`` ranks) and the
-    components' :class:`~dist_attn.serve.h3.memory.ModelSizes`: ``shard_weights`` resolved,
+    components' :class:`~dist_attn.models.h3.serve.h3.memory.ModelSizes`: ``shard_weights`` resolved,
     ``rank``'s estimate, and the one failure message (the worst rank's), the same on every rank."""
     from dataclasses import replace
 
     from dist_attn.integrations.diffusers import tiles_within_budget
-    from dist_attn.serve.h3.memory import Plan, estimate_peak, suggestions
+    from dist_attn.models.h3.serve.h3.memory import Plan, estimate_peak, suggestions
 
     world, want = len(frees), cfg.parallel.shard_weights
     budgets = [int(f * (1 - cfg.memory.headroom_fraction)) for f in frees]

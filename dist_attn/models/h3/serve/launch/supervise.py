@@ -25,16 +25,16 @@ SIGKILL: it ignores SIGTERM) and each rank gets its own parent-death SIGTERM and
 Restarts: a ``kill -9`` of one rank ends the torchrun job (it exits 1). The supervisor starts
 torchrun again when the job fails after it served (rank 0 writes the file
 named by ``$DIST_ATTN_SUPERVISOR_READY`` once its HTTP port serves,
-:func:`dist_attn.serve.ranks.lifecycle.mark_ready`), at most
+:func:`dist_attn.models.h3.serve.ranks.lifecycle.mark_ready`), at most
 ``--max-restarts`` times (3) within :data:`RESTART_WINDOW_S` (10 minutes). The job store then
 re-queues the job that was running, as after any crash (a job started twice already is failed,
-not retried: :data:`dist_attn.serve.jobs.store.MAX_ATTEMPTS`). A job that fails before it serves (a
+not retried: :data:`dist_attn.models.h3.serve.jobs.store.MAX_ATTEMPTS`). A job that fails before it serves (a
 bad config, a port in use, a corrupt job store) is not restarted: it would fail the same way.
 The restarted job is a fresh torchrun (new ranks, the model built again), on the same port.
 torchrun's own ``--max-restarts`` is not used: it restarts launch failures too, and its count
 never resets, so a server up for months would run out of restarts. While no rank 0 serves (a
 start, a restart), the supervisor keeps the port open and answers it with 503 and Retry-After
-(:mod:`dist_attn.serve.launch.keeper`).
+(:mod:`dist_attn.models.h3.serve.launch.keeper`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Any
 
-from dist_attn.serve.launch.keeper import KEEPER_ENV, PortKeeper
+from dist_attn.models.h3.serve.launch.keeper import KEEPER_ENV, PortKeeper
 
 __all__ = ["under_torchrun", "strip_flag", "restore_default_signals", "rank_pids", "supervise",
            "DEFAULT_MAX_RESTARTS", "RESTART_WINDOW_S"]
@@ -128,7 +128,7 @@ def _agent_preexec() -> None:
 
 def supervise(nproc: int, serve_argv: list[str], *,
               max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
-    """Runs ``torchrun --standalone --nproc-per-node nproc -m dist_attn.serve serve_argv`` and
+    """Runs ``torchrun --standalone --nproc-per-node nproc -m dist_attn.models.h3.serve serve_argv`` and
     returns its exit status (128 + N when it died of signal N), restarting it after a failure
     that came after it served (module docstring)."""
     if not sys.platform.startswith("linux"):
@@ -141,7 +141,7 @@ def supervise(nproc: int, serve_argv: list[str], *,
                          f"(restarts within {RESTART_WINDOW_S:g} s; 0: never restart)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(nproc), "--signals-to-handle", "SIGHUP,SIGQUIT",
-           "-m", "dist_attn.serve", *serve_argv]
+           "-m", "dist_attn.models.h3.serve", *serve_argv]
     agent: subprocess.Popen | None = None
     stop: list[str] = []  # the signal's name once one arrived
     undelivered = False
@@ -192,7 +192,7 @@ def supervise(nproc: int, serve_argv: list[str], *,
     signal.signal(signal.SIGINT, forward)
     # here, not at the top: the launch imports this module before it checks the serve extra,
     # and the ranks' package imports the HTTP app (uvicorn)
-    from dist_attn.serve.ranks.lifecycle import READY_ENV
+    from dist_attn.models.h3.serve.ranks.lifecycle import READY_ENV
 
     restarts: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dist_attn-supervisor-") as tmp:

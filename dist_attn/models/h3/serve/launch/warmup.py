@@ -7,7 +7,7 @@ cuBLAS/cuDNN heuristics and, with ``model.linear_precision = "fp8"``, the activa
 ``runtime.warmup_shapes`` lists ``(frames, height, width)`` geometries; two steps cover the
 shapes every later step has (the first step's video and audio timesteps are one value, the
 others two, so the blocks see a second shape from step 2 on); every rank runs
-:func:`warm_up` after the model is built and before :func:`dist_attn.serve.ranks.loop.serve`
+:func:`warm_up` after the model is built and before :func:`dist_attn.models.h3.serve.ranks.loop.serve`
 starts the HTTP server, so ``/health`` only answers (and answers ok) once they are warm. Every rank runs the
 same steps in the same order: the forward's collectives line up as for a request.
 
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.config.sections import WARMUP_STEPS
-from dist_attn.serve.config.tokens import padded_rows
-from dist_attn.serve.jobs.requests import Request, parse_request
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.config.sections import WARMUP_STEPS
+from dist_attn.models.h3.serve.config.tokens import padded_rows
+from dist_attn.models.h3.serve.jobs.requests import Request, parse_request
 
 __all__ = ["WARMUP_STEPS", "WarmupRun", "bucket_text_rows", "warm_up", "warmup_request"]
 
@@ -78,9 +78,9 @@ def warm_up(engine: Any, cfg: Config, *, pipeline: Any = None) -> list[WarmupRun
     in the same place); returns what each denoise run took. Empty list when none is configured.
 
     Args:
-        engine: the :class:`dist_attn.serve.h3.engine.Engine` that will serve.
+        engine: the :class:`dist_attn.models.h3.serve.h3.engine.Engine` that will serve.
         cfg: the validated config.
-        pipeline: the :class:`dist_attn.serve.h3.pipeline.H3Pipeline` of the video jobs (None:
+        pipeline: the :class:`dist_attn.models.h3.serve.h3.pipeline.H3Pipeline` of the video jobs (None:
             no decode to warm): its decode of each geometry compiles the decoder's blocks
             (``decode.compile``) for the geometry's tile batches and JITs its kernels.
     """

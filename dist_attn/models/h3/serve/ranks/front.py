@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Rank 0's side that HTTP faces: the /v1/generate queue, the metrics, when every rank last
-answered, and the :class:`~dist_attn.serve.http.state.ServerState` that shares them with the HTTP
+answered, and the :class:`~dist_attn.models.h3.serve.http.state.ServerState` that shares them with the HTTP
 thread; at a shutdown it answers every waiting request 503 at once."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.http.metrics import Metrics
-from dist_attn.serve.http.state import ServerState, VideoJobs
-from dist_attn.serve.jobs.queue import JobQueue, Liveness
-from dist_attn.serve.wire.abort import Abort
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.http.metrics import Metrics
+from dist_attn.models.h3.serve.http.state import ServerState, VideoJobs
+from dist_attn.models.h3.serve.jobs.queue import JobQueue, Liveness
+from dist_attn.models.h3.serve.wire.abort import Abort
 
 __all__ = ["Front"]
 

@@ -8,13 +8,13 @@ import logging
 import time
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.h3.engine import Engine, RunResult
-from dist_attn.serve.jobs.queue import Job
-from dist_attn.serve.ranks.front import Front
-from dist_attn.serve.ranks.lifecycle import Shutdown
-from dist_attn.serve.wire.abort import Abort
-from dist_attn.serve.wire.control import Control, Op, exchange
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.h3.engine import Engine, RunResult
+from dist_attn.models.h3.serve.jobs.queue import Job
+from dist_attn.models.h3.serve.ranks.front import Front
+from dist_attn.models.h3.serve.ranks.lifecycle import Shutdown
+from dist_attn.models.h3.serve.wire.abort import Abort
+from dist_attn.models.h3.serve.wire.control import Control, Op, exchange
 
 __all__ = ["GenerateDrive"]
 

@@ -25,18 +25,18 @@ import time
 from typing import Any
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.h3.engine import Engine, RunResult
-from dist_attn.serve.http.app import HttpServer
-from dist_attn.serve.http.state import VideoJobs
-from dist_attn.serve.jobs.queue import Job
-from dist_attn.serve.jobs.requests import Request, request_from_wire
-from dist_attn.serve.jobs.runner import VideoRunner, video_from_wire
-from dist_attn.serve.ranks.front import Front
-from dist_attn.serve.ranks.generate import GenerateDrive
-from dist_attn.serve.ranks.lifecycle import Shutdown, mark_ready
-from dist_attn.serve.ranks.video import VideoDrive
-from dist_attn.serve.wire.control import Control, Op, exchange
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.h3.engine import Engine, RunResult
+from dist_attn.models.h3.serve.http.app import HttpServer
+from dist_attn.models.h3.serve.http.state import VideoJobs
+from dist_attn.models.h3.serve.jobs.queue import Job
+from dist_attn.models.h3.serve.jobs.requests import Request, request_from_wire
+from dist_attn.models.h3.serve.jobs.runner import VideoRunner, video_from_wire
+from dist_attn.models.h3.serve.ranks.front import Front
+from dist_attn.models.h3.serve.ranks.generate import GenerateDrive
+from dist_attn.models.h3.serve.ranks.lifecycle import Shutdown, mark_ready
+from dist_attn.models.h3.serve.ranks.video import VideoDrive
+from dist_attn.models.h3.serve.wire.control import Control, Op, exchange
 
 __all__ = ["Rank0", "serve"]
 
@@ -76,10 +76,10 @@ def _worker_loop(env: DistEnv, engine: Engine, runner: VideoRunner | None) -> in
 
 
 class Rank0:
-    """Rank 0's loop: serves HTTP through its :class:`~dist_attn.serve.ranks.front.Front`, picks
+    """Rank 0's loop: serves HTTP through its :class:`~dist_attn.models.h3.serve.ranks.front.Front`, picks
     the next job (/v1/generate first, then the oldest stored video job), has every rank run it
-    (:class:`~dist_attn.serve.ranks.generate.GenerateDrive`,
-    :class:`~dist_attn.serve.ranks.video.VideoDrive`), keeps idle ranks awake with heartbeats,
+    (:class:`~dist_attn.models.h3.serve.ranks.generate.GenerateDrive`,
+    :class:`~dist_attn.models.h3.serve.ranks.video.VideoDrive`), keeps idle ranks awake with heartbeats,
     and on a signal drains and tells every rank to leave."""
 
     def __init__(self, cfg: Config, env: DistEnv, engine: Engine, info: dict[str, Any],

@@ -14,15 +14,15 @@ import os
 import time
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.config.deployment import Config
-from dist_attn.serve.http.state import VideoJobs, VideoProgress
-from dist_attn.serve.jobs.records import JobRecord, JobStatus, StoreError
-from dist_attn.serve.jobs.retention import prune_videos, remove_files
-from dist_attn.serve.jobs.runner import VideoOutcome, VideoRunner, video_wire
-from dist_attn.serve.ranks.front import Front
-from dist_attn.serve.ranks.lifecycle import Shutdown
-from dist_attn.serve.wire.abort import Abort
-from dist_attn.serve.wire.control import Control, Op, exchange
+from dist_attn.models.h3.serve.config.deployment import Config
+from dist_attn.models.h3.serve.http.state import VideoJobs, VideoProgress
+from dist_attn.models.h3.serve.jobs.records import JobRecord, JobStatus, StoreError
+from dist_attn.models.h3.serve.jobs.retention import prune_videos, remove_files
+from dist_attn.models.h3.serve.jobs.runner import VideoOutcome, VideoRunner, video_wire
+from dist_attn.models.h3.serve.ranks.front import Front
+from dist_attn.models.h3.serve.ranks.lifecycle import Shutdown
+from dist_attn.models.h3.serve.wire.abort import Abort
+from dist_attn.models.h3.serve.wire.control import Control, Op, exchange
 
 __all__ = ["VideoDrive"]
 
@@ -111,7 +111,7 @@ class VideoDrive:
 
     def prune(self, now: float | None = None) -> list[str]:
         """Deletes the files of succeeded jobs past ``jobs.videos_kept`` and
-        ``jobs.videos_max_age_s`` (:func:`~dist_attn.serve.jobs.retention.prune_videos`, ``now``
+        ``jobs.videos_max_age_s`` (:func:`~dist_attn.models.h3.serve.jobs.retention.prune_videos`, ``now``
         Unix seconds, default the clock's); returns their ids. A store error is logged."""
         jobs = self.cfg.jobs
         self._pruned = time.monotonic()

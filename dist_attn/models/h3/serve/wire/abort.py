@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.wire.control import comm_device
+from dist_attn.models.h3.serve.wire.control import comm_device
 
 __all__ = ["Abort", "agree_abort"]
 

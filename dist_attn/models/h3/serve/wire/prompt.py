@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Rank 0's prompt encoding on every rank: the text encoder runs once, on rank 0
-(:mod:`dist_attn.serve.h3.pipeline` says why), and its output travels as two broadcasts. A
+(:mod:`dist_attn.models.h3.serve.h3.pipeline` says why), and its output travels as two broadcasts. A
 sharded encoder runs on every rank, on rank 0's prompt text (:func:`broadcast_text`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dist_attn.distributed import DistEnv
-from dist_attn.serve.wire.control import comm_device
+from dist_attn.models.h3.serve.wire.control import comm_device
 
 __all__ = ["broadcast_prompt", "broadcast_text"]
 
