@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The FP8 linear recipe (dist_attn.models.h3.fp8.linear) on CPU: its emulation is torchao's quantizer bit
-for bit and torch._scaled_mm's arithmetic up to float32 rounding; zero rows stay finite; a CPU
-or a missing torchao is refused by name; the core imports without torchao."""
+"""The FP8 linear recipe (dist_attn.models.h3.fp8.linear) on CPU: its emulation is torchao's
+quantizer bit for bit and torch._scaled_mm's arithmetic up to float32 rounding; zero rows stay
+finite; a CPU or a missing torchao is refused by name; the core imports without torchao; its
+modules are what the library's weight sharding takes (quantized names, the torchao swap)."""
 
 from __future__ import annotations
 
@@ -212,3 +213,33 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_the_modules_hold_what_weight_sharding_takes(monkeypatch):
+    """The library's protocol, implemented here: every FP8 module names its codes and scales, and
+    Fp8Linear is the registered replacement of a torchao FP8 linear (its codes shared); with no
+    module registered, shard_module's swap says what is missing."""
+    from dist_attn import weight_sharding as ws
+
+    x, w = _operands(n=32)
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    emulated = EmulatedFp8Linear.from_linear(linear)
+    assert isinstance(emulated, ws.HoldsQuantizedTensors)
+    assert ws.quantized_names(emulated) == ("weight_codes", "weight_scales")
+    assert ws.quantized_names(linear) == ()
+    codes, scales = quantize_weight_e4m3(w)
+    root = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False))
+    root[0].weight.qdata, root[0].weight.scale = codes, scales  # what torchao's Float8Tensor holds
+    assert ws._torchao_to_fp8_linear(root) == 1
+    assert type(root[0]) is Fp8Linear and root[0].weight_codes is codes
+    assert ws.quantized_names(root[0]) == ("weight_codes", "weight_scales")
+    assert ws._fp8_buffers_to_parameters(root) == 2
+    assert {n for n, _ in root.named_parameters()} == {"0.weight_codes", "0.weight_scales"}
+    monkeypatch.setattr(ws, "_FP8_LINEAR", [])
+    root = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False))
+    root[0].weight.qdata, root[0].weight.scale = codes, scales
+    with pytest.raises(ValueError, match=r"0: a torchao FP8 linear, and no FP8 linear module is "
+                                         r"registered .*register_fp8_linear"):
+        ws._torchao_to_fp8_linear(root)

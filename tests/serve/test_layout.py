@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from tests._imports import cycles, import_graph, package_modules
 from tests.conftest import ROOT
 
 PREFIX = "dist_attn.models.h3.serve"
@@ -24,54 +25,8 @@ LAYERS = ("launch", "ranks", "http", "h3", "jobs", "wire", "config")
 MAX_LINES = 400
 
 
-def _modules() -> dict[str, str]:
-    """Dotted module name -> file path, for every .py under dist_attn/models/h3/serve."""
-    found = {}
-    for folder, _, files in os.walk(SERVE):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(folder, name)
-            parts = os.path.relpath(path, ROOT).removesuffix(".py").split(os.sep)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(parts)] = path
-    return found
-
-
-MODULES = _modules()
-
-
-def _imports(module: str, path: str) -> set[str]:
-    """The dist_attn.models.h3.serve modules ``module`` imports anywhere in its file (top level, inside
-    functions, under TYPE_CHECKING), each resolved to the module file it names."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
-    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-    named: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            named.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            # `from pkg import name`: the submodule pkg.name when there is one, else pkg
-            named.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
-                         for alias in node.names)
-    out = set()
-    for name in named:
-        while name and name not in MODULES:  # `import a.b.c` of a module a.b.c, or a name in a.b
-            name = name.rpartition(".")[0]
-        if name.startswith(PREFIX):
-            out.add(name)
-    out.discard(module)
-    return out
-
-
-GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+MODULES = package_modules(PREFIX)
+GRAPH = import_graph(MODULES)
 
 
 def _layer(module: str) -> str | None:
@@ -105,22 +60,8 @@ def test_sub_packages_import_top_down_only():
 
 def test_no_import_cycle():
     """Between modules (a sub-package's __init__ counts as a module), lazy imports included."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    cycles = []
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for target in sorted(GRAPH[module]):
-            if state.get(target) == 1:
-                cycles.append(" -> ".join([*path[path.index(target):], target]))
-            elif target not in state:
-                visit(target, [*path, target])
-        state[module] = 2
-
-    for module in sorted(GRAPH):
-        if module not in state:
-            visit(module, [module])
-    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+    found = cycles(GRAPH)
+    assert not found, "import cycles:\n  " + "\n  ".join(found)
 
 
 @pytest.mark.parametrize("layer", LAYERS)
