@@ -79,6 +79,22 @@ def test_h3_sub_packages_import_top_down():
     assert not upward, "imports that run back up:\n  " + "\n  ".join(upward)
 
 
+def test_the_layout_picture_names_every_box():
+    """docs/import_graph.svg (drawn by docs/import_graph.py, its text kept as text) holds a box
+    for every group of modules the graph has today: a new package is not missing from it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_graph", f"{ROOT}/docs/import_graph.py")
+    drawer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drawer)
+    with open(f"{ROOT}/docs/import_graph.svg", encoding="utf-8") as f:
+        svg = f.read()
+    boxes = set(drawer.package_graph()) - {drawer._GROUND}
+    assert len(boxes) > 15
+    missing = sorted(b for b in boxes if f">{b}<" not in svg)
+    assert not missing, f"docs/import_graph.svg lacks {missing}: run python docs/import_graph.py"
+
+
 def test_importing_the_library_imports_no_model_code():
     code = ("import sys, dist_attn, dist_attn.integrations.diffusers, dist_attn.weight_sharding, "
             "dist_attn.kernels; print(sorted(m for m in sys.modules if m.startswith('dist_attn.models')))")
