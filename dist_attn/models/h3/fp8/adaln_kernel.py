@@ -18,19 +18,20 @@ round it (after the product and after the sum), and writes ``h`` beside the code
 Arithmetic: float32 from the inputs (the norm, its weight, ``1 + scale``, the product and the
 shift), one rounding of ``y`` to bfloat16 (the dtype the linear's input has), then the recipe on
 that bf16 row: ``amax`` floored at ``ACTIVATION_AMAX_FLOOR``, ``scale = bf16(amax / 448)``, codes
-``e4m3(clamp(y / scale))`` with the division exact (as in :mod:`dist_attn.models.h3.fp8.swiglu_kernel`).
-diffusers' eager path rounds to bf16 after the norm, after ``1 + scale``, after the product and
-after the sum; inductor's compiled path keeps float32 between them, as here. On the GPU the
-row's sum runs in another order and ``rsqrt`` is the hardware's: a float32 ulp or two that rarely
-moves the bf16 rounding (a code one e4m3 step off; tests/integrations/test_fp8_gpu.py bounds how
-often). The kernel is compiled without floating-point contraction (``enable_fp_fusion=False``):
-with it, LLVM narrowed the residual step's float32 ops on bf16 values to bf16 ones (exact so far)
-and the backend then fused them into one ``fma.rn.bf16x2``, which rounds ``x + gate * update``
-once where diffusers' ops round twice (one bf16 step off on a GPU; the PTX test in
-tests/core/test_kernel_adaln_fp8.py checks that no contracted FMA is left). Under Triton's interpreter (CPU
-tests) the roundings are done on the bits and the kernel is :func:`adaln_e4m3_rows_reference` bit
-for bit on finite rows (a row with a NaN or an inf has a NaN scale either way; its codes are NaN in
-the reference and on the GPU, numbers under the interpreter, whose fp8 cast has no NaN).
+``e4m3(clamp(y / scale))`` with the division exact (as in
+:mod:`dist_attn.models.h3.fp8.swiglu_kernel`). diffusers' eager path rounds to bf16 after the norm,
+after ``1 + scale``, after the product and after the sum; inductor's compiled path keeps float32
+between them, as here. On the GPU the row's sum runs in another order and ``rsqrt`` is the
+hardware's: a float32 ulp or two that rarely moves the bf16 rounding (a code one e4m3 step off;
+tests/integrations/test_fp8_gpu.py bounds how often). The kernel is compiled without floating-point
+contraction (``enable_fp_fusion=False``): with it, LLVM narrowed the residual step's float32 ops on
+bf16 values to bf16 ones (exact so far) and the backend then fused them into one ``fma.rn.bf16x2``,
+which rounds ``x + gate * update`` once where diffusers' ops round twice (one bf16 step off on a
+GPU; the PTX test in tests/core/test_kernel_adaln_fp8.py checks that no contracted FMA is left).
+Under Triton's interpreter (CPU tests) the roundings are done on the bits and the kernel is
+:func:`adaln_e4m3_rows_reference` bit for bit on finite rows (a row with a NaN or an inf has a NaN
+scale either way; its codes are NaN in the reference and on the GPU, numbers under the interpreter,
+whose fp8 cast has no NaN).
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ An H3 block feeds each of its two GEMM groups (``attn.to_q/to_k/to_v``, then the
 projection) ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]``; with FP8 linears the recipe then
 quantizes that bf16 tensor per row. :func:`fuse_adaln_blocks` gives each such block a forward
 that computes the modulated input and its e4m3 codes in one pass
-(:func:`dist_attn.models.h3.fp8.adaln_kernel.adaln_e4m3_rows`; before the FFN the same pass also does the
-attention's residual step, :func:`~dist_attn.models.h3.fp8.adaln_kernel.residual_adaln_e4m3_rows`, which
-rounds it as diffusers' bf16 ops do) and hands the linears the codes
-(:class:`dist_attn.models.h3.fp8.linear.Fp8Rows`): the GEMMs are the recipe's, only the pass before them
-changes (see the kernel's docstring for its roundings). The forward is diffusers' block
+(:func:`dist_attn.models.h3.fp8.adaln_kernel.adaln_e4m3_rows`; before the FFN the same pass also
+does the attention's residual step,
+:func:`~dist_attn.models.h3.fp8.adaln_kernel.residual_adaln_e4m3_rows`, which rounds it as
+diffusers' bf16 ops do) and hands the linears the codes
+(:class:`dist_attn.models.h3.fp8.linear.Fp8Rows`): the GEMMs are the recipe's, only the pass before
+them changes (see the kernel's docstring for its roundings). The forward is diffusers' block
 (``MiniMaxH3TransformerBlock.forward`` of diffusers 0.42) step for step otherwise; the attention
 processor is whatever the block has (diffusers', or dist_attn's Ulysses one): both call
 ``attn.to_q/to_k/to_v`` on what the block passes, which is all they do with it.

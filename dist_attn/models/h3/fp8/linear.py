@@ -295,7 +295,8 @@ register_fp8_linear(Fp8Linear)
 
 class Fp8SwiGLUFeedForward(QuantizedTensors):
     """A SwiGLU feed-forward whose two linears are FP8 (the recipe above), with the SwiGLU and the
-    quantization of its output in one kernel (:func:`dist_attn.models.h3.fp8.swiglu_kernel.swiglu_e4m3_rows`).
+    quantization of its output in one kernel
+    (:func:`dist_attn.models.h3.fp8.swiglu_kernel.swiglu_e4m3_rows`).
 
     ``forward(x) = down(value * silu(gate))`` with ``[value, gate] = proj(x)``, as diffusers'
     ``FeedForward(activation_fn="swiglu")``; the down projection is ``torch._scaled_mm`` on the

@@ -64,7 +64,8 @@ class LinearQuantization:
     """"torchao" (torch._scaled_mm), "emulated" (float32 emulation, tests) or "none" (bf16)."""
     layers: tuple[str, ...]
     """Dotted names of the linears now in FP8 (a fused FFN's down projection is named by the
-    :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward` that holds its weight, see ``fused_ffns``)."""
+    :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward` that holds its weight, see
+    ``fused_ffns``)."""
     bytes_before: int
     """Bytes of those layers' weights and biases before."""
     bytes_after: int
@@ -77,8 +78,9 @@ class LinearQuantization:
     kept_other: str
     """Other linears left in the blocks' dtype on purpose, in words."""
     fused_ffns: tuple[str, ...] = ()
-    """Dotted names of the SwiGLU FFNs now :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward`
-    (in ``layers`` their projection is ``<ff>.proj`` and their down projection ``<ff>`` itself)."""
+    """Dotted names of the SwiGLU FFNs now
+    :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward` (in ``layers`` their projection is
+    ``<ff>.proj`` and their down projection ``<ff>`` itself)."""
     cast_fp32: tuple[str, ...] = ()
     """The class's float32 modules found in another dtype (a model cast after loading, e.g. by
     ``.to(torch.bfloat16)``, which diffusers warns about), as ``"name (dtype)"``: never quantized,
@@ -222,8 +224,8 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
         fuse_adaln: a block's ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` and its row
             quantization run as one kernel, before the q/k/v projections and before the FFN's,
             that one with the attention's residual step in the same pass
-            (:mod:`dist_attn.models.h3.fp8.adaln_kernel`: float32 with one bf16 rounding where diffusers'
-            eager path rounds four times); the block gets a forward of its own
+            (:mod:`dist_attn.models.h3.fp8.adaln_kernel`: float32 with one bf16 rounding where
+            diffusers' eager path rounds four times); the block gets a forward of its own
             (:mod:`~dist_attn.models.h3.fp8.block`). The residual step's output
             equals diffusers' bf16 ops bit for bit at H3's width; compiled latents keep eager's
             roundings (docs/diffusers.md has the timings and errors). "auto" (the default): every

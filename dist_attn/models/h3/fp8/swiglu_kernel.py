@@ -4,8 +4,8 @@ imports triton).
 
 A SwiGLU feed-forward with FP8 linears runs ``h = x W_in^T`` (``[M, 2I]``), ``y = h[:, :I] *
 silu(h[:, I:])`` (``[M, I]``, bf16) and then quantizes ``y`` per row for the down projection
-(:func:`dist_attn.models.h3.fp8.linear.quantize_rows_e4m3`). Compiled, inductor fuses the two into one
-looped reduction that reads ``h`` twice. Here one program holds a whole row in registers: ``h``
+(:func:`dist_attn.models.h3.fp8.linear.quantize_rows_e4m3`). Compiled, inductor fuses the two into
+one looped reduction that reads ``h`` twice. Here one program holds a whole row in registers: ``h``
 is read once (timed against inductor by ``benchmarks/dev/swiglu_probe.py``; see
 benchmarks/KERNEL_NOTES.md).
 

@@ -19,10 +19,11 @@ are checked by :meth:`Config.check_world`, which the launcher calls on every ran
 process group is used.
 
 The shipped configs (``tiny``, the CPU default, and ``h3``, the real model) are package data,
-``dist_attn/models/h3/serve/configs/*.toml`` (the clone's ``configs/`` points there): ``load_config(None)``
-reads ``tiny.toml`` through :mod:`importlib.resources`, so ``python -m dist_attn.models.h3.serve`` works
-with no arguments from a clone, an editable install or a plain ``pip install .``, and
-``--config h3`` names the shipped H3 config wherever the package is installed.
+``dist_attn/models/h3/serve/configs/*.toml`` (the clone's ``configs/`` points there):
+``load_config(None)`` reads ``tiny.toml`` through :mod:`importlib.resources`, so ``python -m
+dist_attn.models.h3.serve`` works with no arguments from a clone, an editable install or a plain
+``pip install .``, and ``--config h3`` names the shipped H3 config wherever the package is
+installed.
 """
 
 from __future__ import annotations

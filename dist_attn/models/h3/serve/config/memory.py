@@ -21,8 +21,9 @@ def _auto_bool(cls: str, name: str, value: object) -> None:
 class MemoryConfig:
     """The memory pre-flight: before any weight is loaded, every rank estimates its peak
     (weights per rank, text encoder, activations of the largest warm-up geometry, decode batch,
-    allocator slack; :mod:`dist_attn.models.h3.serve.h3.memory`) against its device's free memory, and the
-    launch proceeds (logging the estimate) or stops with one message naming what would fit."""
+    allocator slack; :mod:`dist_attn.models.h3.serve.h3.memory`) against its device's free memory,
+    and the launch proceeds (logging the estimate) or stops with one message naming what would
+    fit."""
 
     preflight: bool | Literal["auto"] = "auto"
     """Run the pre-flight: ``"auto"`` on CUDA (and wherever ``device_gb`` is set), never on a
@@ -76,7 +77,8 @@ class DecodeConfig:
         _auto_bool("DecodeConfig", "compile", self.compile)
 
     def tiles(self) -> int | None:
-        """``tiles_per_call`` for :class:`dist_attn.models.h3.serve.h3.decode.JobDecoder` (None: its rule)."""
+        """``tiles_per_call`` for :class:`dist_attn.models.h3.serve.h3.decode.JobDecoder` (None: its
+        rule)."""
         return None if self.tiles_per_call == "auto" else self.tiles_per_call
 
     def compiled(self, device_type: str, quality: str | None) -> bool:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What one rank holds of a diffusers-format H3 pipeline (:class:`H3Components`): each component
-loaded with its own ``from_pretrained``, where it runs (:mod:`dist_attn.models.h3.serve.h3.pipeline` says
-why), and the checks that the served DiT fits the rest."""
+loaded with its own ``from_pretrained``, where it runs (:mod:`dist_attn.models.h3.serve.h3.pipeline`
+says why), and the checks that the served DiT fits the rest."""
 
 from __future__ import annotations
 

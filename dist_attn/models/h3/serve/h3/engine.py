@@ -6,8 +6,8 @@ calls the (sequence-parallel) ``MiniMaxH3Transformer3DModel`` with the same full
 the same full velocity back and takes the same ``MiniMaxH3Scheduler`` step on the video rows
 (shift 12) and the audio rows (shift 3), so the state stays identical on every rank (each forward
 checks that it is, in one small all-gather). Between denoise steps all ranks vote on whether to go
-on (:func:`dist_attn.models.h3.serve.wire.abort.agree_abort`), so a request whose client left, whose deadline
-passed or that a shutdown ends stops at the same step on every rank.
+on (:func:`dist_attn.models.h3.serve.wire.abort.agree_abort`), so a request whose client left, whose
+deadline passed or that a shutdown ends stops at the same step on every rank.
 """
 
 from __future__ import annotations

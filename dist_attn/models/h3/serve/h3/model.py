@@ -81,10 +81,11 @@ def build_h3(cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
     """The served ``MiniMaxH3Transformer3DModel`` on ``device``, in eval mode, no grad.
 
     With ``cfg.linear_precision = "fp8"`` the blocks' q/k/v/out and FFN linears are then quantized
-    (with fast accumulation when ``cfg.fp8_fast_accum``) in place (:func:`dist_attn.models.h3.fp8.quantize_linears`, which logs the layer
-    count and the bytes saved; with ``cfg.fp8_fused_kernels``, its default, on CUDA the FFNs'
-    SwiGLU and the norms + AdaLN run fused with their quantization); on a device without FP8
-    GEMMs that raises, naming the device.
+    (with fast accumulation when ``cfg.fp8_fast_accum``) in place
+    (:func:`dist_attn.models.h3.fp8.quantize_linears`, which logs the layer count and the bytes
+    saved; with ``cfg.fp8_fused_kernels``, its default, on CUDA the FFNs' SwiGLU and the norms +
+    AdaLN run fused with their quantization); on a device without FP8 GEMMs that raises, naming the
+    device.
 
     Args:
         cfg: the architecture (``[model]``); a checkpoint must have the same (checked).

@@ -4,8 +4,8 @@ processor ``t2va`` needs (a text-only stand-in where transformers cannot build Q
 without torchvision). Either rank 0 holds the whole encoder (:func:`load_text_encoder`) or every
 rank holds 1/W of it (:func:`load_text_encoder_sharded`, FSDP2 one decoder layer at a time, with
 ``parallel.shard_weights``) and every rank runs it; either way rank 0's output reaches the other
-ranks through :func:`dist_attn.models.h3.serve.wire.prompt.broadcast_prompt`, so every rank conditions on
-the same tensor by construction."""
+ranks through :func:`dist_attn.models.h3.serve.wire.prompt.broadcast_prompt`, so every rank
+conditions on the same tensor by construction."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The diffusers class the server runs, imported on first use with an error that names the extra;
-:mod:`dist_attn.models.h3.serve.h3.model` builds it, :mod:`dist_attn.models.h3.serve.h3.weights` loads it."""
+:mod:`dist_attn.models.h3.serve.h3.model` builds it, :mod:`dist_attn.models.h3.serve.h3.weights`
+loads it."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 """HTTP on rank 0: a Starlette app served by uvicorn in a thread of its own.
 
 Endpoints: ``GET /health`` (200 ok, 503 not ready or shutting down; never needs a token),
-``POST /v1/generate`` (:mod:`dist_attn.models.h3.serve.http.generate`), ``/v1/videos`` (the jobs API,
-:mod:`dist_attn.models.h3.serve.http.videos`), ``GET /metrics`` (Prometheus text). Every error is a JSON
-body ``{"error": {"code", "message"}}`` (:mod:`dist_attn.models.h3.serve.http.gate`); no server banner;
-messages never carry server paths or library internals (those go to the log).
+``POST /v1/generate`` (:mod:`dist_attn.models.h3.serve.http.generate`), ``/v1/videos`` (the jobs
+API, :mod:`dist_attn.models.h3.serve.http.videos`), ``GET /metrics`` (Prometheus text). Every error
+is a JSON body ``{"error": {"code", "message"}}`` (:mod:`dist_attn.models.h3.serve.http.gate`); no
+server banner; messages never carry server paths or library internals (those go to the log).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The HTTP/1.1 protocol under the app: uvicorn's h11 protocol with what it lacks for a server
-facing hostile clients (:class:`GuardedH11Protocol`). :class:`dist_attn.models.h3.serve.http.app.HttpServer`
-builds one subclass per server."""
+facing hostile clients (:class:`GuardedH11Protocol`).
+:class:`dist_attn.models.h3.serve.http.app.HttpServer` builds one subclass per server."""
 
 from __future__ import annotations
 

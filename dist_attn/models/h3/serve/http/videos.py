@@ -2,10 +2,10 @@
 """The jobs API over HTTP: ``/v1/videos``.
 
 - ``POST /v1/videos`` validates the request
-  (:func:`dist_attn.models.h3.serve.jobs.videos.parse_video_request`), stores the job (committed before the answer) and answers **202** with the job and a
-  ``Location``; 429 with Retry-After when ``jobs.max_queued`` jobs wait; 507 when the output
-  directory's free space cannot hold its files and those of the jobs before it; 503 while
-  shutting down.
+  (:func:`dist_attn.models.h3.serve.jobs.videos.parse_video_request`), stores the job (committed
+  before the answer) and answers **202** with the job and a ``Location``; 429 with Retry-After when
+  ``jobs.max_queued`` jobs wait; 507 when the output directory's free space cannot hold its files
+  and those of the jobs before it; 503 while shutting down.
 - ``GET /v1/videos/{id}``: the job: status (queued, running, succeeded, failed, cancelled),
   progress (step k of n, elapsed, estimated remaining, queue position), timings, errors.
 - ``GET /v1/videos/{id}/content`` streams the MP4 (``?variant=thumbnail``: the first frame's PNG);
@@ -135,8 +135,9 @@ def job_json(job: JobRecord, jobs: VideoJobs, times: StepTimes) -> dict[str, Any
 
 
 def video_routes(state: ServerState, gate: Gate) -> list[Route]:
-    """The routes of :mod:`this module <dist_attn.models.h3.serve.http.videos>` over ``state.videos``,
-    through ``gate`` (the token and the body limits of ``/v1/generate`` apply alike)."""
+    """The routes of :mod:`this module <dist_attn.models.h3.serve.http.videos>` over
+    ``state.videos``, through ``gate`` (the token and the body limits of ``/v1/generate`` apply
+    alike)."""
     jobs: VideoJobs = state.videos
     times = state.step_times
     refused, fail = gate.refused, gate.fail

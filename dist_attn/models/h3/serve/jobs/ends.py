@@ -5,8 +5,8 @@ the store, and committed when it can.
 A job whose end cannot be written is never left 'running' to clients (a frozen progress, a
 metric counting it running, a DELETE accepted but never carried out): the store keeps such an end
 here (:class:`HeldEnds`) and reads it over the file's row (:meth:`JobEnd.apply`), so clients see
-the job finished at once; :meth:`dist_attn.models.h3.serve.jobs.store.JobStore.flush` commits it once
-the disk has room. A process that dies with ends held leaves those jobs 'running' in the file,
+the job finished at once; :meth:`dist_attn.models.h3.serve.jobs.store.JobStore.flush` commits it
+once the disk has room. A process that dies with ends held leaves those jobs 'running' in the file,
 and the restart semantics apply (re-queued once).
 """
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The job store's records and its error: what a job is (:class:`JobRecord`), where it is
 (:class:`JobStatus`), what a restart did (:class:`Recovery`), and :class:`StoreError`. Split from
-:mod:`dist_attn.models.h3.serve.jobs.store` (the SQLite store), which re-exports the records and the error."""
+:mod:`dist_attn.models.h3.serve.jobs.store` (the SQLite store), which re-exports the records and the
+error."""
 
 from __future__ import annotations
 

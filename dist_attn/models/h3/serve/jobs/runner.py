@@ -10,8 +10,8 @@ rank 0 does (decoding, muxing, writing) fails the job alone: the outcome carries
 server serves on.
 
 Runners: :class:`dist_attn.models.h3.serve.h3.pipeline.H3Runner` (the MiniMax-H3 pipeline) and
-:class:`dist_attn.models.h3.serve.jobs.synthetic.SyntheticRunner` (a test pattern and a tone, no model: the
-serving layer's own cost, for tests and load tests of the jobs API).
+:class:`dist_attn.models.h3.serve.jobs.synthetic.SyntheticRunner` (a test pattern and a tone, no
+model: the serving layer's own cost, for tests and load tests of the jobs API).
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ MP4s of jobs the store does not list.
 Contract:
 
 * The launcher calls it before any weight is loaded and before the launch checks
-  (:func:`dist_attn.models.h3.serve.launch.checks.run_launch_checks`): a store that cannot be opened (a file
-  that is not a readable SQLite database) raises :class:`~dist_attn.models.h3.serve.jobs.store.StoreError`,
-  whose message names the file and what to do; the launch reports it as one failed condition and
-  every rank exits 1.
+  (:func:`dist_attn.models.h3.serve.launch.checks.run_launch_checks`): a store that cannot be opened
+  (a file that is not a readable SQLite database) raises
+  :class:`~dist_attn.models.h3.serve.jobs.store.StoreError`, whose message names the file and what
+  to do; the launch reports it as one failed condition and every rank exits 1.
 * MP4s under ``videos/`` whose jobs the store does not list are not served; they mean a store that
   was replaced or restored without its ``-wal`` file, and :func:`open_job_store` logs one WARNING
   naming up to three of them (the store checkpoints its WAL after every job, so ``jobs.sqlite3``
@@ -46,8 +46,8 @@ def unlisted_videos(store: JobStore) -> list[str]:
 
 def open_job_store(output_dir: str) -> JobStore:
     """The job store of ``output_dir`` after its restart recovery, logged. Raises
-    :class:`~dist_attn.models.h3.serve.jobs.store.StoreError` (a file that is not a readable SQLite database:
-    the message names it and what to do) or OSError (the directory cannot be made)."""
+    :class:`~dist_attn.models.h3.serve.jobs.store.StoreError` (a file that is not a readable SQLite
+    database: the message names it and what to do) or OSError (the directory cannot be made)."""
     store = JobStore(output_dir)
     try:
         recovery = store.recover()

@@ -23,8 +23,8 @@ def block_linears(cfg: Any, dtype: Any) -> str:
 def build_model(cfg: Any, env: Any, dtype: Any, backend: str, checkpoint: str | None, *, shard: bool,
                 report: Callable[[str], None]) -> tuple[Any, Any]:
     """``(model, timer)``: the sequence-parallel H3 on every rank (``shard``: its weights sharded
-    with FSDP2, :func:`dist_attn.models.h3.serve.h3.build.build_served`). A bad checkpoint or a missing
-    package fails on every rank alike (all read the same files, before any collective): its
+    with FSDP2, :func:`dist_attn.models.h3.serve.h3.build.build_served`). A bad checkpoint or a
+    missing package fails on every rank alike (all read the same files, before any collective): its
     message goes to ``report`` and the answer is ``(None, None)``."""
     from dist_attn.models.h3.serve.h3.build import build_served
     from dist_attn.models.h3.serve.h3.weights import WeightsError

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory pre-flight at launch, on every rank before any weight is loaded: each rank's peak
-estimated by arithmetic (:mod:`dist_attn.models.h3.serve.h3.memory`) against the free memory of every
-rank's device, ``parallel.shard_weights = "auto"`` decided from it, and either a logged estimate
-or one failure message naming what would fit.
+estimated by arithmetic (:mod:`dist_attn.models.h3.serve.h3.memory`) against the free memory of
+every rank's device, ``parallel.shard_weights = "auto"`` decided from it, and either a logged
+estimate or one failure message naming what would fit.
 
 Every rank gathers every rank's free memory (one ``all_gather_object``) and estimates every rank,
 so every rank reaches the same decision and, on failure, holds the same message (the worst
@@ -38,7 +38,8 @@ class Preflight:
     shard: bool
     """``parallel.shard_weights``, resolved."""
     estimate: Any = None
-    """This rank's :class:`~dist_attn.models.h3.serve.h3.memory.MemoryEstimate` (None: no pre-flight)."""
+    """This rank's :class:`~dist_attn.models.h3.serve.h3.memory.MemoryEstimate` (None: no
+    pre-flight)."""
     budget: int = 0
     """Bytes the estimate had to stay within (free memory less the headroom)."""
     failure: str | None = None
@@ -134,8 +135,9 @@ def memory_preflight(cfg: Config, env: DistEnv, dtype: torch.dtype, checkpoint: 
 def decide(cfg: Config, sizes: Any, frees: list[int], *, rank: int, device_type: str,
            elt: int) -> Preflight:
     """The pre-flight's arithmetic, given every rank's free bytes (``len(frees)`` ranks) and the
-    components' :class:`~dist_attn.models.h3.serve.h3.memory.ModelSizes`: ``shard_weights`` resolved,
-    ``rank``'s estimate, and the one failure message (the worst rank's), the same on every rank."""
+    components' :class:`~dist_attn.models.h3.serve.h3.memory.ModelSizes`: ``shard_weights``
+    resolved, ``rank``'s estimate, and the one failure message (the worst rank's), the same on every
+    rank."""
     from dataclasses import replace
 
     from dist_attn.integrations.diffusers import tiles_within_budget

@@ -4,7 +4,8 @@
 - Parent death: under torchrun every rank asks Linux for SIGTERM when its parent (the agent)
   dies, so a ``kill -9`` of the agent cannot leave ranks serving forever (they drained and
   exited within the drain bound instead of running on for 75 s and more).
-- SIGTERM/SIGINT: the serving rank's own (:class:`dist_attn.models.h3.serve.ranks.lifecycle.Shutdown`).
+- SIGTERM/SIGINT: the serving rank's own
+(:class:`dist_attn.models.h3.serve.ranks.lifecycle.Shutdown`).
 - The listening socket is bound on rank 0 before the model is built, so a port in use fails the
   launch with one message instead of a traceback after minutes of weight loading.
 """

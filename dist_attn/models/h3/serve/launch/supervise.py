@@ -28,9 +28,9 @@ named by ``$DIST_ATTN_SUPERVISOR_READY`` once its HTTP port serves,
 :func:`dist_attn.models.h3.serve.ranks.lifecycle.mark_ready`), at most
 ``--max-restarts`` times (3) within :data:`RESTART_WINDOW_S` (10 minutes). The job store then
 re-queues the job that was running, as after any crash (a job started twice already is failed,
-not retried: :data:`dist_attn.models.h3.serve.jobs.store.MAX_ATTEMPTS`). A job that fails before it serves (a
-bad config, a port in use, a corrupt job store) is not restarted: it would fail the same way.
-The restarted job is a fresh torchrun (new ranks, the model built again), on the same port.
+not retried: :data:`dist_attn.models.h3.serve.jobs.store.MAX_ATTEMPTS`). A job that fails before it
+serves (a bad config, a port in use, a corrupt job store) is not restarted: it would fail the same
+way. The restarted job is a fresh torchrun (new ranks, the model built again), on the same port.
 torchrun's own ``--max-restarts`` is not used: it restarts launch failures too, and its count
 never resets, so a server up for months would run out of restarts. While no rank 0 serves (a
 start, a restart), the supervisor keeps the port open and answers it with 503 and Retry-After
@@ -128,8 +128,8 @@ def _agent_preexec() -> None:
 
 def supervise(nproc: int, serve_argv: list[str], *,
               max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
-    """Runs ``torchrun --standalone --nproc-per-node nproc -m dist_attn.models.h3.serve serve_argv`` and
-    returns its exit status (128 + N when it died of signal N), restarting it after a failure
+    """Runs ``torchrun --standalone --nproc-per-node nproc -m dist_attn.models.h3.serve serve_argv``
+    and returns its exit status (128 + N when it died of signal N), restarting it after a failure
     that came after it served (module docstring)."""
     if not sys.platform.startswith("linux"):
         raise RuntimeError("--nproc-per-node (the supervisor) needs Linux (prctl, /proc); run "

@@ -7,9 +7,10 @@ cuBLAS/cuDNN heuristics and, with ``model.linear_precision = "fp8"``, the activa
 ``runtime.warmup_shapes`` lists ``(frames, height, width)`` geometries; two steps cover the
 shapes every later step has (the first step's video and audio timesteps are one value, the
 others two, so the blocks see a second shape from step 2 on); every rank runs
-:func:`warm_up` after the model is built and before :func:`dist_attn.models.h3.serve.ranks.loop.serve`
-starts the HTTP server, so ``/health`` only answers (and answers ok) once they are warm. Every rank runs the
-same steps in the same order: the forward's collectives line up as for a request.
+:func:`warm_up` after the model is built and before
+:func:`dist_attn.models.h3.serve.ranks.loop.serve` starts the HTTP server, so ``/health`` only
+answers (and answers ok) once they are warm. Every rank runs the same steps in the same order: the
+forward's collectives line up as for a request.
 
 Video jobs run the same transformer module through the pipeline, so its compiled code and kernels
 are reused by jobs of a warmed geometry. A job's sequence holds its prompt's tokens and is padded
@@ -80,7 +81,8 @@ def warm_up(engine: Any, cfg: Config, *, pipeline: Any = None) -> list[WarmupRun
     Args:
         engine: the :class:`dist_attn.models.h3.serve.h3.engine.Engine` that will serve.
         cfg: the validated config.
-        pipeline: the :class:`dist_attn.models.h3.serve.h3.pipeline.H3Pipeline` of the video jobs (None:
+        pipeline: the :class:`dist_attn.models.h3.serve.h3.pipeline.H3Pipeline` of the video jobs
+        (None:
             no decode to warm): its decode of each geometry compiles the decoder's blocks
             (``decode.compile``) for the geometry's tile batches and JITs its kernels.
     """

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Rank 0's side that HTTP faces: the /v1/generate queue, the metrics, when every rank last
-answered, and the :class:`~dist_attn.models.h3.serve.http.state.ServerState` that shares them with the HTTP
-thread; at a shutdown it answers every waiting request 503 at once."""
+answered, and the :class:`~dist_attn.models.h3.serve.http.state.ServerState` that shares them with
+the HTTP thread; at a shutdown it answers every waiting request 503 at once."""
 
 from __future__ import annotations
 

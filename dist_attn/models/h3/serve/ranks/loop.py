@@ -76,11 +76,11 @@ def _worker_loop(env: DistEnv, engine: Engine, runner: VideoRunner | None) -> in
 
 
 class Rank0:
-    """Rank 0's loop: serves HTTP through its :class:`~dist_attn.models.h3.serve.ranks.front.Front`, picks
-    the next job (/v1/generate first, then the oldest stored video job), has every rank run it
+    """Rank 0's loop: serves HTTP through its :class:`~dist_attn.models.h3.serve.ranks.front.Front`,
+    picks the next job (/v1/generate first, then the oldest stored video job), has every rank run it
     (:class:`~dist_attn.models.h3.serve.ranks.generate.GenerateDrive`,
-    :class:`~dist_attn.models.h3.serve.ranks.video.VideoDrive`), keeps idle ranks awake with heartbeats,
-    and on a signal drains and tells every rank to leave."""
+    :class:`~dist_attn.models.h3.serve.ranks.video.VideoDrive`), keeps idle ranks awake with
+    heartbeats, and on a signal drains and tells every rank to leave."""
 
     def __init__(self, cfg: Config, env: DistEnv, engine: Engine, info: dict[str, Any],
                  api_key: str | None, runner: VideoRunner | None = None,

@@ -111,8 +111,8 @@ class VideoDrive:
 
     def prune(self, now: float | None = None) -> list[str]:
         """Deletes the files of succeeded jobs past ``jobs.videos_kept`` and
-        ``jobs.videos_max_age_s`` (:func:`~dist_attn.models.h3.serve.jobs.retention.prune_videos`, ``now``
-        Unix seconds, default the clock's); returns their ids. A store error is logged."""
+        ``jobs.videos_max_age_s`` (:func:`~dist_attn.models.h3.serve.jobs.retention.prune_videos`,
+        ``now`` Unix seconds, default the clock's); returns their ids. A store error is logged."""
         jobs = self.cfg.jobs
         self._pruned = time.monotonic()
         try:
