@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 
-from dist_attn.models.h3.fp8.linear import (ACTIVATION_AMAX_FLOOR, fp8_linear_emulated,
-                                            # noqa: E402 fp8_unsupported_reason, quantize_rows_e4m3,
+from dist_attn.models.h3.fp8.linear import (ACTIVATION_AMAX_FLOOR, fp8_linear_emulated,  # noqa: E402
+                                            fp8_unsupported_reason, quantize_rows_e4m3,
                                             quantize_weight_e4m3, torchao_fp8_config)
 
 pytestmark = [

@@ -43,11 +43,11 @@ def test_fp8_fast_accum_and_fused_kernels_fields(monkeypatch):
         apply_overrides(load_config(None), {"model.fp8_fast_accum": True, "runtime.quality": "lossless"})
     # build_h3 hands the field to quantize_linears (the GEMM flag itself: tests/integrations)
     pytest.importorskip("diffusers")
-    import dist_attn.integrations.diffusers as integration
+    import dist_attn.models.h3.fp8 as fp8
     from dist_attn.models.h3.serve.h3.model import build_h3
 
     calls = []
-    monkeypatch.setattr(integration, "quantize_linears",
+    monkeypatch.setattr(fp8, "quantize_linears",
                         lambda model, precision, **kw: calls.append((precision, kw)))
     tiny = dataclasses.replace(cfg.model, num_layers=1, hidden_size=64, num_attention_heads=2,
                                attention_head_dim=32, ffn_dim=128, text_dim=32,

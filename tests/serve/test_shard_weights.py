@@ -53,7 +53,7 @@ def _sharded(cfg, dtype, checkpoint=None):
 
 
 def _worker(rank, world, ckpt_root):
-    import dist_attn.integrations.diffusers as integration
+    import dist_attn.models.h3.fp8 as h3_fp8
     from dist_attn.models.h3.serve.config import apply_overrides, load_config
 
     cfg = load_config(None)
@@ -76,13 +76,13 @@ def _worker(rank, world, ckpt_root):
         res[f"checkpoint_{dtype}"] = _equal(_forward(model, inputs), want)
     # FP8 linears (the recipe's float32 emulation on CPU), each block quantized before sharding
     fp8 = apply_overrides(cfg, {"model.linear_precision": "fp8"})
-    real = integration.quantize_linears
-    integration.quantize_linears = functools.partial(real, emulate=True)
+    real = h3_fp8.quantize_linears
+    h3_fp8.quantize_linears = functools.partial(real, emulate=True)
     try:
         want = _forward(_replica(fp8, torch.bfloat16), inputs)
         model, summary = _sharded(fp8, torch.bfloat16)
     finally:
-        integration.quantize_linears = real
+        h3_fp8.quantize_linears = real
     res["fp8"] = (_equal(_forward(model, inputs), want), summary.fp8_tensors)
     return res
 
