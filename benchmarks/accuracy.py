@@ -10,7 +10,7 @@ Cases (rows of the table):
 * ``h3_real``: the q/k/v the FIRST block of diffusers' ``MiniMaxH3Transformer3DModel`` (default
   config, its own initialisation, bf16) hands to attention on the h3-ref layout built by the H3
   pipeline's own layout code (512 text + 172 audio + 37,296 video = 37,980 rows, 56 heads x 128):
-  :mod:`dist_attn.integrations.diffusers.h3_activations`;
+  :mod:`dist_attn.models.h3.activations`;
 * ``vmean``: q, k ~ N(0, 1), v ~ N(0, 1) + a per-channel mean drawn from U(0, m), 8 heads, at
   4,096 and 38,016 rows, m in {0, 0.5, 2};
 * ``segments``: four documents of one packed axis (5,000 / 12,000 / 3,000 / 16,000 rows), each
@@ -117,7 +117,7 @@ def family_case(kind: str, rows: int, heads: int, d: int):
 
 def _h3_case(smoke: bool, small: bool = False):
     def build(device, seed):
-        from dist_attn.integrations.diffusers import h3_activations as h3
+        import dist_attn.models.h3.activations as h3
 
         layout, config = h3.H3_REF_LAYOUT, {}
         if small:  # the GPU test's layout (tests/core/test_kernel_accuracy.py): 4,176 rows
@@ -283,7 +283,7 @@ def latent_drift(args, device, writer: ResultWriter, budget: Budget) -> None:
     from diffusers import MiniMaxH3Scheduler
     from diffusers.models.transformers import transformer_minimax_h3 as h3mod
 
-    from dist_attn.integrations.diffusers import h3_activations as h3
+    import dist_attn.models.h3.activations as h3
 
     layout = h3.H3_REF_LAYOUT
     config = {}

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_attn.serve.config import ModelConfig
-from dist_attn.serve.config.tokens import PackedLayout
+from dist_attn.models.h3.serve.config import ModelConfig
+from dist_attn.models.h3.serve.config.tokens import PackedLayout
 
 __all__ = ["LayerRuntime", "attach", "block_inputs", "build_block", "h3_ref_layout", "model_inputs",
            "padded_total"]

@@ -164,8 +164,8 @@ def _models(cfg, dev, emulate: bool):
     """(summary, models): ``"bf16"``, ``"fp8"`` (the eager rows' models: 1 block, no refiner, the same
     weights); ``"copy"``: a function of a precision (``_PRECISIONS``: see :func:`_quantize`) that
     makes one more such model (each compiled path gets its own)."""
-    from dist_attn.integrations.diffusers import quantize_linears
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.fp8 import quantize_linears
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     one = dataclasses.replace(cfg.model, num_layers=1, num_refiner_layers=0)
     bf16 = build_h3(one, device=dev, dtype=torch.bfloat16)
@@ -196,7 +196,7 @@ def _quantize(model, prec: str, emulate: bool) -> None:
     (``fuse_adaln=True``; the other recipes ``False``): ``fp8adaln`` is the library's default on CUDA;
     ``fp8tfast``, a benchmark-only recipe: torchao with ONE scale per
     activation tensor and per weight, fast accumulation (the other cuBLAS FP8 route)."""
-    from dist_attn.integrations.diffusers import quantize_linears
+    from dist_attn.models.h3.fp8 import quantize_linears
 
     if prec != "fp8tfast":
         quantize_linears(model, "fp8", emulate=emulate, fast_accum=prec.startswith("fp8fast"),
@@ -205,8 +205,8 @@ def _quantize(model, prec: str, emulate: bool) -> None:
         return
     from torchao.quantization import PerTensor, quantize_
 
-    from dist_attn.fp8_linear import torchao_fp8_config
-    from dist_attn.integrations.diffusers.linear_precision import fp8_linear_names
+    from dist_attn.models.h3.fp8.linear import torchao_fp8_config
+    from dist_attn.models.h3.fp8.quantize import fp8_linear_names
 
     wanted = set(fp8_linear_names(model))
     # the shipped recipe's config (floor, kernel preference, inductor settings), one scale per tensor
@@ -218,7 +218,8 @@ def _quantize(model, prec: str, emulate: bool) -> None:
 
 
 def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3, quantize_weight_e4m3
+    from dist_attn.models.h3.fp8.linear import (ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3,
+                                                quantize_weight_e4m3)
 
     m = cfg.model
     shapes = {"qkv": (m.hidden_size, m.inner_dim), "out": (m.inner_dim, m.hidden_size),
@@ -273,7 +274,7 @@ def run_gemm(args, cfg, dev, emulate, budget, rows) -> None:
 
 def _quantize_tensor_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes of ``x`` with ONE float32 scale (0-dim): max |x| / 448, floored like activations."""
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, E4M3_MAX
+    from dist_attn.models.h3.fp8.linear import ACTIVATION_AMAX_FLOOR, E4M3_MAX
 
     scale = (x.abs().amax().float().clamp(min=ACTIVATION_AMAX_FLOOR) / E4M3_MAX)
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
@@ -281,7 +282,7 @@ def _quantize_tensor_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fp8_linear(lin, x, emulate: bool, fast: bool):
     """A call of ``lin``'s FP8 twin on ``x``: torchao's (``fast``: fast accumulation) or emulated."""
-    from dist_attn.fp8_linear import EmulatedFp8Linear, torchao_fp8_config
+    from dist_attn.models.h3.fp8.linear import EmulatedFp8Linear, torchao_fp8_config
 
     if emulate:
         twin = EmulatedFp8Linear.from_linear(lin)
@@ -587,12 +588,12 @@ def run_accuracy(args, cfg, dev, emulate, budget, rows, mode: str = "eager", sta
     engine before it) the ``--acc-compiled`` ones, given the eager call's returned ``state``."""
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.integrations.diffusers import quantize_linears
-    from dist_attn.serve.config import apply_overrides
-    from dist_attn.serve.h3.engine import Engine
-    from dist_attn.serve.config.sections import COMPILED_SEQUENCE_BUCKET
-    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
-    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.fp8 import quantize_linears
+    from dist_attn.models.h3.serve.config import apply_overrides
+    from dist_attn.models.h3.serve.h3.engine import Engine
+    from dist_attn.models.h3.serve.config.sections import COMPILED_SEQUENCE_BUCKET
+    from dist_attn.models.h3.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
 
     acc = apply_overrides(cfg, {"model.num_layers": args.acc_layers})
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
@@ -741,8 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     args.overlap = [int(c) for c in _names(args.overlap)]
     from diffusers.utils import logging as diffusers_logging
 
-    from dist_attn.fp8_linear import fp8_unsupported_reason
-    from dist_attn.serve.config import load_config
+    from dist_attn.models.h3.fp8.linear import fp8_unsupported_reason
+    from dist_attn.models.h3.serve.config import load_config
 
     diffusers_logging.set_verbosity_error()  # one "experimental" warning per backend switch
     dev = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")

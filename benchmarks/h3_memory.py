@@ -23,7 +23,7 @@ precision), everything as the server builds it with ``parallel.shard_weights = t
   As rank r > 0 the text encode runs as rank 0's (a fake group cannot deliver rank 0's broadcast).
 
 Reported per phase: ``torch.cuda.max_memory_allocated`` (peak stats reset between phases) beside
-:func:`dist_attn.serve.h3.memory.estimate_peak` for the same plan. The gather model: each block's
+:func:`dist_attn.models.h3.serve.h3.memory.estimate_peak` for the same plan. The gather model: each block's
 compute time measured here (CUDA events around every block, FSDP2's waits outside them), a block's
 all-gather = (W - 1)/W of its bytes at ``--bandwidth-gbs`` (300 and 360 GB/s), hidden under the
 block before it when shorter (FSDP2 prefetches one block ahead); the step's slowdown counts the
@@ -82,7 +82,7 @@ def _random_fill(name: str, module: torch.nn.Module) -> None:
 def _vaes(smoke: bool, device: torch.device, latent: int, audio_latent: int):
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
-    from dist_attn.serve.h3.decode import cast_like_from_pretrained, video_vae_dtype
+    from dist_attn.models.h3.serve.h3.decode import cast_like_from_pretrained, video_vae_dtype
 
     previous = torch.get_default_dtype()
     try:  # drawn in the served dtype at once: a float32 H3 VAE would hold 10.4 GB for a moment
@@ -181,16 +181,16 @@ def run_one(world: int, precision: str, *, smoke: bool, device: torch.device, ba
     from transformers import Qwen3VLForConditionalGeneration
 
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.config import apply_overrides, load_config
-    from dist_attn.serve.h3.components import H3Components
-    from dist_attn.serve.h3.memory import Plan, estimate_peak, model_sizes
-    from dist_attn.serve.h3.model import meta_h3, parallelize, shard_h3
-    from dist_attn.serve.h3.pipeline import H3Pipeline
-    from dist_attn.serve.h3.text import TextOnlyQwen3VLProcessor, shard_text_encoder
-    from dist_attn.serve.h3.tiny import _tokenizer
-    from dist_attn.serve.jobs.videos import parse_video_request
-    from dist_attn.serve.launch.preflight import largest_geometry
-    from dist_attn.serve.wire import Abort
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.h3.components import H3Components
+    from dist_attn.models.h3.serve.h3.memory import Plan, estimate_peak, model_sizes
+    from dist_attn.models.h3.serve.h3.model import meta_h3, parallelize, shard_h3
+    from dist_attn.models.h3.serve.h3.pipeline import H3Pipeline
+    from dist_attn.models.h3.serve.h3.text import TextOnlyQwen3VLProcessor, shard_text_encoder
+    from dist_attn.models.h3.serve.h3.tiny import _tokenizer
+    from dist_attn.models.h3.serve.jobs.videos import parse_video_request
+    from dist_attn.models.h3.serve.launch.preflight import largest_geometry
+    from dist_attn.models.h3.serve.wire import Abort
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     real_all_gather = dist.all_gather

@@ -78,14 +78,14 @@ class _DirectKernel:
 
 
 def _config(args):
-    from dist_attn.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
 
     path = args.config or os.path.join(_REPO, "configs", "tiny.toml" if args.smoke else "h3.toml")
     return path, apply_overrides(load_config(path), {"model.num_layers": args.layers})
 
 
 def _build(cfg, dev, dtype):
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     return build_h3(cfg.model, device=dev, dtype=dtype)
 
@@ -153,7 +153,7 @@ def _time(fn, dev, iters, warmup, budget):
 
 
 def run(args, writer, budget, cfg, dev, dtype) -> None:
-    from dist_attn.serve.config import apply_overrides
+    from dist_attn.models.h3.serve.config import apply_overrides
 
     layout = h3_ref_layout() if not args.smoke else cfg.layout(
         frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)
@@ -268,10 +268,10 @@ def _serve(cfg, dev, dtype, args, budget, rows) -> None:
     """The served engine's steady step: Engine.run of the default request at W = 1."""
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.h3.engine import Engine
-    from dist_attn.serve.config.sections import COMPILED_SEQUENCE_BUCKET
-    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
-    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.h3.engine import Engine
+    from dist_attn.models.h3.serve.config.sections import COMPILED_SEQUENCE_BUCKET
+    from dist_attn.models.h3.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None, shared_gpu=False)
     model = None

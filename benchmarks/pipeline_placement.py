@@ -9,7 +9,7 @@ Measured, per part, median of ``--iters``:
 
 - ``text encode, rank 0``: rank 0 encodes alone (the others wait, as they do when serving);
 - ``text encode, every rank``: all ranks encode at once; the wall time of the slowest;
-- ``broadcast``: :func:`dist_attn.serve.wire.broadcast_prompt` of the tiny embedding and of an
+- ``broadcast``: :func:`dist_attn.models.h3.serve.wire.broadcast_prompt` of the tiny embedding and of an
   H3-sized one ([1, 512, 5120]: 512 prompt tokens of the 5,120-wide Qwen3-VL state);
 - ``decode video``: the served decode of one job, the video over every rank (since dec2a07 the
   server decodes there; rank 0 alone against every rank is ``benchmarks/vae_decode.py``'s
@@ -82,22 +82,22 @@ def main() -> None:
     smoke_values(p, args, iters=2, prompt_tokens=16)
     ctx = init_distributed(backend="gloo", device="cpu")
     env = ctx.env
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.pipeline import H3Runner
-    from dist_attn.serve.jobs.videos import parse_video_request
-    from dist_attn.serve.wire import broadcast_prompt
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.pipeline import H3Runner
+    from dist_attn.models.h3.serve.jobs.videos import parse_video_request
+    from dist_attn.models.h3.serve.wire import broadcast_prompt
 
     runner = H3Runner.build(load_config(None), env, dtype=torch.float32, backend="sdpa",
                             checkpoint=None)
     pipe = runner.pipe
     # Every rank gets a text pipeline for the "every rank" variant (the server builds it on rank 0)
     if env.rank != 0:
-        from dist_attn.serve.h3.components import load_components
+        from dist_attn.models.h3.serve.h3.components import load_components
 
-        from dist_attn.serve.h3.tiny import tiny_checkpoint_path
+        from dist_attn.models.h3.serve.h3.tiny import tiny_checkpoint_path
         full = load_components(tiny_checkpoint_path(), device=env.device, dtype=torch.float32,
                                rank0=True, transformer=pipe.comps.transformer)
-        from dist_attn.serve.h3.pipeline import H3Pipeline
+        from dist_attn.models.h3.serve.h3.pipeline import H3Pipeline
         local = H3Pipeline(full, env.__class__(rank=0, world_size=1, local_rank=0,
                                                device=env.device, backend=None), torch.float32)
     else:
@@ -138,7 +138,7 @@ def main() -> None:
                                                           device=env.device), everyone=True)})
     out = pipe.run_denoise(req, embeds, tags, runner._hook(None))
     lat, alat = out["latents"], out["audio_latents"]
-    # The served decode (dist_attn.serve.h3.decode.JobDecoder, since dec2a07): the video over
+    # The served decode (dist_attn.models.h3.serve.h3.decode.JobDecoder, since dec2a07): the video over
     # every rank, no MP4 here. Rank 0 alone against every rank, tile batches and dtypes, is
     # benchmarks/vae_decode.py's subject; this row keeps the whole job's parts side by side.
     rows.append({"part": "decode video (served: over every rank)", "where": "every rank",

@@ -65,7 +65,7 @@ from dist_attn.varlen import attend_varlen, segment_layout
 from dist_attn.buffers import StagingBuffers
 from dist_attn.comm import pack_qkv_chunks, unpack_output, unpack_qkv
 from benchmarks.h3_block import attach, block_inputs, build_block, h3_ref_layout, padded_total
-from dist_attn.serve.config import load_config
+from dist_attn.models.h3.serve.config import load_config
 from dist_attn.plan import heads_per_rank, make_plan
 from dist_attn.profiling import PHASES, PhaseTimer
 

@@ -6,14 +6,14 @@ modular ``t2va`` pipeline on the same components.
     python -m benchmarks.serve_h3_gpu                           # 8 of 50 blocks, 3 steps
     python -m benchmarks.serve_h3_gpu --smoke                   # CPU: the tiny checkpoint
 
-One process, W = 1, the code the server runs for a job (:meth:`dist_attn.serve.h3.pipeline.
+One process, W = 1, the code the server runs for a job (:meth:`dist_attn.models.h3.serve.h3.pipeline.
 H3Runner.lead`): text encoding, diffusers' denoise blocks with our per-step loop, the audio
 decode, the video decode (:func:`enable_parallel_decode`, float16) with the MP4 encoded from
 each clip's frames meanwhile. On the GPU every component is its real diffusers / transformers
 class at its real config with its own random initialisation, built on the GPU as the server
 builds it (no checkpoint, no download):
 
-- the transformer through the server's builder (:func:`dist_attn.serve.h3.model.build_h3`: bf16
+- the transformer through the server's builder (:func:`dist_attn.models.h3.serve.h3.model.build_h3`: bf16
   blocks, the class's float32 modules) at ``--layers`` of its 50 blocks + the 2 refiner blocks,
   made sequence-parallel by ``enable_ulysses(backend=--backend)`` (one rank: dist_attn's kernel,
   no collectives), its linears in ``--linear-precision``, compiled as the server compiles them
@@ -56,12 +56,12 @@ def _real_components(layers: int, device: torch.device, dtype: torch.dtype,
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from dist_attn.serve.config import ModelConfig
-    from dist_attn.serve.h3.components import H3Components
-    from dist_attn.serve.h3.decode import cast_like_from_pretrained, video_vae_dtype
-    from dist_attn.serve.h3.model import build_h3
-    from dist_attn.serve.h3.text import TextOnlyQwen3VLProcessor
-    from dist_attn.serve.h3.tiny import _tokenizer
+    from dist_attn.models.h3.serve.config import ModelConfig
+    from dist_attn.models.h3.serve.h3.components import H3Components
+    from dist_attn.models.h3.serve.h3.decode import cast_like_from_pretrained, video_vae_dtype
+    from dist_attn.models.h3.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.h3.text import TextOnlyQwen3VLProcessor
+    from dist_attn.models.h3.serve.h3.tiny import _tokenizer
 
     tok = _tokenizer()
     ids = {s: tok.convert_tokens_to_ids(s) for s in ("<|image_pad|>", "<|video_pad|>",
@@ -109,7 +109,7 @@ def _diffusers_job(comps, req, device, mp4_path: str) -> dict:
     attention, its decode (one tile a call, the VAE's dtype), then the MP4 with our writer."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
 
-    from dist_attn.serve.jobs.mp4 import write_mp4
+    from dist_attn.models.h3.serve.jobs.mp4 import write_mp4
 
     pipe = MiniMaxH3Blocks().init_pipeline()
     pipe.update_components(transformer=comps.transformer, scheduler=comps.scheduler,
@@ -191,13 +191,13 @@ def main() -> None:
         p.error("--blocks identity measures the served step outside the blocks: not with "
                 "--diffusers on (diffusers' own pipeline would run the real blocks)")
     from dist_attn.distributed import DistEnv
-    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
-    from dist_attn.serve.h3.components import load_components
-    from dist_attn.serve.config.sections import COMPILED_SEQUENCE_BUCKET
-    from dist_attn.serve.h3.model import compile_blocks, parallelize
-    from dist_attn.serve.h3.pipeline import H3Pipeline, H3Runner
-    from dist_attn.serve.jobs.videos import parse_video_request
-    from dist_attn.serve.wire import Abort
+    from dist_attn.models.h3.fp8.linear import Fp8Linear, Fp8SwiGLUFeedForward
+    from dist_attn.models.h3.serve.h3.components import load_components
+    from dist_attn.models.h3.serve.config.sections import COMPILED_SEQUENCE_BUCKET
+    from dist_attn.models.h3.serve.h3.model import compile_blocks, parallelize
+    from dist_attn.models.h3.serve.h3.pipeline import H3Pipeline, H3Runner
+    from dist_attn.models.h3.serve.jobs.videos import parse_video_request
+    from dist_attn.models.h3.serve.wire import Abort
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device != "cpu" and not args.smoke
@@ -210,7 +210,7 @@ def main() -> None:
                                           args.fp8_fast_accum)
         geometry = {"height": 768, "width": 1344, "frames": 124}
     else:
-        from dist_attn.serve.h3.tiny import ensure_tiny_checkpoint
+        from dist_attn.models.h3.serve.h3.tiny import ensure_tiny_checkpoint
 
         dtype = torch.float32
         t0 = time.perf_counter()

@@ -52,7 +52,7 @@ import urllib.request
 from typing import Any
 
 from benchmarks.harness import collect_versions
-from dist_attn.serve.launch.process import is_loopback
+from dist_attn.models.h3.serve.launch.process import is_loopback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -259,7 +259,7 @@ def _slug(text: str) -> str:
 
 def main() -> int:
     args = _parse()
-    from dist_attn.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
 
     cfg = load_config(args.config)
     full_layers = cfg.model.num_layers

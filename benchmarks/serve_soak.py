@@ -56,8 +56,8 @@ import torch
 
 from benchmarks.harness import (ResultWriter, add_common_args, int_at_least, markdown_table,
                                 refuse_unhonoured, smoke_values)
-from dist_attn.serve.launch.process import set_parent_death_signal
-from dist_attn.serve.launch.supervise import rank_pids
+from dist_attn.models.h3.serve.launch.process import set_parent_death_signal
+from dist_attn.models.h3.serve.launch.supervise import rank_pids
 
 THEME = "serve-soak"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,7 +22,7 @@ Sections:
 3. **W = 4 modeled**: a rank's share (49 of 196 calls) run as its batched calls, plus the
    stitching every rank does (the W = 1 decode minus its decoder calls), plus the all-gathers
    from bytes at ``--nvlink-gbs``.
-4. **mux**: the 124 frames of 1344 x 768 through :class:`dist_attn.serve.jobs.mp4.Mp4Writer`.
+4. **mux**: the 124 frames of 1344 x 768 through :class:`dist_attn.models.h3.serve.jobs.mp4.Mp4Writer`.
 
 Writes ``benchmarks/results/vae-decode_<hw>_<date>.{json,md,png}``.
 """
@@ -70,7 +70,7 @@ def _draw_scales(vae, std: float = 0.1) -> None:
 
 
 def _cast(vae, dtype):
-    from dist_attn.serve.h3.decode import cast_like_from_pretrained
+    from dist_attn.models.h3.serve.h3.decode import cast_like_from_pretrained
 
     return cast_like_from_pretrained(copy.deepcopy(vae), dtype)
 
@@ -202,7 +202,7 @@ def mux(device, smoke, rows, pace_s: float):
     """The MP4 of 124 frames: all at once, and streamed as the decode hands it over (7 clips,
     ``pace_s`` apart: the W = 4 decode's pace), where what counts is the tail from the last
     clip to the file committed; x264 with frame threads and with slice threads."""
-    from dist_attn.serve.jobs.mp4 import Mp4Writer
+    from dist_attn.models.h3.serve.jobs.mp4 import Mp4Writer
 
     # smoke: 28 frames (7 clips of 4) of 64 x 64 exercise the same path in a fifth of the time
     f, h, w = (28, 64, 64) if smoke else (124, 768, 1344)

@@ -45,8 +45,8 @@ def _decode(vae, z) -> tuple[torch.Tensor, float]:
 
 def main(argv: list[str] | None = None) -> None:
     from dist_attn.integrations.diffusers import compile_vae_decoder, enable_parallel_decode
-    from dist_attn.serve.h3.decode import cast_like_from_pretrained, video_vae_dtype
-    from dist_attn.serve.h3.model import raise_recompile_limit
+    from dist_attn.models.h3.serve.h3.decode import cast_like_from_pretrained, video_vae_dtype
+    from dist_attn.models.h3.serve.h3.model import raise_recompile_limit
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiles-per-call", type=int, default=None, help="default: the server's rule")

@@ -12,6 +12,9 @@ from dist_attn.qk_prologue import QKNormRope
 from dist_attn.sharding import SequenceShard, gather_sequence, plan_shard, shard_rows, shard_sequence
 from dist_attn.ulysses import UlyssesSageAttention, ulysses_attention
 from dist_attn.mesh import init_usp_mesh, shard_index
+from dist_attn import _moved
+
+_moved.install()  # the old import paths of what moved to dist_attn.models.h3, for one release
 
 __all__ = [
     "AttentionBackend",

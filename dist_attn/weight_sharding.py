@@ -19,13 +19,11 @@ Contracts:
 - **FP8 weights stay FP8, in memory and on the wire.** FSDP2 shards parameters, not buffers, and
   torchao's inference ``Float8Tensor`` has no FSDP2 all-gather extension. So before sharding,
   every FP8 linear holds its e4m3 codes and float32 scales as plain frozen parameters: a torchao
-  FP8 linear becomes :class:`dist_attn.fp8_linear.Fp8Linear` on the same codes and scales (the
-  same recipe: per-row e4m3 activation codes, ``torch._scaled_mm``), and the codes and scales of
-  dist_attn's own FP8 modules (:class:`~dist_attn.fp8_linear.Fp8Linear`,
-  :class:`~dist_attn.fp8_linear.Fp8SwiGLUFeedForward`,
-  :class:`~dist_attn.fp8_linear.EmulatedFp8Linear`) become parameters of the same names. A unit
-  whose parameters mix dtypes is gathered as raw bytes (FSDP2's uint8 path): the e4m3 codes
-  travel as one byte each.
+  FP8 linear becomes the module :func:`register_fp8_linear` registered, built on the same codes
+  and scales (the same recipe: per-row e4m3 activation codes, ``torch._scaled_mm``), and every
+  module that names its quantized tensors (:class:`HoldsQuantizedTensors`: its ``quantized``
+  attribute) has those buffers made parameters of the same names. A unit whose parameters mix
+  dtypes is gathered as raw bytes (FSDP2's uint8 path): the e4m3 codes travel as one byte each.
 - **Order.** Shard after everything that swaps modules or parameters (quantizing, loading) and
   after hooks that read module types (``enable_ulysses``), before compiling the units: a unit
   compiled first is refused.
@@ -45,14 +43,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dist_attn.distributed import group_size_and_rank
-from dist_attn.fp8_linear import Fp8Linear, QuantizedTensors
+from dist_attn.weight_codes import (Fp8LinearFactory, HoldsQuantizedTensors, fp8_buffers_to_parameters,
+                                    quantized_names, register_fp8_linear, torchao_to_fp8_linear)
 
-__all__ = ["ShardedWeights", "is_sharded", "meta_parameters", "parameter_bytes", "parameters_on_meta",
-           "refuse_sharded", "shard_module", "sharded_weights"]
+__all__ = ["Fp8LinearFactory", "HoldsQuantizedTensors", "ShardedWeights", "is_sharded",
+           "meta_parameters", "parameter_bytes", "parameters_on_meta", "quantized_names",
+           "refuse_sharded", "register_fp8_linear", "shard_module", "sharded_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,8 @@ class ShardedWeights:
     fp8_tensors: int
     """FP8 codes and scales made parameters (and so sharded as raw e4m3 / float32 bytes)."""
     torchao_linears: int
-    """torchao FP8 linears replaced by :class:`~dist_attn.fp8_linear.Fp8Linear` (same codes)."""
+    """torchao FP8 linears replaced by the registered FP8 linear (:func:`register_fp8_linear`;
+    same codes)."""
     prefetch: int
     """Units whose gather is issued ahead of the one running."""
     wrapped: bool = True
@@ -106,10 +106,9 @@ class ShardedWeights:
 
 def parameter_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s weights, unsharded: its parameters (a torchao FP8 weight: its codes
-    and scales; an FSDP2 parameter: its global size) and the FP8 codes and scales that
-    :class:`~dist_attn.fp8_linear.QuantizedTensors` modules hold as buffers."""
-    total = sum(t.numel() * t.element_size() for m in module.modules()
-                if isinstance(m, QuantizedTensors) for k in m.quantized
+    and scales; an FSDP2 parameter: its global size) and the quantized tensors that
+    :class:`HoldsQuantizedTensors` modules hold as buffers."""
+    total = sum(t.numel() * t.element_size() for m in module.modules() for k in quantized_names(m)
                 if (t := m._buffers.get(k)) is not None)
     for p in module.parameters():
         if hasattr(p, "qdata"):
@@ -159,43 +158,6 @@ def refuse_sharded(module: nn.Module, call: str) -> None:
     if is_sharded(module):
         raise ValueError(f"this model's weights are already sharded (shard_weights / "
                          f"shard_module): call {call} first, then shard the weights")
-
-
-def _torchao_to_fp8_linear(root: nn.Module) -> int:
-    """Every ``nn.Linear`` whose weight is a torchao FP8 tensor (``qdata``/``scale``) -> an
-    :class:`Fp8Linear` on the same codes and scales (its ``fast_accum`` from the tensor's
-    ``mm_config``). Returns how many."""
-    swaps = []
-    for name, module in root.named_modules():
-        w = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear) and hasattr(w, "qdata"):
-            if module.bias is not None:
-                raise ValueError(f"{name}: a torchao FP8 linear with a bias; shard_module makes "
-                                 "torchao's FP8 linears Fp8Linear, which is bias-free")
-            if w.scale.numel() != w.qdata.shape[0]:
-                raise ValueError(f"{name}: torchao FP8 weight with scales of shape "
-                                 f"{tuple(w.scale.shape)}; shard_module takes the per-row recipe "
-                                 f"(one scale per output channel, {w.qdata.shape[0]})")
-            mm = getattr(w, "mm_config", None)
-            fast = bool(getattr(mm, "use_fast_accum", False))
-            swaps.append((name, Fp8Linear(w.qdata, w.scale, fast_accum=fast)))
-    for name, new in swaps:
-        parent, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent), child, new)
-    return len(swaps)
-
-
-def _fp8_buffers_to_parameters(root: nn.Module) -> int:
-    """The codes and scales of every :class:`QuantizedTensors` module become frozen parameters
-    of the same names (FSDP2 shards parameters only). Returns how many tensors."""
-    n = 0
-    for module in root.modules():
-        if isinstance(module, QuantizedTensors):
-            for name in [k for k in module.quantized if module._buffers.get(k) is not None]:
-                t = module._buffers.pop(name)
-                module.register_parameter(name, nn.Parameter(t, requires_grad=False))
-                n += 1
-    return n
 
 
 def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch: int = 1,
@@ -330,8 +292,8 @@ class _Sharding:
             raise ValueError(f"{name or type(self.root).__name__}: parameters still on the meta "
                              f"device after materialize: {left[:5]}")
         if self.mesh is not None:
-            self.torchao += _torchao_to_fp8_linear(module)
-            self.fp8 += _fp8_buffers_to_parameters(module)
+            self.torchao += torchao_to_fp8_linear(module)
+            self.fp8 += fp8_buffers_to_parameters(module)
         if name:
             self.unit_bytes.append(parameter_bytes(module))
         if self.mesh is not None:

@@ -9,7 +9,7 @@ import signal
 import sys
 
 try:
-    from dist_attn.serve.launch import run  # imports diffusers and the HTTP stack: seconds per rank
+    from dist_attn.models.h3.serve.launch import run  # imports diffusers and the HTTP stack: seconds per rank
 except KeyboardInterrupt:
     # Ctrl-C reached a rank still importing (a slow peer): it ends as a stopped rank, quietly;
     # rank 0 or the supervisor says why in one line

@@ -106,7 +106,7 @@ def test_alltoall_smoke_two_ranks(tmp_path):
 
 
 def test_pipeline_placement_smoke_two_ranks(tmp_path):
-    """It crashed on every run after the decode moved to dist_attn.serve.h3.decode (dec2a07)
+    """It crashed on every run after the decode moved to dist_attn.models.h3.serve.h3.decode (dec2a07)
     and no test ran it: it still called H3Pipeline.run_decode."""
     _torchrun("pipeline_placement.py", tmp_path)
     data = _check_result(tmp_path, "pipeline-placement")
@@ -313,7 +313,7 @@ def test_h3_fp8_accuracy_runs_the_compiled_paths_on_their_own_compiled_model(tmp
     blocks as the server does (aot_eager here: inductor on CPU costs ~30 s) and is compared with
     bf16:sdpa and with its own eager run."""
     from benchmarks import h3_fp8
-    from dist_attn.serve.h3 import model as h3_model
+    from dist_attn.models.h3.serve.h3 import model as h3_model
 
     compiled, built = [], []
     real, real_build = h3_model.compile_blocks, h3_model.build_h3

@@ -125,15 +125,15 @@ def test_a_non_editable_install_runs_the_default_server(tmp_path):
                             "--no-build-isolation", "--target", str(site), str(src)],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
-    assert (site / "dist_attn" / "serve" / "configs" / "tiny.toml").is_file()
+    assert (site / "dist_attn" / "models" / "h3" / "serve" / "configs" / "tiny.toml").is_file()
     run = tmp_path / "run"
     run.mkdir()
     env["PYTHONPATH"] = str(site)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     res = subprocess.run([sys.executable, "-c", "import dist_attn, runpy, sys; print(dist_attn.__file__); "
-                          "sys.argv = ['dist_attn.serve', '--check-only']; "
-                          "runpy.run_module('dist_attn.serve', run_name='__main__')"],
+                          "sys.argv = ['dist_attn.models.h3.serve', '--check-only']; "
+                          "runpy.run_module('dist_attn.models.h3.serve', run_name='__main__')"],
                          cwd=run, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     first, *rest = res.stdout.splitlines()

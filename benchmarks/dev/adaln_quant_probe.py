@@ -7,7 +7,7 @@ quantization of the q/k/v projections (and ``norm2`` ... of the FFN's projection
 looped reduction (``triton_red_fused__fused_rms_norm__scaled_mm_...``, ~0.7 ms at 38,016 rows x
 5,376 on an H100) that reads its row three times: inductor keeps reductions over more than 1,024
 values out of registers unless ``triton.multi_kernel`` (which raises that bound 16-fold and times
-both kinds once), and the one-pass kernel (``dist_attn.kernels.adaln_fp8``; a draft of it in the
+both kinds once), and the one-pass kernel (``dist_attn.models.h3.fp8.adaln_kernel``; a draft of it in the
 run of 2026-12-07) at 8 and 16 warps. The bytes of one read of x and one write of the codes are
 reported as a rate.
 Writes ``adaln-quant-probe.json``.
@@ -28,9 +28,9 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     args = probe_parser(__doc__).parse_args(argv)
     from benchmarks.harness import time_fn
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
-    from dist_attn.kernels import adaln_fp8 as kernel_mod
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows
+    from dist_attn.models.h3.fp8.linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
+    import dist_attn.models.h3.fp8.adaln_kernel as kernel_mod
+    from dist_attn.models.h3.fp8.adaln_kernel import adaln_e4m3_rows
 
     dev, K, T = torch.device("cuda"), 5376, 2 * 3
     norm = nn.RMSNorm(K, eps=1e-5).to(dev, torch.bfloat16)

@@ -10,7 +10,7 @@ h3-ref layout: 37,980 rows x 5,376) receives: its hidden states and its AdaLN ta
 hidden states after the attention's residual step, which the fused path computes bit for bit as
 diffusers does): that needs the block's attention, minutes on a CPU.
 
-The fused route is :func:`dist_attn.kernels.adaln_fp8.adaln_e4m3_rows_reference`, which the kernel
+The fused route is :func:`dist_attn.models.h3.fp8.adaln_kernel.adaln_e4m3_rows_reference`, which the kernel
 equals bit for bit under Triton's interpreter and to within one e4m3 step on 3.9e-7 of the codes
 on an H100 (tests/integrations/test_fp8_gpu.py), so this runs on a CPU. Per step and route:
 rel-L2 against float64 of the bf16 values before quantization and of the dequantized codes (what
@@ -35,8 +35,8 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _step(x, norm, scale, shift, idx) -> dict:
     """Both routes of one norm + modulation + quantization step against float64."""
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows_reference
+    from dist_attn.models.h3.fp8.linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
+    from dist_attn.models.h3.fp8.adaln_kernel import adaln_e4m3_rows_reference
 
     x2 = x.reshape(-1, x.shape[-1])
     rows = idx.repeat(x2.shape[0] // idx.numel())
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p = probe_parser(__doc__, iters=1)
     p.add_argument("--norm2", action="store_true", help="also the FFN's input step (runs attention)")
     args = p.parse_args(argv)  # (--iters: unused, nothing is timed)
-    from dist_attn.integrations.diffusers.h3_activations import H3_REF_LAYOUT, build_h3_model, h3_inputs
+    from dist_attn.models.h3.activations import H3_REF_LAYOUT, build_h3_model, h3_inputs
 
     t0 = time.perf_counter()
     model = build_h3_model(device="cpu", num_layers=1)

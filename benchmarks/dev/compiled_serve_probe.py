@@ -32,8 +32,8 @@ __all__ = ["main"]
 
 def _engine(cfg, env, *, bucket: int, compiled: bool, counter=None, backend: str = "sage8"):
     from dist_attn import PhaseTimer
-    from dist_attn.serve.h3.engine import Engine
-    from dist_attn.serve.h3.model import build_h3, compile_blocks, parallelize
+    from dist_attn.models.h3.serve.h3.engine import Engine
+    from dist_attn.models.h3.serve.h3.model import build_h3, compile_blocks, parallelize
 
     dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
     model = build_h3(cfg.model, device=env.device, dtype=dtype)
@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.config import apply_overrides, load_config
-    from dist_attn.serve.jobs.requests import parse_request
-    from dist_attn.serve.launch.warmup import warm_up
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.launch.warmup import warm_up
 
     overrides = {"model.num_layers": args.layers, "runtime.compile": True,
                  "runtime.warmup_shapes": [list(args.geometry)]}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_attn.fp8_linear import E4M3_MAX
+from dist_attn.models.h3.fp8.linear import E4M3_MAX
 
 __all__ = ["emulate"]
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.h3_block import block_inputs, h3_ref_layout, padded_total
     from benchmarks.h3_fp8 import _models, _set_attention
-    from dist_attn.serve.config import load_config
+    from dist_attn.models.h3.serve.config import load_config
 
     diffusers_logging.set_verbosity_error()
     dev = torch.device("cuda")

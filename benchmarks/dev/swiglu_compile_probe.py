@@ -38,8 +38,8 @@ def main() -> int:
     from diffusers.models.attention import FeedForward
     from torchao.quantization import quantize_
 
-    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward, torchao_fp8_config
-    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+    from dist_attn.models.h3.fp8.linear import Fp8SwiGLUFeedForward, torchao_fp8_config
+    from dist_attn.models.h3.fp8.swiglu_kernel import swiglu_e4m3_rows
 
     torch.manual_seed(0)
     ff = FeedForward(5376, inner_dim=14336, activation_fn="swiglu", bias=False).cuda()

@@ -23,8 +23,8 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     args = probe_parser(__doc__).parse_args(argv)
     from benchmarks.harness import time_fn
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
-    from dist_attn.kernels import swiglu_fp8
+    from dist_attn.models.h3.fp8.linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
+    from dist_attn.models.h3.fp8 import swiglu_kernel
 
     dev, inner = torch.device("cuda"), 14336
 
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def fused(warps):
         def call(h):
-            swiglu_fp8.NUM_WARPS = warps
-            return swiglu_fp8.swiglu_e4m3_rows(h)
+            swiglu_kernel.NUM_WARPS = warps
+            return swiglu_kernel.swiglu_e4m3_rows(h)
         return call
 
     def timed(fn, h) -> float:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 out[name] = {"ms": ms, "rounds_ms": ts, "one_pass_gbs": bytes_moved / ms / 1e6}
                 print(rows, name, out[name], flush=True)
             res["rows"][rows] = out
-    swiglu_fp8.NUM_WARPS = 16
+    swiglu_kernel.NUM_WARPS = 16
     write_probe_json(args.out, "swiglu-probe.json", res)
     return 0
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The FP8 linear recipe (dist_attn.fp8_linear) on CPU: its emulation is torchao's quantizer bit
-for bit and torch._scaled_mm's arithmetic up to float32 rounding; zero rows stay finite; a CPU
-or a missing torchao is refused by name; the core imports without torchao."""
+"""The FP8 linear recipe (dist_attn.models.h3.fp8.linear) on CPU: its emulation is torchao's
+quantizer bit for bit and torch._scaled_mm's arithmetic up to float32 rounding; zero rows stay
+finite; a CPU or a missing torchao is refused by name; the core imports without torchao; its
+modules are what the library's weight sharding takes (quantized names, the torchao swap)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, E4M3_MAX, FP8_EXTRA, EmulatedFp8Linear, Fp8Linear,
-                                  Fp8SwiGLUFeedForward,
-                                  fp8_linear_emulated, fp8_unsupported_reason, quantize_rows_e4m3,
-                                  quantize_weight_e4m3, require_torchao)
+from dist_attn.models.h3.fp8.linear import (ACTIVATION_AMAX_FLOOR, E4M3_MAX, FP8_EXTRA,
+                                            EmulatedFp8Linear, Fp8Linear, Fp8SwiGLUFeedForward,
+                                            fp8_linear_emulated, fp8_unsupported_reason,
+                                            quantize_rows_e4m3, quantize_weight_e4m3,
+                                            require_torchao)
 
 from tests.conftest import ROOT, subprocess_env
 
@@ -194,9 +196,9 @@ def test_core_and_server_import_without_torchao():
     integration import, a bf16 config validates, and an fp8 config still validates (the device
     and torchao are launch checks); nothing imported torchao on the way."""
     code = _BLOCK_TORCHAO + """
-import dist_attn, dist_attn.fp8_linear, dist_attn.serve.config, dist_attn.serve.launch.checks
-import dist_attn.serve.launch.cli, dist_attn.serve.h3.model
-from dist_attn.serve.config import apply_overrides, load_config
+import dist_attn, dist_attn.models.h3.fp8.linear, dist_attn.models.h3.serve.config, dist_attn.models.h3.serve.launch.checks
+import dist_attn.models.h3.serve.launch.cli, dist_attn.models.h3.serve.h3.model
+from dist_attn.models.h3.serve.config import apply_overrides, load_config
 cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})
 assert cfg.model.linear_precision == "fp8"
 try:
@@ -211,3 +213,33 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_the_modules_hold_what_weight_sharding_takes(monkeypatch):
+    """The library's protocol, implemented here: every FP8 module names its codes and scales, and
+    Fp8Linear is the registered replacement of a torchao FP8 linear (its codes shared); with no
+    module registered, shard_module's swap says what is missing."""
+    from dist_attn import weight_codes as wc, weight_sharding as ws
+
+    x, w = _operands(n=32)
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    emulated = EmulatedFp8Linear.from_linear(linear)
+    assert isinstance(emulated, ws.HoldsQuantizedTensors)
+    assert ws.quantized_names(emulated) == ("weight_codes", "weight_scales")
+    assert ws.quantized_names(linear) == ()
+    codes, scales = quantize_weight_e4m3(w)
+    root = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False))
+    root[0].weight.qdata, root[0].weight.scale = codes, scales  # what torchao's Float8Tensor holds
+    assert wc.torchao_to_fp8_linear(root) == 1
+    assert type(root[0]) is Fp8Linear and root[0].weight_codes is codes
+    assert ws.quantized_names(root[0]) == ("weight_codes", "weight_scales")
+    assert wc.fp8_buffers_to_parameters(root) == 2
+    assert {n for n, _ in root.named_parameters()} == {"0.weight_codes", "0.weight_scales"}
+    monkeypatch.setattr(wc, "_FP8_LINEAR", [])
+    root = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False))
+    root[0].weight.qdata, root[0].weight.scale = codes, scales
+    with pytest.raises(ValueError, match=r"0: a torchao FP8 linear, and no FP8 linear module is "
+                                         r"registered .*register_fp8_linear"):
+        wc.torchao_to_fp8_linear(root)

@@ -153,7 +153,7 @@ def h3_first_block_qkv():
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"needs {mod} (pip install -e '.[diffusers]' and transformers): the H3 "
                         "layout comes from diffusers' MiniMax-H3 pipeline")
-    from dist_attn.integrations.diffusers import h3_activations as h3
+    import dist_attn.models.h3.activations as h3
 
     model = h3.build_h3_model(device="cuda", num_layers=1, seed=0)
     layout = h3.H3Layout(text_rows=256, latent_frames=5, latent_height=64, latent_width=48, audio_latents=40)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused norm + AdaLN modulation + FP8 row quantization kernel (dist_attn.kernels.adaln_fp8)
+"""The fused norm + AdaLN modulation + FP8 row quantization kernel (dist_attn.models.h3.fp8.adaln_kernel)
 on CPU.
 
 The Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (set before triton decorates
@@ -24,8 +24,8 @@ __all__: list[str] = []
 _SCRIPT = textwrap.dedent(
     """
     import torch
-    from dist_attn.kernels.adaln_fp8 import (adaln_e4m3_rows, adaln_e4m3_rows_reference,
-                                             residual_adaln_e4m3_rows)
+    from dist_attn.models.h3.fp8.adaln_kernel import (adaln_e4m3_rows, adaln_e4m3_rows_reference,
+                                                      residual_adaln_e4m3_rows)
 
     g = torch.Generator().manual_seed(0)
     for k, with_weight in ((96, True), (100, False)):
@@ -94,8 +94,8 @@ def test_reference_against_float64_and_diffusers_eager_ops():
     (3 mantissa bits: ~2.5% rel-L2), not more; against diffusers' eager bf16 ops (which round
     four times), the same codes for most values and the same error to float64."""
     pytest.importorskip("triton", reason="the kernel module imports triton")
-    from dist_attn.fp8_linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows_reference
+    from dist_attn.models.h3.fp8.linear import ACTIVATION_AMAX_FLOOR, quantize_rows_e4m3
+    from dist_attn.models.h3.fp8.adaln_kernel import adaln_e4m3_rows_reference
 
     k = 512
     g, shift, scale = _tables(k)
@@ -136,7 +136,7 @@ def test_reference_against_float64_and_diffusers_eager_ops():
 ])
 def test_adaln_e4m3_names_the_bad_argument(change, match):
     pytest.importorskip("triton", reason="the kernel module imports triton")
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows
+    from dist_attn.models.h3.fp8.adaln_kernel import adaln_e4m3_rows
 
     args = dict(x=torch.zeros(2, 4, 64, dtype=torch.bfloat16), weight=torch.ones(64), eps=1e-5,
                 scale=torch.zeros(3, 64), shift=torch.zeros(3, 64), index=torch.zeros(4, dtype=torch.long))
@@ -156,7 +156,7 @@ def test_adaln_e4m3_names_the_bad_argument(change, match):
 ])
 def test_residual_adaln_names_the_bad_argument(change, match):
     pytest.importorskip("triton", reason="the kernel module imports triton")
-    from dist_attn.kernels.adaln_fp8 import residual_adaln_e4m3_rows
+    from dist_attn.models.h3.fp8.adaln_kernel import residual_adaln_e4m3_rows
 
     args = dict(x=torch.zeros(2, 4, 64, dtype=torch.bfloat16), gate=torch.zeros(3, 64, dtype=torch.bfloat16),
                 update=torch.zeros(2, 4, 64, dtype=torch.bfloat16), weight=torch.ones(64), eps=1e-5,
@@ -179,7 +179,7 @@ def test_kernel_is_compiled_without_fma(has_res):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import dist_attn.kernels.adaln_fp8 as mod
+    import dist_attn.models.h3.fp8.adaln_kernel as mod
 
     seen = {}
 

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused SwiGLU + FP8 row quantization kernel (dist_attn.kernels.swiglu_fp8) on CPU.
+"""The fused SwiGLU + FP8 row quantization kernel (dist_attn.models.h3.fp8.swiglu_kernel) on CPU.
 
 The Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be set
 before triton decorates the kernel) and must equal, bit for bit, diffusers' eager bf16 SwiGLU
-followed by the recipe's row quantization (:func:`dist_attn.fp8_linear.quantize_rows_e4m3`):
+followed by the recipe's row quantization (:func:`dist_attn.models.h3.fp8.linear.quantize_rows_e4m3`):
 every code and every scale, over rows chosen to hit the roundings (normal and subnormal e4m3
 values, an all-zero row, an outlier row, a non-power-of-two width). The same check at H3's width
 with the GPU's libdevice ``expf`` is in tests/integrations/test_fp8_gpu.py.
@@ -24,9 +24,10 @@ _SCRIPT = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, EmulatedFp8Linear,
-                                      Fp8SwiGLUFeedForward, quantize_rows_e4m3, quantize_weight_e4m3)
-    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+    from dist_attn.models.h3.fp8.linear import (ACTIVATION_AMAX_FLOOR, EmulatedFp8Linear,
+                                                Fp8SwiGLUFeedForward, quantize_rows_e4m3,
+                                                quantize_weight_e4m3)
+    from dist_attn.models.h3.fp8.swiglu_kernel import swiglu_e4m3_rows
 
     g = torch.Generator().manual_seed(0)
     for inner in (96, 100):
@@ -108,7 +109,7 @@ def test_interp_swiglu_e4m3_is_the_recipe_bit_for_bit():
 ])
 def test_swiglu_e4m3_rejects_bad_h(shape, dtype, match):
     pytest.importorskip("triton", reason="the kernel module imports triton")
-    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+    from dist_attn.models.h3.fp8.swiglu_kernel import swiglu_e4m3_rows
 
     with pytest.raises(ValueError, match=match):
         swiglu_e4m3_rows(torch.zeros(shape, dtype=dtype))
@@ -116,7 +117,7 @@ def test_swiglu_e4m3_rejects_bad_h(shape, dtype, match):
 
 def test_swiglu_e4m3_rejects_a_strided_last_dim():
     pytest.importorskip("triton", reason="the kernel module imports triton")
-    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+    from dist_attn.models.h3.fp8.swiglu_kernel import swiglu_e4m3_rows
 
     with pytest.raises(ValueError, match="contiguous"):
         swiglu_e4m3_rows(torch.zeros(96, 4, dtype=torch.bfloat16).t())
@@ -126,7 +127,7 @@ def test_fused_ffn_cast_after_quantizing_names_the_fusion():
     """A model cast after quantize_linears hands the fused FFN another dtype: the error names the
     fusion and the cast, raised before the kernel (whose own message names neither)."""
     pytest.importorskip("triton", reason="the kernel module imports triton")
-    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward, quantize_weight_e4m3
+    from dist_attn.models.h3.fp8.linear import Fp8SwiGLUFeedForward, quantize_weight_e4m3
 
     down = torch.nn.Linear(96, 48, bias=False).bfloat16()
     ff = Fp8SwiGLUFeedForward(torch.nn.Linear(64, 192, bias=False).bfloat16(),

@@ -120,7 +120,7 @@ def test_pack_runs_send_the_first_chunk_alone_then_join_equal_widths(folded, wor
 def test_a_bucket_pads_to_a_multiple_of_w_times_its_rows_per_rank(seq_len, world, bucket, padded):
     """The one padding formula the runtime (plan_shard's multiple_of) and the server's counts
     (serve.config.tokens.padded_rows) share."""
-    from dist_attn.serve.config.tokens import padded_rows
+    from dist_attn.models.h3.serve.config.tokens import padded_rows
     from dist_attn.sharding import bucket_multiple, padded_length
 
     assert padded_length(seq_len, world, bucket_multiple(bucket, world)) == padded

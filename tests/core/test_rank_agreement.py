@@ -111,8 +111,8 @@ def test_a_layout_is_agreed_once(per_rank):
 _NOT_AGREEMENT = {
     ("dist_attn/sharding.py", "all_gather_into_tensor"): "the sequence gather (data)",
     ("dist_attn/integrations/diffusers/_vae_decode.py", "dist.all_gather(list(recv"): "decoded tiles (data)",
-    ("dist_attn/serve/wire/abort.py", "dist.all_reduce(vote"): "the per-step abort vote (max wins)",
-    ("dist_attn/serve/wire/control.py", "dist.all_reduce(torch.ones"): "the heartbeat",
+    ("dist_attn/models/h3/serve/wire/abort.py", "dist.all_reduce(vote"): "the per-step abort vote (max wins)",
+    ("dist_attn/models/h3/serve/wire/control.py", "dist.all_reduce(torch.ones"): "the heartbeat",
 }
 
 
@@ -137,8 +137,8 @@ def test_cross_rank_agreement_has_one_owner():
     assert not found, found
     from dist_attn import agreement
     from dist_attn.integrations.diffusers import _runtime, _vae_decode
-    from dist_attn.serve.config import quality
-    from dist_attn.serve.launch import checks, preflight
+    from dist_attn.models.h3.serve.config import quality
+    from dist_attn.models.h3.serve.launch import checks, preflight
 
     assert _runtime.gather_rows is _vae_decode.gather_rows is agreement.gather_rows
     assert _runtime.fingerprint is _vae_decode.fingerprint is agreement.fingerprint

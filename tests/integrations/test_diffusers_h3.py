@@ -328,7 +328,7 @@ def _bucket_worker(rank, world):
     with handle.sequence(27) as shard:
         planned = (shard.total_len, shard.local_len)
     counter = CompileCounterWithBackend("aot_eager")
-    for block in model.transformer_blocks:  # as dist_attn.serve.compile_blocks does
+    for block in model.transformer_blocks:  # as dist_attn.models.h3.serve.compile_blocks does
         block.compile(fullgraph=True, dynamic=False, backend=counter)
     frames = []
     compiled = {}

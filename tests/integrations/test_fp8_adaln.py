@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """quantize_linears(fuse_adaln=...): H3 blocks whose two AdaLN inputs are quantized by the pass
-that computes them (dist_attn.kernels.adaln_fp8), on CPU: the kernel's torch reference inside the
+that computes them (dist_attn.models.h3.fp8.adaln_kernel), on CPU: the kernel's torch reference inside the
 served tiny model (emulated FP8 linears, bf16 blocks) against the unfused FP8 model and float64;
 through enable_ulysses on 1 and 2 ranks and compiled; torchao's weights shared by the swapped
 linears; the refusals, raised before anything changes."""
@@ -16,10 +16,10 @@ from torch import nn
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 pytest.importorskip("triton", reason="the kernel module imports triton")
 
-from dist_attn.fp8_linear import EmulatedFp8Linear, Fp8Linear  # noqa: E402
-from dist_attn.integrations.diffusers import quantize_linears  # noqa: E402
-from dist_attn.serve.config import load_config  # noqa: E402
-from dist_attn.serve.h3.model import build_h3  # noqa: E402
+from dist_attn.models.h3.fp8.linear import EmulatedFp8Linear, Fp8Linear  # noqa: E402
+from dist_attn.models.h3.fp8 import quantize_linears  # noqa: E402
+from dist_attn.models.h3.serve.config import load_config  # noqa: E402
+from dist_attn.models.h3.serve.h3.model import build_h3  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
 from tests._torch_caps import require_cpu_rowwise_scaled_mm  # noqa: E402
@@ -38,7 +38,7 @@ def served():
 
 def _counting(monkeypatch):
     """Records the fused kernels' calls (the blocks import them at call time): (name, x's shape)."""
-    import dist_attn.kernels.adaln_fp8 as mod
+    import dist_attn.models.h3.fp8.adaln_kernel as mod
 
     calls = []
     for name in ("adaln_e4m3_rows", "residual_adaln_e4m3_rows"):
@@ -106,11 +106,11 @@ def test_torchao_weights_are_shared_by_the_swapped_linears(served, monkeypatch):
     emulated fused model's up to float32 summation order."""
     pytest.importorskip("torchao", reason="torchao is not installed (the fp8 extra)")
     require_cpu_rowwise_scaled_mm()
-    import dist_attn.integrations.diffusers.linear_precision as lp
+    import dist_attn.models.h3.fp8.quantize as lp
 
     monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda g: None)
     monkeypatch.setattr(lp, "fp8_unsupported_reason", lambda device: None)
-    from dist_attn.integrations.diffusers._h3_fp8_block import fuse_adaln_blocks
+    from dist_attn.models.h3.fp8.block import fuse_adaln_blocks
 
     cfg, bf16, _ = served
     tao, emulated = copy.deepcopy(bf16), copy.deepcopy(bf16)

@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 
-from dist_attn.fp8_linear import (ACTIVATION_AMAX_FLOOR, fp8_linear_emulated,  # noqa: E402
-                                  fp8_unsupported_reason, quantize_rows_e4m3,
-                                  quantize_weight_e4m3, torchao_fp8_config)
+from dist_attn.models.h3.fp8.linear import (ACTIVATION_AMAX_FLOOR, fp8_linear_emulated,  # noqa: E402
+                                            fp8_unsupported_reason, quantize_rows_e4m3,
+                                            quantize_weight_e4m3, torchao_fp8_config)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -130,7 +130,7 @@ def test_swiglu_kernel_is_the_recipe_at_h3_width():
     test runs the interpreter, exact, and checks every bit.)"""
     import torch.nn.functional as F
 
-    from dist_attn.kernels.swiglu_fp8 import swiglu_e4m3_rows
+    from dist_attn.models.h3.fp8.swiglu_kernel import swiglu_e4m3_rows
 
     g = torch.Generator(device="cuda").manual_seed(1)
     h = torch.randn(2048, 2 * 14336, device="cuda", generator=g)
@@ -169,7 +169,7 @@ def test_fused_swiglu_ffn_matches_torchao_ffn():
     from diffusers.models.attention import FeedForward
     from torchao.quantization import quantize_
 
-    from dist_attn.fp8_linear import Fp8SwiGLUFeedForward
+    from dist_attn.models.h3.fp8.linear import Fp8SwiGLUFeedForward
 
     torch.manual_seed(0)
     for fast in (False, True):
@@ -204,7 +204,7 @@ def test_adaln_kernel_is_its_reference_at_h3_width():
     the order of the row's sum may move a bf16 rounding of the modulated value, so a code may sit
     one e4m3 step away, rarely, and a row's scale one bf16 step; compiled (an opaque custom op in
     the graph), the same output."""
-    from dist_attn.kernels.adaln_fp8 import adaln_e4m3_rows, adaln_e4m3_rows_reference
+    from dist_attn.models.h3.fp8.adaln_kernel import adaln_e4m3_rows, adaln_e4m3_rows_reference
 
     k, t, s = 5376, 6, 4096
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -235,7 +235,7 @@ def test_adaln_kernel_is_its_reference_at_h3_width():
     assert torch.equal(compiled[1].reshape(-1, 1)[keep], scales)
     # the residual step fused in front (the block's second norm): h is diffusers' bf16 ops bit for
     # bit, and its codes are the one-pass kernel's on h
-    from dist_attn.kernels.adaln_fp8 import residual_adaln_e4m3_rows
+    from dist_attn.models.h3.fp8.adaln_kernel import residual_adaln_e4m3_rows
 
     gate = (torch.randn(t, 3 * k, device="cuda", generator=g) * 0.3).to(torch.bfloat16)[:, k:2 * k]
     update = (torch.randn(2, s, k + 64, device="cuda", generator=g) * 3).to(torch.bfloat16)[..., :k]
@@ -265,8 +265,8 @@ def test_adaln_kernel_is_its_reference_at_h3_width():
 def _served(precision: str, **model):
     import dataclasses
 
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     cfg = load_config(None)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, linear_precision=precision,
@@ -277,8 +277,8 @@ def _served(precision: str, **model):
 def test_quantize_linears_fuses_the_h3_ffns_and_names_every_linear():
     """fuse_swiglu="auto" on CUDA: every H3 block's FFN fused, and every name in the summary's
     layers resolves in the model (the fused FFN's projection at ff.proj, its down weight in ff)."""
-    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
-    from dist_attn.integrations.diffusers import quantize_linears
+    from dist_attn.models.h3.fp8.linear import Fp8Linear, Fp8SwiGLUFeedForward
+    from dist_attn.models.h3.fp8 import quantize_linears
 
     cfg, model = _served("bf16")
     summary = quantize_linears(model, "fp8", fuse_adaln=False)
@@ -299,7 +299,7 @@ def test_quantize_linears_fuses_the_h3_ffns_and_names_every_linear():
 
 
 def _inputs(cfg):
-    from dist_attn.serve.h3.engine import initial_state
+    from dist_attn.models.h3.serve.h3.engine import initial_state
 
     layout = cfg.layout(frames=cfg.request.frames, height=cfg.request.height, width=cfg.request.width)
     video, audio, text = initial_state(cfg, layout, 0, torch.device("cuda"), torch.bfloat16)
@@ -315,9 +315,10 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled(fuse_adaln):
     output vs the emulated model (same bf16 weights) and compiled fullgraph (inductor) vs eager.
     With the default fuse_adaln="auto" (what build_h3 serves): the fused kernel, then
     torch._scaled_mm, against the emulated fused model (the same kernel, then float32 GEMMs)."""
-    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
-    from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears
-    from dist_attn.serve.h3.model import compile_blocks
+    from dist_attn.models.h3.fp8.linear import Fp8Linear, Fp8SwiGLUFeedForward
+    from dist_attn.integrations.diffusers import enable_ulysses
+    from dist_attn.models.h3.fp8 import quantize_linears
+    from dist_attn.models.h3.serve.h3.model import compile_blocks
 
     cfg, bf16 = _served("bf16")
     emulated = copy.deepcopy(bf16)
@@ -348,11 +349,11 @@ def test_served_fp8_model_torchao_vs_emulated_and_compiled(fuse_adaln):
 def test_served_engine_and_launch_check_with_fp8():
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.fp8_linear import Fp8Linear, Fp8SwiGLUFeedForward
-    from dist_attn.serve.h3.engine import Engine
-    from dist_attn.serve.h3.model import parallelize
-    from dist_attn.serve.jobs.requests import parse_request
-    from dist_attn.serve.launch.checks import linear_precision_failures
+    from dist_attn.models.h3.fp8.linear import Fp8Linear, Fp8SwiGLUFeedForward
+    from dist_attn.models.h3.serve.h3.engine import Engine
+    from dist_attn.models.h3.serve.h3.model import parallelize
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.launch.checks import linear_precision_failures
 
     cfg, model = _served("fp8")
     # model.fp8_fused_kernels (default true): every block's FFN and AdaLN fused

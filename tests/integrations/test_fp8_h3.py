@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers in diffusers' MiniMaxH3Transformer3DModel, on CPU through the float32
-emulation of the GPU recipe (dist_attn.fp8_linear): the served tiny model (configs/tiny.toml, its
+emulation of the GPU recipe (dist_attn.models.h3.fp8.linear): the served tiny model (configs/tiny.toml, its
 own init, bf16 blocks with the class's fp32 modules) against the same model in float64, layer by
 layer and at the output; what stays unquantized; enable_ulysses on 1 and 2 ranks; torch.compile
 fullgraph; the refusals."""
@@ -16,11 +16,12 @@ from torch import nn
 
 pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 
-from dist_attn.fp8_linear import EmulatedFp8Linear  # noqa: E402
-from dist_attn.integrations.diffusers import enable_ulysses, quantize_linears  # noqa: E402
-from dist_attn.serve.config import load_config  # noqa: E402
-from dist_attn.serve.h3.engine import initial_state  # noqa: E402
-from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names  # noqa: E402
+from dist_attn.models.h3.fp8.linear import EmulatedFp8Linear  # noqa: E402
+from dist_attn.integrations.diffusers import enable_ulysses  # noqa: E402
+from dist_attn.models.h3.fp8 import quantize_linears  # noqa: E402
+from dist_attn.models.h3.serve.config import load_config  # noqa: E402
+from dist_attn.models.h3.serve.h3.engine import initial_state  # noqa: E402
+from dist_attn.models.h3.serve.h3.model import build_h3, compile_blocks, fp32_module_names  # noqa: E402
 
 from tests._multirank import run_ranks  # noqa: E402
 from tests._torch_caps import require_cpu_rowwise_scaled_mm  # noqa: E402
@@ -208,7 +209,7 @@ def test_summary_says_what_the_model_holds(caplog):
     text = summary.describe()
     assert "kept float32: none; the class's float32 modules found cast (never quantized): proj_in (bfloat16)" in text
     assert "fast_accum=True (no effect: emulated)" in text and "run the emulated GEMM on those codes" in text
-    with caplog.at_level(logging.INFO, logger="dist_attn.integrations.diffusers.linear_precision"):
+    with caplog.at_level(logging.INFO, logger="dist_attn.models.h3.fp8.quantize"):
         quantize_linears(tiny_h3(2).to(torch.bfloat16), "bf16", fast_accum=True, fuse_swiglu=True,
                          fuse_adaln=True)
     assert "(fast_accum=True, fuse_swiglu=True, fuse_adaln=True: no effect without FP8)" in caplog.text
@@ -222,7 +223,7 @@ def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
     enable_ulysses gives the same result, and compile_blocks traces the tensor subclass fullgraph."""
     pytest.importorskip("torchao", reason="torchao is not installed (the fp8 extra)")
     require_cpu_rowwise_scaled_mm()
-    import dist_attn.integrations.diffusers.linear_precision as lp
+    import dist_attn.models.h3.fp8.quantize as lp
 
     monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda g: None)
     monkeypatch.setattr(lp, "fp8_unsupported_reason", lambda device: None)
@@ -246,7 +247,7 @@ def test_torchao_path_on_cpu_with_the_hardware_gate_lifted(served, monkeypatch):
 def test_fuse_swiglu_refuses_another_ffn_before_changing_anything(served, monkeypatch):
     """quantize_linears(fuse_swiglu=True) checks every block's FFN is diffusers' bias-free SwiGLU
     before torchao touches a weight (the device and torchao gates are lifted: no GPU here)."""
-    import dist_attn.integrations.diffusers.linear_precision as lp
+    import dist_attn.models.h3.fp8.quantize as lp
 
     monkeypatch.setattr(lp, "fp8_unsupported_reason", lambda device: None)
     monkeypatch.setattr(lp, "torchao_fp8_config", lambda fast_accum: None)

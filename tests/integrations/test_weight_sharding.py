@@ -73,9 +73,9 @@ def _worker(rank, world):
 def _fp8_case(world):
     """The served tiny H3 (bf16 blocks, fp32 modules) with FP8 linears in the recipe's float32
     emulation and the fused norm + AdaLN forward (its torch reference on CPU)."""
-    from dist_attn.integrations.diffusers import quantize_linears
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.fp8 import quantize_linears
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.model import build_h3
     from tests.integrations.test_fp8_h3 import _inputs
 
     cfg = load_config(None)
@@ -110,8 +110,8 @@ def _compiled_case():
 
 
 def _refusals():
-    from dist_attn.integrations.diffusers import (enable_ulysses, quantize_linears, shard_weights,
-                                                  weight_units)
+    from dist_attn.integrations.diffusers import enable_ulysses, shard_weights, weight_units
+    from dist_attn.models.h3.fp8 import quantize_linears
 
     out = {}
     model = tiny_h3(2)

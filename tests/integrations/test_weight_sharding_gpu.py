@@ -37,9 +37,9 @@ def one_rank(tmp_path):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_sharded_fp8_model_serves_the_replicas_outputs(one_rank, compiled):
-    from dist_attn.serve.config import apply_overrides, load_config
-    from dist_attn.serve.h3.model import (build_h3, compile_blocks, meta_h3, parallelize,
-                                          shard_h3)
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.h3.model import (build_h3, compile_blocks, meta_h3, parallelize,
+                                                    shard_h3)
     from tests.integrations.test_fp8_h3 import _inputs
 
     device = torch.device("cuda", 0)

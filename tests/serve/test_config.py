@@ -9,10 +9,11 @@ import tomllib
 
 import pytest
 
-from dist_attn.serve.config import (DEFAULT_CONFIG_PATH, Config, ModelConfig, RuntimeConfig,
-                                    ServeConfig, apply_overrides, load_config, parse_config)
-from dist_attn.serve.config.jobs import JobsConfig
-from dist_attn.serve.config.tokens import TokenConfig
+from dist_attn.models.h3.serve.config import (DEFAULT_CONFIG_PATH, Config, ModelConfig,
+                                              RuntimeConfig, ServeConfig, apply_overrides,
+                                              load_config, parse_config)
+from dist_attn.models.h3.serve.config.jobs import JobsConfig
+from dist_attn.models.h3.serve.config.tokens import TokenConfig
 
 from tests.conftest import ROOT
 
@@ -47,7 +48,7 @@ def test_shipped_configs_load_by_name_and_a_missing_one_is_named():
 def test_default_config_is_the_tiny_file():
     # the clone's configs/ points into the package, where the one copy of each config lives
     assert str(DEFAULT_CONFIG_PATH) == os.path.realpath(TINY_TOML)
-    assert os.path.realpath(TINY_TOML).endswith(os.path.join("dist_attn", "serve", "configs", "tiny.toml"))
+    assert os.path.realpath(TINY_TOML).endswith(os.path.join("dist_attn", "models", "h3", "serve", "configs", "tiny.toml"))
     cfg = load_config(None)
     assert cfg == load_config(TINY_TOML)
     r = cfg.request
@@ -89,7 +90,7 @@ def test_overlap_chunks_field_reaches_enable_ulysses():
     pytest.importorskip("diffusers")
     import torch
 
-    from dist_attn.serve.h3.model import build_h3, parallelize
+    from dist_attn.models.h3.serve.h3.model import build_h3, parallelize
 
     cfg = load_config(None)
     model = build_h3(dataclasses.replace(cfg.model, num_layers=1), device=torch.device("cpu"),
@@ -173,7 +174,7 @@ def test_unknown_fields_and_sections_are_named(tmp_path):
 
 def test_a_misspelt_override_or_field_suggests_the_one_meant():
     """--set runtime.backnd=sdpa named the rule only; the nearest field or section is offered."""
-    from dist_attn.serve.launch import cli as launcher
+    from dist_attn.models.h3.serve.launch import cli as launcher
 
     args = launcher.build_parser().parse_args(["--set", "runtime.backnd=sdpa"])
     with pytest.raises(ValueError) as err:
@@ -218,7 +219,7 @@ def test_default_request_must_fit_max_tokens():
 
 
 def test_command_line_flags_override_config_fields():
-    from dist_attn.serve.launch import cli as launcher
+    from dist_attn.models.h3.serve.launch import cli as launcher
 
     args = launcher.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "configs", "h3.toml"), "--layers", "1", "--backend",
@@ -315,8 +316,8 @@ def test_lossless_serves_the_eager_bf16_path():
 def test_errors_name_the_section_the_loader_reads():
     """field_error names a field as the TOML file and --set write it: its class-to-section map
     must be the loader's, inverted (a class added to one and not the other would raise)."""
-    from dist_attn.serve.config import load
-    from dist_attn.serve.config.fields import SECTIONS
+    from dist_attn.models.h3.serve.config import load
+    from dist_attn.models.h3.serve.config.fields import SECTIONS
 
     assert SECTIONS == {cls.__name__: name for name, cls in load._SECTIONS.items()}
 
@@ -324,7 +325,7 @@ def test_errors_name_the_section_the_loader_reads():
 def test_an_integer_too_long_for_python_names_its_field(tmp_path):
     """tomllib's int() refuses more than 4300 digits (Python's limit); its ValueError named no
     field, from --set or from the file."""
-    from dist_attn.serve.launch import cli as launcher
+    from dist_attn.models.h3.serve.launch import cli as launcher
 
     long = "9" * 5000
     args = launcher.build_parser().parse_args(["--set", f"serve.port={long}"])
@@ -344,7 +345,7 @@ def test_an_integer_too_long_for_python_names_its_field(tmp_path):
 def test_tiny_tomls_duration_comment_says_which_route_it_governs():
     """The comment said "the CPU default generates a second", but /v1/videos keeps H3's 5-15 s
     whatever [tokens] says (its VideoRules); only /v1/generate and --once read min_duration_s."""
-    from dist_attn.serve.jobs.videos import VideoRules
+    from dist_attn.models.h3.serve.jobs.videos import VideoRules
 
     with open(TINY_TOML, encoding="utf-8") as f:
         (line,) = [ln for ln in f if ln.startswith("min_duration_s")]

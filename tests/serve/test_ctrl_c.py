@@ -64,7 +64,7 @@ def test_ctrl_c_on_the_supervised_server_drains_and_exits_0(tmp_path):
         srv.kill()
     assert code == 0, log[-3000:]
     assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
-    assert "[rank 0] INFO dist_attn.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
+    assert "[rank 0] INFO dist_attn.models.h3.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("form", ["supervisor", "torchrun"])
@@ -93,8 +93,8 @@ def test_ctrl_c_while_the_ranks_start_prints_no_traceback_of_ours(tmp_path, form
 def test_an_error_after_a_stop_signal_ends_the_rank_with_one_line(monkeypatch, capsys):
     """cli.run: an exception while the ranks stop (a peer gone after the same Ctrl-C) is one line
     on rank 0 and 128 + the signal; the same exception with no stop signal is a fault: raised."""
-    from dist_attn.serve.launch import cli
-    from dist_attn.serve.ranks import lifecycle
+    from dist_attn.models.h3.serve.launch import cli
+    from dist_attn.models.h3.serve.ranks import lifecycle
 
     def fails():
         raise RuntimeError("Connection closed by peer")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A served job's decode (dist_attn.serve.h3.decode): the pixels are diffusers' decode step's, the
+"""A served job's decode (dist_attn.models.h3.serve.h3.decode): the pixels are diffusers' decode step's, the
 MP4 does not depend on the number of ranks, and random-weight builds get the dtypes
 from_pretrained would give."""
 
@@ -25,7 +25,7 @@ PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def test_served_pixels_are_those_of_diffusers_decode_step():
     from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3VideoDecodeStep
 
-    from dist_attn.serve.h3.decode import JobDecoder
+    from dist_attn.models.h3.serve.h3.decode import JobDecoder
 
     vae = tiny_vae()
     z = torch.randn(1, 8, 12, 5, 10, generator=torch.Generator().manual_seed(3))
@@ -49,10 +49,10 @@ def _job(rank, world, cache, out_dir):
     decoded frames."""
     import torch.distributed as dist
 
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.pipeline import H3Runner
-    from dist_attn.serve.jobs.videos import parse_video_request, VideoRequest
-    from dist_attn.serve.wire import Abort
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.pipeline import H3Runner
+    from dist_attn.models.h3.serve.jobs.videos import parse_video_request, VideoRequest
+    from dist_attn.models.h3.serve.wire import Abort
 
     os.environ["DIST_ATTN_CACHE"] = cache
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
@@ -75,7 +75,7 @@ def _job(rank, world, cache, out_dir):
 
 
 def test_the_mp4_does_not_depend_on_the_number_of_ranks(tmp_path):
-    from dist_attn.serve.h3.tiny import ensure_tiny_checkpoint
+    from dist_attn.models.h3.serve.h3.tiny import ensure_tiny_checkpoint
 
     cache = str(tmp_path / "cache")
     os.environ["DIST_ATTN_CACHE"] = cache
@@ -96,7 +96,7 @@ def test_the_mp4_does_not_depend_on_the_number_of_ranks(tmp_path):
 def test_random_weights_get_the_dtypes_from_pretrained_gives(tmp_path):
     from diffusers import AutoencoderKLMiniMaxH3
 
-    from dist_attn.serve.h3.decode import cast_like_from_pretrained
+    from dist_attn.models.h3.serve.h3.decode import cast_like_from_pretrained
 
     vae = tiny_vae()
     vae.save_pretrained(str(tmp_path / "vae"))

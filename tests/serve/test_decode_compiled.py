@@ -27,7 +27,7 @@ def _decoders(env, backend):
     """(eager, compiled) JobDecoders over two copies of the same tiny VAE, 5 tiles a call (the
     last wave's remainder is a second batch shape)."""
     import dist_attn.integrations.diffusers as integration
-    from dist_attn.serve.h3.decode import JobDecoder
+    from dist_attn.models.h3.serve.h3.decode import JobDecoder
 
     real = integration.compile_vae_decoder
     integration.compile_vae_decoder = functools.partial(real, backend=backend)
@@ -82,7 +82,7 @@ def test_compiled_decode_on_two_ranks(tmp_path):
 
 
 def test_decode_compile_field():
-    from dist_attn.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
 
     cfg = load_config(None)
     assert cfg.decode.compiled("cuda", None) and not cfg.decode.compiled("cpu", None)

@@ -102,7 +102,7 @@ def test_generate_answers_a_relative_output_name_and_keeps_the_newest_latents(sr
     """/v1/generate with --output-dir answered the absolute server path of the latents it saved
     (the README promises no server paths) and kept one file per request forever: now the file's
     name relative to the output directory, and the newest jobs.latents_kept (2 here) files."""
-    from dist_attn.serve.h3.weights import load_output
+    from dist_attn.models.h3.serve.h3.weights import load_output
 
     names = []
     for _ in range(3):
@@ -168,7 +168,7 @@ def test_sigterm_drains_queued_503_running_aborted_all_ranks_exit_0(tmp_path):
         assert time.monotonic() - t_signal < 15
         log = srv.log()
         for rank in (0, 1):
-            assert f"[rank {rank}] INFO dist_attn.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
+            assert f"[rank {rank}] INFO dist_attn.models.h3.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
         assert "exiting with status 1" not in log
 
 
@@ -192,7 +192,7 @@ def test_a_hung_peer_ends_the_job_within_the_process_group_timeout(tmp_path):
 
 def _supervised_ranks(supervisor: int, timeout: float = 60) -> dict[int, int]:
     """{rank: pid} of the 2 ranks under the supervisor's (current) torchrun agent."""
-    from dist_attn.serve.launch.supervise import rank_pids
+    from dist_attn.models.h3.serve.launch.supervise import rank_pids
 
     deadline = time.monotonic() + timeout
     while True:
@@ -286,7 +286,7 @@ def test_under_the_supervisor_a_killed_rank_comes_back_and_sigterm_exits_0(tmp_p
         assert time.monotonic() - t0 < 20
         log = srv.log()[since:]
         for rank in (0, 1):
-            assert f"[rank {rank}] INFO dist_attn.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
+            assert f"[rank {rank}] INFO dist_attn.models.h3.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
         assert "SignalException" not in log and "Traceback" not in log, log[-3000:]
     finally:
         if proc.poll() is None:  # the agent goes with it; the ranks then get their parent-death
@@ -340,7 +340,7 @@ def test_the_entry_point_skips_interpreter_teardown_on_a_torchrun_rank(monkeypat
     """A rank that shut down cleanly could still die of SIGABRT at interpreter teardown (gloo's
     threads, see ``cli.run``); a rank leaves through ``os._exit`` with main's status, any other
     process through ``sys.exit``."""
-    from dist_attn.serve.launch import cli
+    from dist_attn.models.h3.serve.launch import cli
 
     exits: list[int] = []
     monkeypatch.setattr(cli, "main", lambda: 3)
@@ -365,7 +365,7 @@ def test_the_supervisor_sees_which_processes_ignore_sigterm():
     import subprocess
     import sys
 
-    from dist_attn.serve.launch.supervise import ignores
+    from dist_attn.models.h3.serve.launch.supervise import ignores
 
     # SIGINT set explicitly: a shell's background job inherits it ignored, which is not the case here
     code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "

@@ -10,8 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from dist_attn.serve.config import ModelConfig, RuntimeConfig, apply_overrides, load_config
-from dist_attn.serve.config.quality import DeviceFacts, Topology, quality_failures, tier_linear_rule
+from dist_attn.models.h3.serve.config import (ModelConfig, RuntimeConfig, apply_overrides,
+                                              load_config)
+from dist_attn.models.h3.serve.config.quality import (DeviceFacts, Topology, quality_failures,
+                                                      tier_linear_rule)
 
 __all__: list[str] = []
 
@@ -41,11 +43,11 @@ def test_fp8_fast_accum_and_fused_kernels_fields(monkeypatch):
         apply_overrides(load_config(None), {"model.fp8_fast_accum": True, "runtime.quality": "lossless"})
     # build_h3 hands the field to quantize_linears (the GEMM flag itself: tests/integrations)
     pytest.importorskip("diffusers")
-    import dist_attn.integrations.diffusers as integration
-    from dist_attn.serve.h3.model import build_h3
+    import dist_attn.models.h3.fp8 as fp8
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     calls = []
-    monkeypatch.setattr(integration, "quantize_linears",
+    monkeypatch.setattr(fp8, "quantize_linears",
                         lambda model, precision, **kw: calls.append((precision, kw)))
     tiny = dataclasses.replace(cfg.model, num_layers=1, hidden_size=64, num_attention_heads=2,
                                attention_head_dim=32, ffn_dim=128, text_dim=32,
@@ -106,7 +108,7 @@ def test_warmup_shapes_rules():
 
 def test_build_h3_fp8_on_cpu_names_the_device():
     pytest.importorskip("diffusers")
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     cfg = dataclasses.replace(load_config(None).model, num_layers=1, linear_precision="fp8")
     with pytest.raises(RuntimeError, match=r"device cpu has no FP8 matrix multiply"):
@@ -138,8 +140,8 @@ def test_launch_refuses_fp8_before_the_model(launcher, capsys):
 
 def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, capsys):
     pytest.importorskip("diffusers")
-    from dist_attn.serve.launch import warmup
-    from dist_attn.serve.ranks import loop
+    from dist_attn.models.h3.serve.launch import warmup
+    from dist_attn.models.h3.serve.ranks import loop
 
     events = []
     real_warm, real_serve = warmup.warm_up, loop.serve
@@ -171,7 +173,7 @@ def test_launch_check_names_the_extra_without_torchao(monkeypatch):
     import sys
 
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.launch import checks
+    from dist_attn.models.h3.serve.launch import checks
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
     cfg = apply_overrides(load_config(None), {"model.linear_precision": "fp8"})

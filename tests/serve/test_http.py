@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from dist_attn.serve.config import apply_overrides, load_config
-from dist_attn.serve.http import HttpServer, ServerState
-from dist_attn.serve.http.metrics import Metrics
-from dist_attn.serve.jobs.queue import JobQueue, Liveness
-from dist_attn.serve.launch.process import bind_listener
+from dist_attn.models.h3.serve.config import apply_overrides, load_config
+from dist_attn.models.h3.serve.http import HttpServer, ServerState
+from dist_attn.models.h3.serve.http.metrics import Metrics
+from dist_attn.models.h3.serve.jobs.queue import JobQueue, Liveness
+from dist_attn.models.h3.serve.launch.process import bind_listener
 
 from tests.serve._server import metric_samples
 
@@ -349,8 +349,8 @@ def test_retry_after_is_when_a_slot_opens_from_measured_step_times(app):
     until a slot opens, which is when the running job ends and the loop takes the next. It is
     that now: the running job's measured whole time less what it has run, at least its steps
     left; the time outside the steps counts until the job ends, not until its last step."""
-    from dist_attn.serve.jobs.queue import Job
-    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.jobs.queue import Job
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
 
     rows = parse_request({"steps": 4}, app.cfg).layout(app.cfg).used
     app.step_times.observe_step(rows, 2.0)
@@ -371,7 +371,7 @@ def test_retry_after_is_when_a_slot_opens_from_measured_step_times(app):
 
 
 def test_step_times_estimate_unmeasured_lengths_from_the_nearest():
-    from dist_attn.serve.jobs.queue import StepTimes
+    from dist_attn.models.h3.serve.jobs.queue import StepTimes
 
     times = StepTimes(default_step_s=2.0)
     assert times.step_s(100) == 2.0  # nothing measured yet
@@ -395,7 +395,7 @@ def test_a_cold_first_measurement_does_not_skew_the_estimates():
     """The estimates were moving averages seeded by the first measurement: the first job after
     a start (one CPU rank, the tiny H3: 0.64 s outside its steps against 0.39-0.55 s for the next
     four) weighed on them for ten jobs more. They are medians of the recent measurements now."""
-    from dist_attn.serve.jobs.queue import StepTimes
+    from dist_attn.models.h3.serve.jobs.queue import StepTimes
 
     times = StepTimes()
     for seconds in (0.64, 0.39, 0.45, 0.50):
@@ -472,7 +472,7 @@ def test_a_malformed_chunked_body_is_400_logged_at_info_without_traceback(app, c
 
 def test_a_500_is_json_and_counted(app, monkeypatch):
     """Every error answer is counted in dist_attn_request_errors_total; 500s were not."""
-    import dist_attn.serve.http.generate as http_module
+    import dist_attn.models.h3.serve.http.generate as http_module
 
     def broken(*_a, **_k):
         raise RuntimeError("a bug")

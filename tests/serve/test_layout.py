@@ -11,10 +11,13 @@ import os
 
 import pytest
 
+from tests._imports import cycles, import_graph, package_modules
 from tests.conftest import ROOT
 
-SERVE = os.path.join(ROOT, "dist_attn", "serve")
-PREFIX = "dist_attn.serve"
+PREFIX = "dist_attn.models.h3.serve"
+SERVE = os.path.join(ROOT, *PREFIX.split("."))
+#: Dotted parts of :data:`PREFIX`: a sub-package is the part after them.
+_DEPTH = len(PREFIX.split("."))
 
 #: The sub-packages, top down: each may import those after it, never one before it.
 LAYERS = ("launch", "ranks", "http", "h3", "jobs", "wire", "config")
@@ -22,61 +25,16 @@ LAYERS = ("launch", "ranks", "http", "h3", "jobs", "wire", "config")
 MAX_LINES = 400
 
 
-def _modules() -> dict[str, str]:
-    """Dotted module name -> file path, for every .py under dist_attn/serve."""
-    found = {}
-    for folder, _, files in os.walk(SERVE):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(folder, name)
-            parts = os.path.relpath(path, os.path.dirname(SERVE)).removesuffix(".py").split(os.sep)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(["dist_attn", *parts])] = path
-    return found
-
-
-MODULES = _modules()
-
-
-def _imports(module: str, path: str) -> set[str]:
-    """The dist_attn.serve modules ``module`` imports anywhere in its file (top level, inside
-    functions, under TYPE_CHECKING), each resolved to the module file it names."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
-    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-    named: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            named.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            # `from pkg import name`: the submodule pkg.name when there is one, else pkg
-            named.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
-                         for alias in node.names)
-    out = set()
-    for name in named:
-        while name and name not in MODULES:  # `import a.b.c` of a module a.b.c, or a name in a.b
-            name = name.rpartition(".")[0]
-        if name.startswith(PREFIX):
-            out.add(name)
-    out.discard(module)
-    return out
-
-
-GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+MODULES = package_modules(PREFIX)
+GRAPH = import_graph(MODULES)
 
 
 def _layer(module: str) -> str | None:
-    """The sub-package of ``module``; None for the package's own face (``dist_attn.serve``,
+    """The sub-package of ``module``; None for the package's own face (:data:`PREFIX`,
     ``__main__``)."""
     parts = module.split(".")
-    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in LAYERS) else None
+    d = _DEPTH
+    return parts[d] if len(parts) > d + 1 or (len(parts) == d + 1 and parts[d] in LAYERS) else None
 
 
 def test_every_module_is_in_a_declared_sub_package():
@@ -102,22 +60,8 @@ def test_sub_packages_import_top_down_only():
 
 def test_no_import_cycle():
     """Between modules (a sub-package's __init__ counts as a module), lazy imports included."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    cycles = []
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for target in sorted(GRAPH[module]):
-            if state.get(target) == 1:
-                cycles.append(" -> ".join([*path[path.index(target):], target]))
-            elif target not in state:
-                visit(target, [*path, target])
-        state[module] = 2
-
-    for module in sorted(GRAPH):
-        if module not in state:
-            visit(module, [module])
-    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+    found = cycles(GRAPH)
+    assert not found, "import cycles:\n  " + "\n  ".join(found)
 
 
 @pytest.mark.parametrize("layer", LAYERS)

@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extra")
 pytest.importorskip("transformers")
 
-from dist_attn.serve.config import apply_overrides, load_config  # noqa: E402
-from dist_attn.serve.h3.memory import Plan, estimate_peak, model_sizes  # noqa: E402
-from dist_attn.serve.launch.preflight import decide, largest_geometry  # noqa: E402
+from dist_attn.models.h3.serve.config import apply_overrides, load_config  # noqa: E402
+from dist_attn.models.h3.serve.h3.memory import Plan, estimate_peak, model_sizes  # noqa: E402
+from dist_attn.models.h3.serve.launch.preflight import decide, largest_geometry  # noqa: E402
 
 from tests.conftest import ROOT  # noqa: E402
 from tests._multirank import run_ranks  # noqa: E402
@@ -78,11 +78,11 @@ def test_sizes_are_the_real_models_bytes(tmp_path):
     """Every count comes from the classes themselves: the tiny served transformer (float32 on
     CPU, and bf16 with FP8 linears against quantize_linears' own result), the tiny checkpoint's
     text encoder and VAEs against the loaded models."""
-    from dist_attn.integrations.diffusers import quantize_linears
-    from dist_attn.serve.h3.components import load_components
-    from dist_attn.serve.h3.model import build_h3
-    from dist_attn.serve.h3.text import _cut_config
-    from dist_attn.serve.h3.tiny import build_tiny_checkpoint, tiny_spec
+    from dist_attn.models.h3.fp8 import quantize_linears
+    from dist_attn.models.h3.serve.h3.components import load_components
+    from dist_attn.models.h3.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.h3.text import _cut_config
+    from dist_attn.models.h3.serve.h3.tiny import build_tiny_checkpoint, tiny_spec
     from dist_attn.weight_sharding import parameter_bytes
 
     cfg = load_config(None)
@@ -146,7 +146,7 @@ def test_the_estimate_is_its_terms(h3_sizes):
 
 
 def test_too_few_ranks_for_bf16_on_80_gb(h3_sizes, caplog):
-    caplog.set_level("INFO", logger="dist_attn.serve.launch.preflight")
+    caplog.set_level("INFO", logger="dist_attn.models.h3.serve.launch.preflight")
     msg = _one_message(_decide_everywhere(_cfg(**{"parallel.shard_weights": True}), h3_sizes, [H100] * 2))
     assert msg.startswith("memory: rank 0 of 2:") and "exceeds 71.3 GB (79.2 GB free" in msg
     assert "ranks with parallel.shard_weights=true" in msg, msg
@@ -178,7 +178,7 @@ def test_one_gpu_is_told_it_needs_more_ranks(h3_sizes):
 
 
 def test_eight_h100s_and_four_h200s_fit_and_auto_shards(h3_sizes, caplog):
-    with caplog.at_level(logging.INFO, logger="dist_attn.serve.launch.preflight"):
+    with caplog.at_level(logging.INFO, logger="dist_attn.models.h3.serve.launch.preflight"):
         results = _decide_everywhere(_cfg(), h3_sizes, [H100] * 8)
     assert _one_message(results) is None and results[0].shard
     assert "parallel.shard_weights='auto': sharded (a replica's estimated peak exceeds" in caplog.text
@@ -200,7 +200,7 @@ def test_unequal_free_memory_reports_the_worst_rank(h3_sizes):
 
 def _launch_worker(rank, world, ckpt, overrides):
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.launch.preflight import memory_preflight
+    from dist_attn.models.h3.serve.launch.preflight import memory_preflight
 
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
                   backend="gloo")

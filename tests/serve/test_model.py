@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extra")
 
-from dist_attn.serve.config import ModelConfig, load_config  # noqa: E402
-from dist_attn.serve.config.tokens import TokenConfig, request_layout  # noqa: E402
-from dist_attn.serve.h3.model import build_h3, compile_blocks, fp32_module_names, parallelize  # noqa: E402
+from dist_attn.models.h3.serve.config import ModelConfig, load_config  # noqa: E402
+from dist_attn.models.h3.serve.config.tokens import TokenConfig, request_layout  # noqa: E402
+from dist_attn.models.h3.serve.h3.model import build_h3, compile_blocks, fp32_module_names, parallelize  # noqa: E402
 
 from tests.conftest import ROOT  # noqa: E402
 from tests.integrations._tiny_models import h3_layout_functions  # noqa: E402
@@ -108,7 +108,7 @@ def _hand_loop(model, cfg, layout, seed, steps):
     """H3's denoise loop written out with diffusers alone (no dist_attn): the reference."""
     from diffusers import MiniMaxH3Scheduler
 
-    from dist_attn.serve.h3.engine import initial_state
+    from dist_attn.models.h3.serve.h3.engine import initial_state
 
     video, audio, text = initial_state(cfg, layout, seed, CPU, torch.float32)
     rows = layout.rows()
@@ -131,8 +131,8 @@ def test_engine_is_diffusers_model_stepped_by_minimax_h3_scheduler():
 
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.h3.engine import Engine
-    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.h3.engine import Engine
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
 
     cfg = load_config(None)
     model = build_h3(cfg.model, device=CPU, dtype=torch.float32)
@@ -161,7 +161,7 @@ def _engines(cfg, *compile_kwargs, rank=0, world=1, sequence_bucket=1):
     """One served engine per entry: None = eager, a dict = compile_blocks(**it)."""
     from dist_attn import PhaseTimer
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.h3.engine import Engine
+    from dist_attn.models.h3.serve.h3.engine import Engine
 
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=CPU,
                   backend="gloo" if world > 1 else None, shared_gpu=False)
@@ -185,7 +185,7 @@ def test_compiled_blocks_serve_several_geometries_within_dynamos_recompile_limit
     fit torch's default limit, and the compiled engine computes what the eager one does."""
     import torch._dynamo
 
-    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
 
     torch._dynamo.reset()
     cfg = load_config(None)
@@ -209,10 +209,10 @@ def test_warm_up_leaves_nothing_to_compile_for_a_job_of_a_warmed_geometry():
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
-    from dist_attn.serve.config import apply_overrides
-    from dist_attn.serve.h3.model import SERVED_RECOMPILE_LIMIT
-    from dist_attn.serve.jobs.requests import parse_request
-    from dist_attn.serve.launch.warmup import warm_up
+    from dist_attn.models.h3.serve.config import apply_overrides
+    from dist_attn.models.h3.serve.h3.model import SERVED_RECOMPILE_LIMIT
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.launch.warmup import warm_up
 
     torch._dynamo.reset()
     cfg = apply_overrides(load_config(None), {"runtime.warmup_shapes": [[17, 64, 128]]})
@@ -235,7 +235,7 @@ def _entries_worker(rank, world):
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
 
     torch._dynamo.reset()
     cfg = load_config(None)
@@ -271,9 +271,9 @@ def test_the_warm_up_covers_every_prompt_length_up_to_its_bound():
     from torch._dynamo.testing import CompileCounter
 
     from dist_attn.integrations.diffusers import ulysses_handle
-    from dist_attn.serve.config import apply_overrides
-    from dist_attn.serve.jobs.requests import parse_request
-    from dist_attn.serve.launch.warmup import warm_up
+    from dist_attn.models.h3.serve.config import apply_overrides
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.launch.warmup import warm_up
 
     torch._dynamo.reset()
     cfg = apply_overrides(load_config(None), {

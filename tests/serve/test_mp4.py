@@ -11,8 +11,8 @@ import pytest
 
 av = pytest.importorskip("av")
 
-from dist_attn.serve.jobs import mp4  # noqa: E402
-from dist_attn.serve.jobs.mp4 import Mp4Writer, probe_mp4, remove_stale_temporaries, write_mp4  # noqa: E402
+from dist_attn.models.h3.serve.jobs import mp4  # noqa: E402
+from dist_attn.models.h3.serve.jobs.mp4 import Mp4Writer, probe_mp4, remove_stale_temporaries, write_mp4  # noqa: E402
 
 FPS, SAMPLE_RATE = 24, 32_000
 # AAC encodes whole 1024-sample frames: the decoded track is the written one rounded up to a frame.

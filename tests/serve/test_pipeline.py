@@ -14,17 +14,17 @@ pytest.importorskip("av")
 pytest.importorskip("transformers")
 
 from dist_attn.distributed import DistEnv  # noqa: E402
-from dist_attn.serve.config import load_config  # noqa: E402
-from dist_attn.serve.jobs.mp4 import probe_mp4  # noqa: E402
-from dist_attn.serve.jobs.videos import parse_video_request  # noqa: E402
-from dist_attn.serve.wire import Abort  # noqa: E402
+from dist_attn.models.h3.serve.config import load_config  # noqa: E402
+from dist_attn.models.h3.serve.jobs.mp4 import probe_mp4  # noqa: E402
+from dist_attn.models.h3.serve.jobs.videos import parse_video_request  # noqa: E402
+from dist_attn.models.h3.serve.wire import Abort  # noqa: E402
 
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    from dist_attn.serve.h3.pipeline import H3Runner
+    from dist_attn.models.h3.serve.h3.pipeline import H3Runner
 
     cache = tmp_path_factory.mktemp("cache")
     old = os.environ.get("DIST_ATTN_CACHE")
@@ -40,7 +40,8 @@ def runner(tmp_path_factory):
 
 
 def test_the_tiny_checkpoint_is_built_once_of_the_real_classes(runner):
-    from dist_attn.serve.h3.tiny import MARKER, ensure_tiny_checkpoint, tiny_checkpoint_path
+    from dist_attn.models.h3.serve.h3.tiny import (MARKER, ensure_tiny_checkpoint,
+                                                   tiny_checkpoint_path)
 
     path = tiny_checkpoint_path()
     assert os.environ["DIST_ATTN_CACHE"] in path and os.path.isfile(os.path.join(path, MARKER))
@@ -61,7 +62,7 @@ def test_the_tiny_checkpoint_is_built_once_of_the_real_classes(runner):
 
 
 def test_a_second_build_is_bit_identical(tmp_path):
-    from dist_attn.serve.h3.tiny import build_tiny_checkpoint
+    from dist_attn.models.h3.serve.h3.tiny import build_tiny_checkpoint
 
     a = build_tiny_checkpoint(str(tmp_path / "a"))
     b = build_tiny_checkpoint(str(tmp_path / "b"))
@@ -137,7 +138,7 @@ def test_a_deeper_text_encoder_loads_only_the_layers_h3_reads(runner, tmp_path):
     gives the same conditioning as the full stack."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from dist_attn.serve.h3.text import load_text_encoder
+    from dist_attn.models.h3.serve.h3.text import load_text_encoder
 
     full_cfg = runner.pipe.comps.text_encoder.config
     cfg = full_cfg.__class__.from_dict(full_cfg.to_dict())

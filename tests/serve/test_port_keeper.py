@@ -11,7 +11,8 @@ import socket
 
 import pytest
 
-from dist_attn.serve.launch.keeper import KEEPER_ENV, PortKeeper, announce_serving, rank0_listener
+from dist_attn.models.h3.serve.launch.keeper import (KEEPER_ENV, PortKeeper, announce_serving,
+                                                     rank0_listener)
 
 
 def _request(port: int, raw: bytes = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"

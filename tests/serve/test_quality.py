@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from dist_attn.serve.config.quality import (DeviceFacts, Topology, check_tier_name, gather_device_facts,
-                               is_8bit_backend, local_device_facts, quality_failures)
+from dist_attn.models.h3.serve.config.quality import (DeviceFacts, Topology, check_tier_name,
+                                                      gather_device_facts, is_8bit_backend,
+                                                      local_device_facts, quality_failures)
 
 H200_MEM = 150_000_000_000
 TOPO4 = Topology(world_size=4, ulysses_degree=4)
@@ -170,8 +171,8 @@ def test_auto_under_lossless_chooses_an_exact_kernel(monkeypatch):
 
     from dist_attn import AttentionBackend, get_backend, register_backend
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.launch.checks import resolve_backend_name
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.launch.checks import resolve_backend_name
 
     class Runnable8bit(AttentionBackend):
         # accuracy_verified: "auto" chooses only verified 8-bit kernels (registry.auto_refusal)

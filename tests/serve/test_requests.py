@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_attn.serve.config import load_config
-from dist_attn.serve.h3.engine import latent_checksum
-from dist_attn.serve.http import decode_json
-from dist_attn.serve.http.metrics import Metrics
-from dist_attn.serve.jobs.queue import Job, JobQueue, QueueFull
-from dist_attn.serve.jobs.requests import RequestError, parse_request
-from dist_attn.serve.launch.process import exposure_warnings, is_loopback
-from dist_attn.serve.wire import Abort
+from dist_attn.models.h3.serve.config import load_config
+from dist_attn.models.h3.serve.h3.engine import latent_checksum
+from dist_attn.models.h3.serve.http import decode_json
+from dist_attn.models.h3.serve.http.metrics import Metrics
+from dist_attn.models.h3.serve.jobs.queue import Job, JobQueue, QueueFull
+from dist_attn.models.h3.serve.jobs.requests import RequestError, parse_request
+from dist_attn.models.h3.serve.launch.process import exposure_warnings, is_loopback
+from dist_attn.models.h3.serve.wire import Abort
 
 from tests.serve._server import metric_samples
 
@@ -126,8 +126,8 @@ def test_binding_outside_loopback_warns():
 def test_an_empty_api_key_is_no_key_and_a_key_no_client_can_send_is_refused(caplog):
     import logging
 
-    from dist_attn.serve.http import ServerState
-    from dist_attn.serve.launch.process import resolve_api_key
+    from dist_attn.models.h3.serve.http import ServerState
+    from dist_attn.models.h3.serve.launch.process import resolve_api_key
 
     caplog.set_level(logging.INFO)
     assert resolve_api_key(None, {}) is None

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("av")
 pytest.importorskip("transformers")
 
-from dist_attn.serve.jobs.mp4 import probe_mp4  # noqa: E402
+from dist_attn.models.h3.serve.jobs.mp4 import probe_mp4  # noqa: E402
 
 from tests.serve._server import http, server  # noqa: E402
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from dist_attn.serve.config import load_config, apply_overrides
-from dist_attn.serve.h3.weights import load_output
+from dist_attn.models.h3.serve.config import load_config, apply_overrides
+from dist_attn.models.h3.serve.h3.weights import load_output
 from tests.serve._server import SERVE, STARTUP_S, run, torchrun
 
 # The ring merges two partial softmaxes per query row in fp32 (log-sum-exp weights) where one

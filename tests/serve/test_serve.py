@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from dist_attn.serve.h3.engine import latent_checksum
-from dist_attn.serve.h3.weights import load_output
+from dist_attn.models.h3.serve.h3.engine import latent_checksum
+from dist_attn.models.h3.serve.h3.weights import load_output
 
 from tests.serve._server import SERVE, STARTUP_S, http, metric_samples, run, server, torchrun
 
@@ -62,7 +62,7 @@ def test_once_on_3_ranks_matches_a_single_rank(tmp_path):
     assert abs(r4["checksum"]["sum"] - r1["checksum"]["sum"]) <= 1e-4 * r1["checksum"]["abs_sum"]
     assert latent_checksum(a["video"], a["audio"]).bits64 == r4["checksum"]["bits64"]
     # per-step progress logged on rank 0 only, with the rank in every line
-    assert "[rank 0] INFO dist_attn.serve.h3.engine: once-5 step 2/2" in dist_run.stderr
+    assert "[rank 0] INFO dist_attn.models.h3.serve.h3.engine: once-5 step 2/2" in dist_run.stderr
     assert "[rank 1] INFO" not in dist_run.stderr
 
 
@@ -121,7 +121,7 @@ def test_server_under_torchrun(tmp_path, world):
         # every rank left through the shutdown message
         log = srv.log()
         for rank in range(world):
-            assert f"[rank {rank}] INFO dist_attn.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
+            assert f"[rank {rank}] INFO dist_attn.models.h3.serve.ranks.loop: shut down cleanly" in log, log[-3000:]
         # the launch log reads at a glance: the backend choice in one short INFO line (it was
         # ~1,200 characters of reasons and TRITON_INTERPRET advice), the tiny model's size in a
         # unit that fits (it was "0.00B parameters")
@@ -184,7 +184,7 @@ def test_launch_rejects_bad_tier_backend_and_checkpoint(launcher, tmp_path, caps
 def test_once_with_compile_compiles_the_served_blocks(launcher, monkeypatch, capsys):
     """--compile reaches compile_blocks (diffusers' compile_repeated_blocks, fullgraph) of the
     served MiniMaxH3Transformer3DModel; aot_eager here, inductor in the 2-rank integration test."""
-    from dist_attn.serve.h3 import model as served
+    from dist_attn.models.h3.serve.h3 import model as served
 
     calls, real = [], served.compile_blocks
 
@@ -202,7 +202,7 @@ def test_once_with_compile_compiles_the_served_blocks(launcher, monkeypatch, cap
 def test_max_restarts_is_the_supervisors_and_must_be_non_negative(capsys):
     """--max-restarts bounds the supervisor's restarts (a killed rank ended the server for good:
     issue 24); it names its value and rule, and is refused where no supervisor runs."""
-    from dist_attn.serve.launch import cli
+    from dist_attn.models.h3.serve.launch import cli
 
     assert cli.main(["--nproc-per-node", "2", "--max-restarts", "-1"]) == 1
     assert ("--max-restarts=-1 must be a non-negative integer (restarts within 600 s; 0: never "
@@ -213,7 +213,7 @@ def test_max_restarts_is_the_supervisors_and_must_be_non_negative(capsys):
 
 def test_parameter_counts_are_logged_in_a_unit_that_fits():
     """The tiny model was logged as "0.00B parameters"."""
-    from dist_attn.serve.launch.logs import count_in_units
+    from dist_attn.models.h3.serve.launch.logs import count_in_units
 
     assert [count_in_units(n) for n in (999, 12_345, 4_567_890, 15_400_000_000)] == [
         "999", "12.35K", "4.57M", "15.40B"]

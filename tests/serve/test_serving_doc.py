@@ -34,7 +34,7 @@ def test_the_metrics_list_names_every_exported_series():
     """Seven of the fifteen series /metrics exports were missing from the list."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from dist_attn.serve.http.metrics import Metrics
+    from dist_attn.models.h3.serve.http.metrics import Metrics
 
     metrics = Metrics(lambda: 0)
     metrics.watch_jobs(lambda: {"queued": 0})
@@ -50,7 +50,7 @@ def test_every_error_code_the_routes_count_is_listed():
     """409 (content before the job succeeded, a cancel of a finished job) and 410 were counted in
     dist_attn_request_errors_total{code} but missing from the docs' list of counted codes."""
     codes = set()
-    http = os.path.join(ROOT, "dist_attn", "serve", "http")
+    http = os.path.join(ROOT, "dist_attn", "models", "h3", "serve", "http")
     for name in os.listdir(http):
         if name.endswith(".py"):
             with open(os.path.join(http, name), encoding="utf-8") as f:

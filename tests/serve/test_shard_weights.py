@@ -36,7 +36,7 @@ def _equal(a, b) -> bool:
 
 
 def _replica(cfg, dtype, checkpoint=None):
-    from dist_attn.serve.h3.model import build_h3, parallelize
+    from dist_attn.models.h3.serve.h3.model import build_h3, parallelize
 
     model = build_h3(cfg.model, device=CPU, dtype=dtype, checkpoint=checkpoint)
     parallelize(model, backend="sdpa")
@@ -44,7 +44,7 @@ def _replica(cfg, dtype, checkpoint=None):
 
 
 def _sharded(cfg, dtype, checkpoint=None):
-    from dist_attn.serve.h3.model import meta_h3, parallelize, shard_h3
+    from dist_attn.models.h3.serve.h3.model import meta_h3, parallelize, shard_h3
 
     model = meta_h3(cfg.model, device=CPU, dtype=dtype, fp32_modules=checkpoint is not None)
     parallelize(model, backend="sdpa")
@@ -53,8 +53,8 @@ def _sharded(cfg, dtype, checkpoint=None):
 
 
 def _worker(rank, world, ckpt_root):
-    import dist_attn.integrations.diffusers as integration
-    from dist_attn.serve.config import apply_overrides, load_config
+    import dist_attn.models.h3.fp8 as h3_fp8
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
 
     cfg = load_config(None)
     res = {}
@@ -65,7 +65,7 @@ def _worker(rank, world, ckpt_root):
         res[f"own_{dtype}"] = (_equal(_forward(model, inputs), want), summary.world,
                                len(summary.units), summary.bytes_per_rank / summary.bytes_total)
     # a checkpoint read block by block: the same model from_pretrained loads
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     path = f"{ckpt_root}/rank{rank}"
     build_h3(cfg.model, device=CPU, dtype=torch.float32).save_pretrained(path)
@@ -76,13 +76,13 @@ def _worker(rank, world, ckpt_root):
         res[f"checkpoint_{dtype}"] = _equal(_forward(model, inputs), want)
     # FP8 linears (the recipe's float32 emulation on CPU), each block quantized before sharding
     fp8 = apply_overrides(cfg, {"model.linear_precision": "fp8"})
-    real = integration.quantize_linears
-    integration.quantize_linears = functools.partial(real, emulate=True)
+    real = h3_fp8.quantize_linears
+    h3_fp8.quantize_linears = functools.partial(real, emulate=True)
     try:
         want = _forward(_replica(fp8, torch.bfloat16), inputs)
         model, summary = _sharded(fp8, torch.bfloat16)
     finally:
-        integration.quantize_linears = real
+        h3_fp8.quantize_linears = real
     res["fp8"] = (_equal(_forward(model, inputs), want), summary.fp8_tensors)
     return res
 
@@ -98,8 +98,8 @@ def test_sharded_build_serves_the_replicas_outputs(tmp_path, world):
 
 
 def _refusal_worker(rank, world, ckpt):
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.weights import WeightsError
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.weights import WeightsError
 
     cfg = load_config(None)
     try:
@@ -112,8 +112,8 @@ def _refusal_worker(rank, world, ckpt):
 def test_a_checkpoint_missing_a_tensor_fails_on_every_rank_naming_it(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     cfg = load_config(None)
     path = tmp_path / "ckpt"
@@ -151,9 +151,9 @@ def test_launched_server_serves_the_same_latents_sharded_or_not(tmp_path):
 def _checksum(model, cfg) -> str:
     from dist_attn.distributed import DistEnv
     from dist_attn.profiling import PhaseTimer
-    from dist_attn.serve.h3.engine import Engine
-    from dist_attn.serve.h3.model import parallelize
-    from dist_attn.serve.jobs.requests import parse_request
+    from dist_attn.models.h3.serve.h3.engine import Engine
+    from dist_attn.models.h3.serve.h3.model import parallelize
+    from dist_attn.models.h3.serve.jobs.requests import parse_request
 
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=CPU, backend=None)
     timer = PhaseTimer(CPU)
@@ -169,8 +169,8 @@ def test_a_checkpoint_serves_what_its_own_init_serves_bit_for_bit(tmp_path):
     as the sharded build and the class's own init have; the replica loaded from a checkpoint
     must serve the same latents as the model it was saved from (a user found a one-step pixel
     difference between sharded and unsharded servers with --checkpoint)."""
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.model import build_h3
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.model import build_h3
 
     cfg = load_config(None)
     build_h3(cfg.model, device=CPU, dtype=torch.float32).save_pretrained(str(tmp_path / "ckpt"))

@@ -12,8 +12,8 @@ import sqlite3
 
 import pytest
 
-from dist_attn.serve.jobs.store import MAX_ATTEMPTS, JobStatus, JobStore
-from dist_attn.serve.jobs.videos import VideoRequest
+from dist_attn.models.h3.serve.jobs.store import MAX_ATTEMPTS, JobStatus, JobStore
+from dist_attn.models.h3.serve.jobs.videos import VideoRequest
 
 REQ = VideoRequest(prompt="a cat", frames=124, height=64, width=64, steps=2, seed=1, rows=100)
 
@@ -104,8 +104,8 @@ def test_statuses_round_trip(tmp_path, status):
 def test_a_video_job_fits_the_control_message():
     """The worker ranks rebuild the job from the control message's integers (a field the message
     does not carry once crashed the rank-0 loop at the first video job)."""
-    from dist_attn.serve.jobs.runner import video_from_wire, video_wire
-    from dist_attn.serve.wire import WIRE_FIELDS
+    from dist_attn.models.h3.serve.jobs.runner import video_from_wire, video_wire
+    from dist_attn.models.h3.serve.wire import WIRE_FIELDS
 
     wire = video_wire(REQ)
     assert len(wire) == len(WIRE_FIELDS)
@@ -136,7 +136,7 @@ def test_a_backup_of_the_main_file_alone_holds_the_finished_jobs(tmp_path):
 def test_mp4s_the_store_does_not_list_log_a_warning(tmp_path, caplog):
     """A store restored without its WAL started empty, without a word, although videos/ held
     every MP4: the start now warns, naming the store, the count and the jobs."""
-    from dist_attn.serve.jobs.store_open import open_job_store
+    from dist_attn.models.h3.serve.jobs.store_open import open_job_store
 
     out = tmp_path / "out"
     (out / "videos").mkdir(parents=True)
@@ -162,7 +162,7 @@ def test_mp4s_the_store_does_not_list_log_a_warning(tmp_path, caplog):
 def test_a_corrupt_store_file_is_an_error_naming_it_and_what_to_do(tmp_path):
     """A corrupt jobs.sqlite3 raised sqlite3.DatabaseError from deep in the start-up; a damaged
     page past a valid header passed the open and failed later. Both name the file now."""
-    from dist_attn.serve.jobs.store import StoreError
+    from dist_attn.models.h3.serve.jobs.store import StoreError
 
     path = tmp_path / "jobs.sqlite3"
     path.write_bytes(b"not a database " * 600)
@@ -188,9 +188,9 @@ def test_a_corrupt_store_file_is_an_error_naming_it_and_what_to_do(tmp_path):
 def test_a_store_path_that_is_a_directory_is_one_launch_failure(tmp_path):
     """``mkdir OUT/jobs.sqlite3`` raised sqlite3.OperationalError from sqlite3.connect, outside
     the store's checks: a raw traceback instead of the launch failure a corrupt file gets."""
-    from dist_attn.serve.config import apply_overrides, load_config
-    from dist_attn.serve.jobs.store import StoreError
-    from dist_attn.serve.launch.cli import _open_store
+    from dist_attn.models.h3.serve.config import apply_overrides, load_config
+    from dist_attn.models.h3.serve.jobs.store import StoreError
+    from dist_attn.models.h3.serve.launch.cli import _open_store
 
     (tmp_path / "jobs.sqlite3").mkdir()
     with pytest.raises(StoreError) as info:

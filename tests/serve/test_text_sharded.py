@@ -35,9 +35,9 @@ def _worker(rank, world, path):
     from transformers import Qwen3VLForConditionalGeneration
 
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.pipeline import H3Runner
-    from dist_attn.serve.h3.text import load_text_encoder
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.pipeline import H3Runner
+    from dist_attn.models.h3.serve.h3.text import load_text_encoder
 
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
                   backend="gloo")
@@ -80,8 +80,8 @@ def _worker(rank, world, path):
 
 @pytest.mark.parametrize("world", [2])
 def test_every_rank_runs_its_share_of_the_encoder_and_gets_rank0s_output(tmp_path, world):
-    from dist_attn.serve.config import load_config
-    from dist_attn.serve.h3.tiny import build_tiny_checkpoint, tiny_spec
+    from dist_attn.models.h3.serve.config import load_config
+    from dist_attn.models.h3.serve.h3.tiny import build_tiny_checkpoint, tiny_spec
 
     path = build_tiny_checkpoint(str(tmp_path / "h3-tiny"),
                                  tiny_spec(load_config(None).model.diffusers_config()))
@@ -94,7 +94,7 @@ def test_every_rank_runs_its_share_of_the_encoder_and_gets_rank0s_output(tmp_pat
 
 def _text_worker(rank, world):
     from dist_attn.distributed import DistEnv
-    from dist_attn.serve.wire import broadcast_text
+    from dist_attn.models.h3.serve.wire import broadcast_text
 
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
                   backend="gloo")

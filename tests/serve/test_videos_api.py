@@ -19,15 +19,15 @@ import torch
 pytest.importorskip("av")
 
 from dist_attn.distributed import DistEnv  # noqa: E402
-from dist_attn.serve.config import apply_overrides, load_config  # noqa: E402
-from dist_attn.serve.http import HttpServer  # noqa: E402
-from dist_attn.serve.http.state import VideoJobs  # noqa: E402
-from dist_attn.serve.jobs.mp4 import probe_mp4  # noqa: E402
-from dist_attn.serve.jobs.store import JobStatus, JobStore  # noqa: E402
-from dist_attn.serve.jobs.synthetic import SyntheticRunner  # noqa: E402
-from dist_attn.serve.jobs.videos import VideoRules  # noqa: E402
-from dist_attn.serve.launch.process import bind_listener  # noqa: E402
-from dist_attn.serve.ranks.loop import Rank0  # noqa: E402
+from dist_attn.models.h3.serve.config import apply_overrides, load_config  # noqa: E402
+from dist_attn.models.h3.serve.http import HttpServer  # noqa: E402
+from dist_attn.models.h3.serve.http.state import VideoJobs  # noqa: E402
+from dist_attn.models.h3.serve.jobs.mp4 import probe_mp4  # noqa: E402
+from dist_attn.models.h3.serve.jobs.store import JobStatus, JobStore  # noqa: E402
+from dist_attn.models.h3.serve.jobs.synthetic import SyntheticRunner  # noqa: E402
+from dist_attn.models.h3.serve.jobs.videos import VideoRules  # noqa: E402
+from dist_attn.models.h3.serve.launch.process import bind_listener  # noqa: E402
+from dist_attn.models.h3.serve.ranks.loop import Rank0  # noqa: E402
 
 from tests.serve._server import metric_samples  # noqa: E402
 
@@ -153,7 +153,7 @@ def test_defaults_and_accepted_no_ops(api):
 def test_queue_cap_answers_429_with_retry_after_from_measured_steps(api):
     """Retry-After is when a slot opens: when the running job ends (it was the whole backlog,
     here 3 queued x 3 steps x 2.0 s more)."""
-    from dist_attn.serve.http.state import VideoProgress
+    from dist_attn.models.h3.serve.http.state import VideoProgress
 
     api.rank0.front.state.step_times.observe_step(493, 2.0)  # the rows of GOOD
     for _ in range(3):
@@ -212,7 +212,7 @@ def test_a_file_removed_from_disk_is_410_not_500(api):
 
 def test_disk_errors_fail_the_job_alone(api, monkeypatch):
     """Rank-0-only failures (the directory, the MP4 write) fail that job; the next one runs."""
-    import dist_attn.serve.jobs.synthetic as runner_module
+    import dist_attn.models.h3.serve.jobs.synthetic as runner_module
 
     first = api.call("POST", "/v1/videos", GOOD)[1]
     with open(os.path.join(api.dir, "videos"), "w") as f:  # a file where the directory goes
@@ -240,7 +240,7 @@ def test_disk_errors_fail_the_job_alone(api, monkeypatch):
 def test_a_failed_job_leaves_no_thumbnail(api, monkeypatch):
     """The first frame's PNG is published before the MP4; when the MP4 then failed (a full
     disk), the PNG stayed in videos/, never served and never removed."""
-    from dist_attn.serve.jobs import mp4
+    from dist_attn.models.h3.serve.jobs import mp4
 
     publish = mp4._publish
 
@@ -334,7 +334,7 @@ def test_a_lone_surrogate_in_the_prompt_is_400_naming_prompt(tmp_path):
     import dataclasses
 
     pytest.importorskip("transformers")
-    from dist_attn.serve.h3.tiny import _tokenizer
+    from dist_attn.models.h3.serve.h3.tiny import _tokenizer
 
     tok = _tokenizer()
     rules = dataclasses.replace(
@@ -388,7 +388,7 @@ def test_a_store_that_cannot_commit_answers_507_naming_the_job_store(tmp_path):
     """A full disk answered a generic 500. SQLite's real SQLITE_FULL is made here by capping the
     file's pages: SQLite also rolled the transaction back itself, and the store's ROLLBACK then
     raised 'no transaction is active', hiding the error."""
-    from dist_attn.serve.jobs.videos import parse_video_request
+    from dist_attn.models.h3.serve.jobs.videos import parse_video_request
 
     api = _Api(tmp_path, max_queued=10_000)
     try:
@@ -426,8 +426,8 @@ def _wait_for_step(api, job_id: str, step: int, timeout_s: float = 10.0) -> None
 def _fill_the_store(api) -> None:
     """Caps the store's file at its current pages and fills them: every commit that needs a
     page more then fails with SQLite's real SQLITE_FULL."""
-    from dist_attn.serve.jobs.store import StoreError
-    from dist_attn.serve.jobs.videos import parse_video_request
+    from dist_attn.models.h3.serve.jobs.store import StoreError
+    from dist_attn.models.h3.serve.jobs.videos import parse_video_request
 
     db = api.store._db
     db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
@@ -509,7 +509,7 @@ def test_a_store_that_cannot_start_the_next_job_leaves_it_queued(api, monkeypatc
     stays queued, the error is logged once a minute, the loop serves on."""
     import logging
 
-    from dist_attn.serve.jobs.store import StoreError
+    from dist_attn.models.h3.serve.jobs.store import StoreError
 
     job = api.call("POST", "/v1/videos", GOOD)[1]
 

@@ -12,10 +12,11 @@ import torch
 
 pytest.importorskip("diffusers", reason="the served DiT needs the diffusers extra")
 
-from dist_attn.serve.config import ModelConfig, load_config  # noqa: E402
-from dist_attn.serve.h3.model import build_h3  # noqa: E402
-from dist_attn.serve.h3.weights import (WeightsError, check_checkpoint, load_checkpoint,  # noqa: E402
-                                     load_output, prune_outputs, save_output)
+from dist_attn.models.h3.serve.config import ModelConfig, load_config  # noqa: E402
+from dist_attn.models.h3.serve.h3.model import build_h3  # noqa: E402
+from dist_attn.models.h3.serve.h3.weights import (WeightsError, check_checkpoint,  # noqa: E402
+                                                  load_checkpoint, load_output, prune_outputs,
+                                                  save_output)
 
 CPU = torch.device("cpu")
 

@@ -27,9 +27,10 @@ Supported models are those listed by :func:`supported_models`; any other transfo
 with a ``TypeError``. Without an initialised process group (or with a group of one rank) the
 model runs on one rank with dist_attn's attention kernel and no collectives.
 
-FP8 linear layers are a separate, explicit call, :func:`quantize_linears` (``transformer, "fp8"``):
-it swaps weights in place and has no undo, whereas ``enable_ulysses`` is undone by
-``handle.remove()``; the two may be applied in either order.
+FP8 linear layers are MiniMax-H3's, a separate, explicit call:
+:func:`dist_attn.models.h3.fp8.quantize_linears` (``transformer, "fp8"``) swaps weights in place and
+has no undo, whereas ``enable_ulysses`` is undone by ``handle.remove()``; the two may be applied in
+either order.
 
 :func:`shard_weights` shards the transformer's weights over the ranks with FSDP2 (each rank keeps
 1/W; a block gathers its weights just before it runs): after both of the above, before compiling.
@@ -55,6 +56,7 @@ from typing import Iterator
 from torch import nn
 
 from dist_attn import SequenceShard
+from dist_attn._moved import moved_attribute
 from dist_attn.backends import available_backends
 from dist_attn.distributed import group_size_and_rank, register_for_compile
 from dist_attn.integrations.diffusers._runtime import Runtime, fuses_qk_norm_rope, install_hooks
@@ -66,7 +68,6 @@ from dist_attn.integrations.diffusers._vae_decode import (DEFAULT_DECODE_BUDGET_
                                                           ParallelDecodeHandle, decoder_tile_bytes,
                                                           enable_parallel_decode, supported_vaes,
                                                           tiles_within_budget)
-from dist_attn.integrations.diffusers.linear_precision import LinearQuantization, quantize_linears
 from dist_attn.integrations.diffusers.vae_compile import compile_vae_decoder
 from dist_attn.integrations.diffusers.weight_sharding import (ShardedWeights, shard_weights,
                                                               sharded_weights, weight_units)
@@ -75,11 +76,11 @@ from dist_attn.profiling import PhaseTimer
 from dist_attn.validation import check_overlap_chunks, positive_int
 from dist_attn.weight_sharding import refuse_sharded
 
-__all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "DecodeStats", "LinearQuantization",
-           "ParallelDecodeHandle", "ShardedWeights", "UlyssesHandle", "compile_vae_decoder",
-           "decoder_tile_bytes", "disable_ulysses", "enable_parallel_decode", "enable_ulysses",
-           "quantize_linears", "shard_weights", "sharded_weights", "supported_models",
-           "supported_vaes", "tiles_within_budget", "ulysses_handle", "weight_units"]
+__all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "DecodeStats", "ParallelDecodeHandle", "ShardedWeights",
+           "UlyssesHandle", "compile_vae_decoder", "decoder_tile_bytes", "disable_ulysses",
+           "enable_parallel_decode", "enable_ulysses", "shard_weights", "sharded_weights",
+           "supported_models", "supported_vaes", "tiles_within_budget", "ulysses_handle",
+           "weight_units"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,12 @@ TESTED_DIFFUSERS = "0.42.1"
 # One owner for "which models are supported": the class name -> its plan.
 _SPECS: dict[str, ModelSpec] = {spec.model_class.__name__: spec for spec in (WAN, LTX, MINIMAX_H3)}
 _HANDLE_ATTR = "_dist_attn_ulysses"
+
+
+def __getattr__(name: str):
+    """``quantize_linears`` and ``LinearQuantization``, which moved to
+    :mod:`dist_attn.models.h3.fp8`: imported from there on first use, with a DeprecationWarning."""
+    return moved_attribute(__name__, name)
 
 
 def supported_models() -> tuple[str, ...]:

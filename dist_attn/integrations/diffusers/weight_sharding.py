@@ -44,7 +44,7 @@ def shard_weights(transformer: nn.Module, group=None, *, prefetch: int = 1) -> S
     """Shards ``transformer``'s weights over the ranks of ``group`` (FSDP2), in place, no undo.
 
     Call it on every rank of ``group``, each holding the same weights on its device, after
-    :func:`~dist_attn.integrations.diffusers.quantize_linears` and
+    :func:`~dist_attn.models.h3.fp8.quantize_linears` and
     :func:`~dist_attn.integrations.diffusers.enable_ulysses` (same group) and before compiling
     the blocks; then call the transformer (or its pipeline) on every rank with the same inputs,
     under ``torch.no_grad()`` or ``torch.inference_mode()``, as ``enable_ulysses`` asks anyway.
