@@ -32,12 +32,39 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from benchmarks.scaling import pipelined_ms
 from dist_attn.plan import make_plan
 
 __all__ = ["Params", "LayoutSpec", "model_layer"]
 
 _BYTES = 2  # bf16
+
+
+def pipelined_ms(pack_runs: list[tuple[int, float]], a_in: list[float], k_chunks: list[float],
+                 a_out: list[float], unpacks: list[float]) -> float:
+    """The recurrence of :data:`benchmarks.scaling.MODEL_FORMULA` on per-chunk stage times (the
+    pack calls back to back, each chunk's input all-to-all after its call on one channel, kernels
+    behind the last pack, output all-to-alls behind their kernels, unpacks behind the last kernel
+    and their own output): the one-host model's and this module's, whose all-to-alls differ from
+    chunk to chunk."""
+    in_end, packed, t, c = [], 0.0, 0.0, 0
+    for n, ms in pack_runs:
+        packed += ms
+        for a in a_in[c:c + n]:
+            t = max(t, packed) + a
+            in_end.append(t)
+        c += n
+    if not c == len(a_in) == len(k_chunks) == len(a_out) == len(unpacks):
+        raise ValueError(f"pack_runs={pack_runs} cover {c} chunks; a_in, k_chunks, a_out and unpacks "
+                         f"have {len(a_in)}, {len(k_chunks)}, {len(a_out)} and {len(unpacks)}")
+    k_end, out_end, out_ends = packed, in_end[-1], []
+    for c, (k, a) in enumerate(zip(k_chunks, a_out)):
+        k_end = max(k_end, in_end[c]) + k
+        out_end = max(out_end, k_end) + a
+        out_ends.append(out_end)
+    t = k_end  # the unpacks queue behind the last kernel, each also waiting for its chunk's output
+    for out_end, ms in zip(out_ends, unpacks):
+        t = max(t, out_end) + ms
+    return t
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -65,6 +65,7 @@ from dist_attn.varlen import attend_varlen, segment_layout
 from dist_attn.buffers import StagingBuffers
 from dist_attn.comm import pack_qkv_chunks, unpack_output, unpack_qkv
 from benchmarks.h3_block import attach, block_inputs, build_block, h3_ref_layout, padded_total
+from benchmarks.multihost_model import pipelined_ms
 from dist_attn.models.h3.serve.config import load_config
 from dist_attn.plan import heads_per_rank, make_plan
 from dist_attn.profiling import PHASES, PhaseTimer
@@ -317,33 +318,6 @@ def overlapped_ms(pack_runs: list[tuple[int, float]], unpacks: list[float], a_in
     h = sum(widths)
     return pipelined_ms(pack_runs, [a_in * w / h for w in widths], k_chunks,
                         [a_out * w / h for w in widths], unpacks)
-
-
-def pipelined_ms(pack_runs: list[tuple[int, float]], a_in: list[float], k_chunks: list[float],
-                 a_out: list[float], unpacks: list[float]) -> float:
-    """The recurrence of MODEL_FORMULA on per-chunk stage times (the pack calls back to back, each
-    chunk's input all-to-all after its call on one channel, kernels behind the last pack, output
-    all-to-alls behind their kernels, unpacks behind the last kernel and their own output); also
-    :mod:`benchmarks.multihost_model`'s, whose all-to-alls differ from chunk to chunk."""
-    in_end, packed, t, c = [], 0.0, 0.0, 0
-    for n, ms in pack_runs:
-        packed += ms
-        for a in a_in[c:c + n]:
-            t = max(t, packed) + a
-            in_end.append(t)
-        c += n
-    if not c == len(a_in) == len(k_chunks) == len(a_out) == len(unpacks):
-        raise ValueError(f"pack_runs={pack_runs} cover {c} chunks; a_in, k_chunks, a_out and unpacks "
-                         f"have {len(a_in)}, {len(k_chunks)}, {len(a_out)} and {len(unpacks)}")
-    k_end, out_end, out_ends = packed, in_end[-1], []
-    for c, (k, a) in enumerate(zip(k_chunks, a_out)):
-        k_end = max(k_end, in_end[c]) + k
-        out_end = max(out_end, k_end) + a
-        out_ends.append(out_end)
-    t = k_end  # the unpacks queue behind the last kernel, each also waiting for its chunk's output
-    for out_end, ms in zip(out_ends, unpacks):
-        t = max(t, out_end) + ms
-    return t
 
 
 def _progress(row: dict) -> None:
