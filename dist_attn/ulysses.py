@@ -43,7 +43,7 @@ from dist_attn.validation import (CheckedScalars, check_bounds, check_no_grad, c
                                   positive_int)
 from dist_attn.varlen import SegmentLayout, attend_varlen, segment_layout
 
-__all__ = ["UlyssesSageAttention", "ulysses_attention"]
+__all__ = ["UlyssesSageAttention", "checked_attention", "ulysses_attention"]
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None,
@@ -123,6 +123,26 @@ def _compiled_call(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, valid_len, 
         max_seqlen, None if as_tensor else valid_len, compile_key(group, mesh), backend,
         softmax_scale, num_heads, head_dim, overlap_chunks, valid_len if as_tensor else None,
         *((None, None, 0.0, None, None) if p is None else (p.q_weight, p.k_weight, float(p.eps), p.cos, p.sin)))
+
+
+def checked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, checked: CheckedScalars, *,
+                      cu_seqlens=None, max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None,
+                      valid_len: int | torch.Tensor | None = None, group=None, mesh=None,
+                      backend: str = "auto", num_heads: int | None = None, head_dim: int | None = None,
+                      buffers: StagingBuffers | None = None, timer: PhaseTimer | None = None,
+                      qk_prologue: QKNormRope | None = None) -> torch.Tensor:
+    """:func:`ulysses_attention` for a wrapper that checked its scalars once, at its own boundary
+    (``checked``: :func:`dist_attn.validation.checked_scalars` of its ``softmax_scale`` and
+    ``overlap_chunks``): the eager call trusts them; under ``torch.compile`` the custom op's
+    boundary checks them again, and ``buffers`` and ``timer`` (host state) are not passed in.
+    Every other argument, shape, dtype and error as :func:`ulysses_attention`."""
+    kw = dict(valid_len=valid_len, group=group, mesh=mesh, backend=backend,
+              softmax_scale=checked.softmax_scale, num_heads=num_heads, head_dim=head_dim,
+              overlap_chunks=checked.overlap_chunks)
+    if torch.compiler.is_compiling():
+        return ulysses_attention(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, **kw, qk_prologue=qk_prologue)
+    return _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, **kw, buffers=buffers, timer=timer,
+                    prologue=qk_prologue, checked=checked)
 
 
 def _forward(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host, *, valid_len, group, mesh, backend,
@@ -323,14 +343,11 @@ class UlyssesSageAttention(nn.Module):
                 max_seqlen=None, cu_seqlens_host: Sequence[int] | None = None, *,
                 valid_len: int | torch.Tensor | None = None,
                 qk_prologue: QKNormRope | None = None) -> torch.Tensor:
-        args = (q, k, v, cu_seqlens, max_seqlen, cu_seqlens_host)
-        kw = dict(valid_len=valid_len, group=self.group, mesh=self.mesh, backend=self.backend,
-                  softmax_scale=self.softmax_scale, num_heads=self.num_heads,
-                  head_dim=self.head_dim, overlap_chunks=self.overlap_chunks)
-        if torch.compiler.is_compiling():  # the op's boundary checks its scalars again
-            return ulysses_attention(*args, **kw, qk_prologue=qk_prologue)
-        return _forward(*args, **kw, buffers=self.buffers, timer=self.timer, prologue=qk_prologue,
-                        checked=self._checked)
+        return checked_attention(q, k, v, self._checked, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                 cu_seqlens_host=cu_seqlens_host, valid_len=valid_len, group=self.group,
+                                 mesh=self.mesh, backend=self.backend, num_heads=self.num_heads,
+                                 head_dim=self.head_dim, buffers=self.buffers, timer=self.timer,
+                                 qk_prologue=qk_prologue)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend!r}, "

@@ -79,6 +79,27 @@ def test_h3_bad_inputs_name_the_argument():
     _run(model, inputs)  # a good call after the failures works
 
 
+def test_scalars_are_checked_once_by_enable_ulysses(monkeypatch):
+    """enable_ulysses checks overlap_chunks once; the attention calls trust it (no check per
+    call) and it cannot be changed behind the check."""
+    import dist_attn.ulysses as ulysses
+
+    model = tiny_wan(4)
+    inputs = wan_inputs(1, 3, 6, 10)
+    ref = _run(model, inputs)
+    with pytest.raises(ValueError, match=r"overlap_chunks=0 must be an int >= 1"):
+        enable_ulysses(model, backend="sdpa", overlap_chunks=0)
+    handle = enable_ulysses(model, backend="sdpa", overlap_chunks=2)
+    calls = []
+    monkeypatch.setattr(ulysses, "check_scalars", lambda *a: calls.append(a))
+    out = _run(model, inputs)
+    handle.remove()
+    assert calls == [] and torch.equal(out, ref)
+    assert handle.runtime.overlap_chunks == 2
+    with pytest.raises(AttributeError):
+        handle.runtime.overlap_chunks = 0
+
+
 def test_fused_projections_one_rank_bit_identical():
     model = tiny_wan(4)
     inputs = wan_inputs(1, 2, 4, 8)

@@ -73,7 +73,7 @@ from dist_attn.integrations.diffusers.weight_sharding import (ShardedWeights, sh
                                                               sharded_weights, weight_units)
 from dist_attn.mesh import check_mesh_or_group, parallel_groups
 from dist_attn.profiling import PhaseTimer
-from dist_attn.validation import check_overlap_chunks, positive_int
+from dist_attn.validation import CheckedScalars, checked_scalars, positive_int
 from dist_attn.weight_sharding import refuse_sharded
 
 __all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "DecodeStats", "ParallelDecodeHandle", "ShardedWeights",
@@ -209,12 +209,11 @@ def enable_ulysses(transformer: nn.Module, group=None, *, mesh=None, backend: st
             non-default attention processor or diffusers' own context parallelism.
     """
     spec = _supported_spec(transformer)
-    _check_arguments(group, mesh, backend, timer, overlap_chunks, sequence_bucket)
+    checked = _check_arguments(group, mesh, backend, timer, overlap_chunks, sequence_bucket)
     attns = _default_attentions(transformer, spec)
     register_for_compile(group, mesh)  # compiled attention's group key, entered outside traced code
-    runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer,
-                      overlap_chunks=overlap_chunks, sequence_bucket=int(sequence_bucket),
-                      fused_qk_norm_rope=fuses_qk_norm_rope(backend))
+    runtime = Runtime(spec=spec, group=group, mesh=mesh, backend=backend, timer=timer, checked=checked,
+                      sequence_bucket=int(sequence_bucket), fused_qk_norm_rope=fuses_qk_norm_rope(backend))
     return _install(transformer, attns, runtime)
 
 
@@ -235,14 +234,15 @@ def _supported_spec(transformer: nn.Module) -> ModelSpec:
     return spec
 
 
-def _check_arguments(group, mesh, backend, timer, overlap_chunks, sequence_bucket) -> None:
+def _check_arguments(group, mesh, backend, timer, overlap_chunks, sequence_bucket) -> CheckedScalars:
     """:func:`enable_ulysses`'s other arguments (ValueError or TypeError naming the one that is
-    off); a mesh must put shard ``r*U + u`` at global rank ``r*U + u`` of the default group."""
+    off); a mesh must put shard ``r*U + u`` at global rank ``r*U + u`` of the default group.
+    Returns the attention calls' checked scalars (the default softmax scale, ``overlap_chunks``)."""
     if not isinstance(backend, str) or backend not in available_backends():
         raise ValueError(f"backend={backend!r} must be one of {available_backends()}")
     if timer is not None and not isinstance(timer, PhaseTimer):
         raise TypeError(f"timer={timer!r} must be a dist_attn.PhaseTimer or None")
-    check_overlap_chunks(overlap_chunks)
+    checked = checked_scalars(None, overlap_chunks)
     positive_int("sequence_bucket", sequence_bucket)
     group_size_and_rank(group)  # a group without torch.distributed raises here, naming it
     check_mesh_or_group(mesh, group)
@@ -256,6 +256,7 @@ def _check_arguments(group, mesh, backend, timer, overlap_chunks, sequence_bucke
                 f"span it with shard r*U + u at global rank r*U + u (build it with "
                 f"dist_attn.init_usp_mesh)"
             )
+    return checked
 
 
 def _default_attentions(transformer: nn.Module, spec: ModelSpec) -> list:

@@ -8,7 +8,8 @@ submodule hooks cut every other tensor that carries the sequence (hidden states 
 first block, RoPE tables, per-row index tensors) to this rank's rows and gather the output
 projections back to all S rows; the forward hook closes the plan.
 The processors' attention goes through :meth:`Runtime.attend`, the one place that turns the plan
-into a :func:`dist_attn.ulysses_attention` call.
+into an attention call (:func:`dist_attn.ulysses.checked_attention`: the scalars enable_ulysses
+checked once are trusted).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_rows, ulysses_attention
+from dist_attn import SequenceShard, gather_sequence, plan_shard, shard_rows
+from dist_attn.ulysses import checked_attention
+from dist_attn.validation import CheckedScalars, checked_scalars
 from dist_attn.agreement import (FLOAT_TENSOR, FP_ROW, FP_SHAPE, UNCOMPARABLE, describe_fingerprint,
                                  fingerprint, fingerprint_kind, fingerprints_differ, gather_rows)
 from dist_attn.distributed import group_size_and_rank
@@ -71,8 +74,10 @@ class Runtime:
     ``group``. Shard ``r*U + u`` sits at global rank ``r*U + u`` (checked by enable_ulysses)."""
     timer: Any = None
     """Optional :class:`~dist_attn.profiling.PhaseTimer` handed to every eager attention call."""
-    overlap_chunks: int = 1
-    """Head chunks each attention call pipelines against its all-to-alls (1 = the plain path)."""
+    checked: CheckedScalars = field(default_factory=lambda: checked_scalars(None, 1))
+    """The attention calls' softmax scale (None: the kernels' default) and ``overlap_chunks`` (head
+    chunks each call pipelines against its all-to-alls, 1 = the plain path), checked once by
+    enable_ulysses: the calls trust them."""
     sequence_bucket: int = 1
     """Rows the packed sequence is padded to a multiple of, with W: each rank's rows are a multiple
     of ``ceil(sequence_bucket / W)`` (:func:`plan_shard`'s ``multiple_of``)."""
@@ -91,6 +96,11 @@ class Runtime:
     """Whether processors that can normalise and rotate q and k in one kernel do (H3's): True
     when ``backend`` names an 8-bit kernel, whose results are not bit for bit those of diffusers'
     ops anyway; an exact backend (the lossless tier's) keeps diffusers' arithmetic."""
+
+    @property
+    def overlap_chunks(self) -> int:
+        """Head chunks each attention call pipelines against its all-to-alls (read-only)."""
+        return self.checked.overlap_chunks
 
     def plan(self, seq_len: int) -> SequenceShard:
         """Plans the forward's sequence of ``seq_len`` rows (padded to W and the bucket) and
@@ -132,10 +142,9 @@ class Runtime:
         # a padded length would compile again.
         timer = None if compiling else self.timer
         valid_len = self.valid_len_host if compiling else shard.valid_len
-        return ulysses_attention(q, k, v, valid_len=valid_len,
+        return checked_attention(q, k, v, self.checked, valid_len=valid_len,
                                  group=self.group if self.mesh is None else None, mesh=self.mesh,
-                                 backend=self.backend, timer=timer,
-                                 overlap_chunks=self.overlap_chunks, qk_prologue=qk_prologue)
+                                 backend=self.backend, timer=timer, qk_prologue=qk_prologue)
 
 
 def _submodules(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
