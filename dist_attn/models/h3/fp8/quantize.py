@@ -19,6 +19,33 @@ over 50 blocks but ~0.05 ms a block at 4.8 TB/s); left to a measured decision.
 
 The swap is not undone by :meth:`UlyssesHandle.remove` and has no undo of its own: the bf16
 weights are dropped (that is the memory saved). Quantize a fresh model to go back.
+
+Options of :func:`quantize_linears` in full:
+
+- ``fast_accum``: Hopper's FP8 accumulator without periodic float32 promotion (faster, fewer bits
+  kept over K = 5,376-14,336). The emulation accumulates in float32: the summary says it has no
+  effect there.
+- ``fuse_swiglu``: with torchao on CUDA, a block's SwiGLU FFN becomes
+  :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
+  projection's activation quantization run as one kernel (one read of the FFN's projection
+  instead of two; docs/diffusers.md has the timings). The same recipe as the unfused torchao FFN,
+  with the GPU's fast exponential (:mod:`dist_attn.models.h3.fp8.swiglu_kernel`). It applies to
+  diffusers' bias-free SwiGLU of inner size <= 16,384 on CUDA weights, never with ``emulate``;
+  the summary counts the fused FFNs.
+- ``fuse_adaln``: a block's ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` and its row
+  quantization run as one kernel, before the q/k/v projections and before the FFN's, that one
+  with the attention's residual step in the same pass
+  (:mod:`dist_attn.models.h3.fp8.adaln_kernel`: float32 with one bf16 rounding where diffusers'
+  eager path rounds four times); the block gets a forward of its own
+  (:mod:`~dist_attn.models.h3.fp8.block`). The residual step's output equals diffusers' bf16 ops
+  bit for bit at H3's width; compiled latents keep eager's roundings (docs/diffusers.md has the
+  timings and errors). It applies to a ``MiniMaxH3TransformerBlock``; True refuses (TypeError)
+  another class, other norms, a fused ``to_qkv``, another FFN, a biased projection, a norm wider
+  than the kernel takes, or a forward already replaced on the instance (e.g. by a diffusers hook).
+  True with ``emulate`` runs the kernel's torch reference on CPU, or the kernel under Triton's
+  interpreter.
+- ``blocks``: a model materialised and sharded block by block
+  (:func:`dist_attn.weight_sharding.shard_module`) quantizes each block between the two.
 """
 
 from __future__ import annotations
@@ -195,68 +222,79 @@ def _check_targets(transformer: nn.Module, names: list[str]) -> None:
 
 def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8", *,
                      emulate: bool = False, fast_accum: bool = False,
-                     fuse_swiglu: bool | str = "auto",
-                     fuse_adaln: bool | str = "auto",
+                     fuse_swiglu: bool | str = "auto", fuse_adaln: bool | str = "auto",
                      blocks: Collection[int] | None = None) -> LinearQuantization:
     """Puts the transformer's block linears (:func:`fp8_linear_names`) in ``precision``, in place.
 
     Args:
         transformer: a diffusers transformer with a plan (``MiniMaxH3Transformer3DModel``), its
             blocks in bfloat16 on a CUDA device of compute capability >= 8.9.
-        precision: "fp8" quantizes; "bf16" changes nothing and says so (so a caller can pass a
-            config value straight through; ``fast_accum``, ``fuse_swiglu`` and ``fuse_adaln``
-            are then not checked against the blocks, and the log names those passed as True).
-        emulate: for tests only: replace each linear by :class:`dist_attn.models.h3.fp8.linear.
-            EmulatedFp8Linear` (the same recipe in float32, on any device, slow). Never chosen
-            automatically.
-        fast_accum: ``use_fast_accum`` of ``torch._scaled_mm``: Hopper's FP8 accumulator without
-            periodic float32 promotion (faster, fewer bits kept over K = 5,376-14,336). No effect
-            with ``emulate`` (the emulation accumulates in float32; the summary says so).
-        fuse_swiglu: with torchao on CUDA, a block's SwiGLU FFN becomes
-            :class:`~dist_attn.models.h3.fp8.linear.Fp8SwiGLUFeedForward`: the SwiGLU and the down
-            projection's activation quantization run as one kernel (one read of the FFN's
-            projection instead of two; docs/diffusers.md has the timings). The same recipe as the
-            unfused torchao FFN, with the GPU's fast exponential
-            (:mod:`dist_attn.models.h3.fp8.swiglu_kernel`). "auto":
-            every block whose FFN is diffusers' bias-free SwiGLU of inner size <= 16,384, when
-            the weights are on CUDA and not ``emulate`` (the summary counts them); True: every
-            block, or an error naming the first that cannot; False: none.
-        fuse_adaln: a block's ``RMSNorm(x) * (1 + scale[idx]) + shift[idx]`` and its row
-            quantization run as one kernel, before the q/k/v projections and before the FFN's,
-            that one with the attention's residual step in the same pass
-            (:mod:`dist_attn.models.h3.fp8.adaln_kernel`: float32 with one bf16 rounding where
-            diffusers' eager path rounds four times); the block gets a forward of its own
-            (:mod:`~dist_attn.models.h3.fp8.block`). The residual step's output
-            equals diffusers' bf16 ops bit for bit at H3's width; compiled latents keep eager's
-            roundings (docs/diffusers.md has the timings and errors). "auto" (the default): every
-            ``MiniMaxH3TransformerBlock`` it applies to, with torchao on CUDA (not ``emulate``);
-            True: every block or an error naming the first that cannot (with ``emulate`` too: the
-            kernel's torch reference on CPU, or the kernel under Triton's interpreter); False:
-            none.
-        blocks: indices of the ``transformer_blocks`` to quantize (None: all), the others left
-            as they are (possibly still on the meta device): a model materialised and sharded
-            block by block (:func:`dist_attn.weight_sharding.shard_module`) quantizes each block
-            between the two. The summary covers those blocks and is logged at DEBUG.
+        precision: "fp8" quantizes; "bf16" changes nothing and says so (a config value passes
+            straight through; the other options are then not checked, the log names those True).
+        emulate: tests only: :class:`~dist_attn.models.h3.fp8.linear.EmulatedFp8Linear` (the
+            same recipe in float32, any device, slow). Never chosen automatically.
+        fast_accum: ``use_fast_accum`` of ``torch._scaled_mm`` (no effect with ``emulate``).
+        fuse_swiglu, fuse_adaln: the two fusions (see the module docstring). "auto": every block
+            each applies to, with torchao on CUDA (not ``emulate``); True: every block, or an
+            error naming the first that cannot; False: none.
+        blocks: indices of the ``transformer_blocks`` to quantize (None: all; the others left as
+            they are, possibly on the meta device); the summary covers those blocks and is
+            logged at DEBUG.
 
     Returns:
         A :class:`LinearQuantization` (also logged at INFO).
 
     Raises:
-        ValueError: ``precision`` is not one of "bf16", "fp8"; a target is already quantized, not
-            bfloat16 or not 16-aligned.
-        TypeError: no plan for the transformer's class.
-        RuntimeError: the weights' device cannot run FP8 GEMMs (CPU included) and not ``emulate``.
-        ImportError: torchao is missing (the ``fp8`` extra) and not ``emulate``.
-        TypeError: ``emulate`` or ``fast_accum`` is not a bool; ``fuse_swiglu`` is not True,
-            False or "auto"; ``fuse_swiglu=True`` and a block's FFN is not a bias-free SwiGLU.
-        ValueError: ``fuse_swiglu=True`` with ``emulate``, off CUDA, or an FFN wider than the
-            kernel takes.
-        TypeError: ``fuse_adaln`` is not True, False or "auto"; ``fuse_adaln=True`` and a block
-            the fused forward does not apply to (another class, other norms, a fused ``to_qkv``,
-            another FFN, a biased projection, a norm wider than the kernel takes, or a forward
-            already replaced on the instance, e.g. by a diffusers hook).
-        ImportError: ``fuse_adaln=True`` (or ``fuse_swiglu=True``) without triton.
+        ValueError: a bad ``precision``; a target already quantized, not bfloat16 or not
+            16-aligned; ``fuse_swiglu=True`` with ``emulate``, off CUDA or too wide an FFN.
+        TypeError: no plan for the class; ``emulate`` or ``fast_accum`` not a bool; a fusion
+            not True, False or "auto", or True and a block it does not apply to.
+        RuntimeError: the weights' device cannot run FP8 GEMMs (CPU included), not ``emulate``.
+        ImportError: torchao missing (the ``fp8`` extra) and not ``emulate``; a fusion True
+            without triton.
     """
+    _check_options(precision, emulate, fast_accum, fuse_swiglu, fuse_adaln)
+    refuse_sharded(transformer, "quantize_linears")  # a shard of a weight cannot be quantized
+    only = None if blocks is None else frozenset(blocks)
+    names = [n for n in fp8_linear_names(transformer) if only is None or int(n.split(".")[1]) in only]
+    fp32, cast = _fp32_dtypes(transformer)
+    kept = dict(kept_other=_KEPT[type(transformer).__name__], kept_fp32=fp32, cast_fp32=cast)
+    if precision == "bf16":
+        return _unquantized(fast_accum, fuse_swiglu, fuse_adaln, kept)
+    summary = _quantize(transformer, names, only, emulate=emulate, fast_accum=fast_accum,
+                        fuse_swiglu=fuse_swiglu, fuse_adaln=fuse_adaln, kept=kept)
+    logger.log(logging.INFO if only is None else logging.DEBUG, "quantize_linears: %s",
+               summary.describe())
+    return summary
+
+
+def _quantize(transformer: nn.Module, names: list[str], only: frozenset[int] | None, *,
+              emulate: bool, fast_accum: bool, fuse_swiglu: bool | str, fuse_adaln: bool | str,
+              kept: dict[str, object]) -> LinearQuantization:
+    """:func:`quantize_linears` at "fp8" on the linears ``names`` of the blocks ``only``: checks
+    them, the device and the fusions first, then swaps and fuses; returns the summary."""
+    if not names:
+        raise ValueError(f"blocks={sorted(only or ())} selects no block of "
+                         f"{len(transformer.transformer_blocks)}")
+    _check_targets(transformer, names)
+    device = transformer.get_submodule(names[0]).weight.device
+    config = None if emulate else _torchao_config(device, fast_accum)
+    swiglu = [] if fuse_swiglu is False else swiglu_blocks(transformer, fuse_swiglu is True, emulate, device, only)
+    adaln = [] if fuse_adaln is False else adaln_blocks(transformer, fuse_adaln is True, emulate, device, only)
+    before = sum(_bytes(transformer.get_submodule(n)) for n in names)
+    _swap(transformer, names, config)
+    after = sum(_bytes(transformer.get_submodule(n)) for n in names)
+    fused = fuse_swiglu_ffns(swiglu, fast_accum) if swiglu else ()
+    adaln_names = fuse_adaln_blocks(adaln, fast_accum) if adaln else ()
+    return LinearQuantization(
+        precision="fp8", kernel="emulated" if emulate else "torchao",
+        layers=_fused_names(names, fused), bytes_before=before, bytes_after=after,
+        fast_accum=fast_accum, fused_ffns=fused, fused_adaln=adaln_names, **kept)
+
+
+def _check_options(precision, emulate, fast_accum, fuse_swiglu, fuse_adaln) -> None:
+    """:func:`quantize_linears`' option values (ValueError for ``precision``, TypeError for the
+    flags), in that order, before anything is read from the transformer."""
     if precision not in LINEAR_PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of "
                          f"{', '.join(map(repr, LINEAR_PRECISIONS))}")
@@ -266,61 +304,55 @@ def quantize_linears(transformer: nn.Module, precision: LinearPrecision = "fp8",
     for name, flag in (("fuse_swiglu", fuse_swiglu), ("fuse_adaln", fuse_adaln)):
         if not isinstance(flag, bool) and flag != "auto":
             raise TypeError(f"{name}={flag!r} must be True, False or 'auto'")
-    refuse_sharded(transformer, "quantize_linears")  # a shard of a weight cannot be quantized
-    only = None if blocks is None else frozenset(blocks)
-    names = [n for n in fp8_linear_names(transformer) if only is None or int(n.split(".")[1]) in only]
-    kept = _KEPT[type(transformer).__name__]
-    fp32, cast = _fp32_dtypes(transformer)
-    if precision == "bf16":
-        summary = LinearQuantization(precision=precision, kernel="none", layers=(), bytes_before=0,
-                                     bytes_after=0, fast_accum=fast_accum, kept_fp32=fp32,
-                                     kept_other=kept, cast_fp32=cast)
-        # a config passes these straight through; at bf16 they have nothing to act on
-        unused = [f"{k}={v!r}" for k, v in (("fast_accum", fast_accum), ("fuse_swiglu", fuse_swiglu),
-                                           ("fuse_adaln", fuse_adaln)) if v is True]
-        logger.info("quantize_linears: %s%s", summary.describe(),
-                    f" ({', '.join(unused)}: no effect without FP8)" if unused else "")
-        return summary
-    if not names:
-        raise ValueError(f"blocks={sorted(only or ())} selects no block of "
-                         f"{len(transformer.transformer_blocks)}")
-    _check_targets(transformer, names)
-    device = transformer.get_submodule(names[0]).weight.device
-    if not emulate:
-        reason = fp8_unsupported_reason(device)
-        if reason:
-            raise RuntimeError(f"quantize_linears(precision='fp8'): {reason}. (Tests may pass "
-                               "emulate=True: the same recipe in float32 emulation.)")
-        config = torchao_fp8_config(fast_accum=fast_accum)  # ImportError naming the extra
-    swiglu = [] if fuse_swiglu is False else swiglu_blocks(transformer, fuse_swiglu is True, emulate, device, only)
-    adaln = [] if fuse_adaln is False else adaln_blocks(transformer, fuse_adaln is True, emulate, device, only)
-    before = sum(_bytes(transformer.get_submodule(n)) for n in names)
-    if emulate:
+
+
+def _unquantized(fast_accum: bool, fuse_swiglu: bool | str, fuse_adaln: bool | str,
+                 kept: dict[str, object]) -> LinearQuantization:
+    """The summary of ``precision="bf16"`` (nothing changed), logged at INFO with the options
+    passed as True that have nothing to act on."""
+    summary = LinearQuantization(precision="bf16", kernel="none", layers=(), bytes_before=0,
+                                 bytes_after=0, fast_accum=fast_accum, **kept)
+    # a config passes these straight through; at bf16 they have nothing to act on
+    unused = [f"{k}={v!r}" for k, v in (("fast_accum", fast_accum), ("fuse_swiglu", fuse_swiglu),
+                                       ("fuse_adaln", fuse_adaln)) if v is True]
+    logger.info("quantize_linears: %s%s", summary.describe(),
+                f" ({', '.join(unused)}: no effect without FP8)" if unused else "")
+    return summary
+
+
+def _torchao_config(device: torch.device, fast_accum: bool) -> object:
+    """torchao's FP8 config for weights on ``device``: RuntimeError where that device cannot run
+    FP8 GEMMs, ImportError naming the extra without torchao."""
+    reason = fp8_unsupported_reason(device)
+    if reason:
+        raise RuntimeError(f"quantize_linears(precision='fp8'): {reason}. (Tests may pass "
+                           "emulate=True: the same recipe in float32 emulation.)")
+    return torchao_fp8_config(fast_accum=fast_accum)
+
+
+def _swap(transformer: nn.Module, names: list[str], config: object | None) -> None:
+    """Replaces the linears ``names``: by torchao's FP8 weights under ``config`` (their all-zero
+    rows' scales fixed), or by :class:`EmulatedFp8Linear` when ``config`` is None; RuntimeError
+    when torchao leaves one unquantized."""
+    if config is None:
         for name in names:
             parent, _, child = name.rpartition(".")
             owner = transformer.get_submodule(parent)
             setattr(owner, child, EmulatedFp8Linear.from_linear(getattr(owner, child)))
-    else:
-        from torchao.quantization import quantize_
+        return
+    from torchao.quantization import quantize_
 
-        wanted = set(names)
-        quantize_(transformer, config, filter_fn=lambda module, fqn: fqn in wanted)
-        for name in names:
-            w = transformer.get_submodule(name).weight
-            if not hasattr(w, "qdata"):  # torchao skips a layer it cannot run, silently
-                raise RuntimeError(f"torchao left {name} unquantized ({type(w).__name__})")
-            fix_zero_rows(w.qdata, w.scale)
-    after = sum(_bytes(transformer.get_submodule(n)) for n in names)
-    fused = fuse_swiglu_ffns(swiglu, fast_accum) if swiglu else ()
-    adaln_names = fuse_adaln_blocks(adaln, fast_accum) if adaln else ()
-    # a fused FFN's linears under their new names: the projection at ff.proj, the down
-    # projection's FP8 weight held by the fused module itself
+    wanted = set(names)
+    quantize_(transformer, config, filter_fn=lambda module, fqn: fqn in wanted)
+    for name in names:
+        w = transformer.get_submodule(name).weight
+        if not hasattr(w, "qdata"):  # torchao skips a layer it cannot run, silently
+            raise RuntimeError(f"torchao left {name} unquantized ({type(w).__name__})")
+        fix_zero_rows(w.qdata, w.scale)
+
+
+def _fused_names(names: list[str], fused: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` with a fused FFN's linears under their new names: the projection at
+    ``<ff>.proj``, the down projection's FP8 weight held by the fused module ``<ff>`` itself."""
     renamed = {**{f"{ff}.net.0.proj": f"{ff}.proj" for ff in fused}, **{f"{ff}.net.2": ff for ff in fused}}
-    names = [renamed.get(n, n) for n in names]
-    summary = LinearQuantization(
-        precision=precision, kernel="emulated" if emulate else "torchao", layers=tuple(names),
-        bytes_before=before, bytes_after=after, fast_accum=fast_accum, kept_fp32=fp32,
-        kept_other=kept, cast_fp32=cast, fused_ffns=fused, fused_adaln=adaln_names)
-    logger.log(logging.INFO if only is None else logging.DEBUG, "quantize_linears: %s",
-               summary.describe())
-    return summary
+    return tuple(renamed.get(n, n) for n in names)

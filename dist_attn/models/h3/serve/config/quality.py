@@ -203,21 +203,30 @@ def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: T
         linear_precision: ``model.linear_precision`` ("bf16" or "fp8").
     """
     check_tier_name(tier)
-    failures: list[str] = []
     if tier is None:
-        return failures
+        return []
     if tier == "lossless":
-        rule = tier_backend_rule(tier, backend, backend_obj)
-        if rule:
-            failures.append(f"backend: {backend!r} {rule}")
-        rule = tier_linear_rule(tier, linear_precision)
-        if rule:
-            failures.append(f"linear layers: model.linear_precision={linear_precision!r} {rule}")
-        return failures
+        return _lossless_failures(backend, backend_obj, linear_precision)
+    return [*_high_device_failures(facts, topology), *_high_p2p_failures(facts),
+            *_high_topology_failures(topology)]
 
-    # tier == "high"
-    n = len(facts)
-    if topology.world_size != HIGH_WORLD_SIZE or n != HIGH_WORLD_SIZE:
+
+def _lossless_failures(backend: str, backend_obj: Any, linear_precision: str) -> list[str]:
+    """quality="lossless": the attention backend and the linear layers' precision."""
+    failures = []
+    rule = tier_backend_rule("lossless", backend, backend_obj)
+    if rule:
+        failures.append(f"backend: {backend!r} {rule}")
+    rule = tier_linear_rule("lossless", linear_precision)
+    if rule:
+        failures.append(f"linear layers: model.linear_precision={linear_precision!r} {rule}")
+    return failures
+
+
+def _high_device_failures(facts: Sequence[DeviceFacts], topology: Topology) -> list[str]:
+    """quality="high": the world size, one host, and an own GPU of the one model per rank."""
+    failures = []
+    if topology.world_size != HIGH_WORLD_SIZE or len(facts) != HIGH_WORLD_SIZE:
         failures.append(f"world size: exactly {HIGH_WORLD_SIZE} ranks required, observed "
                         f"{topology.world_size}")
     hosts = sorted({f.hostname for f in facts})
@@ -245,6 +254,12 @@ def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: T
     if len(kinds) > 1:
         failures.append(f"identical GPUs: all GPUs must be the same model, observed "
                         f"{_fmt([(f.gpu_name, f.total_memory) for f in facts])}")
+    return failures
+
+
+def _high_p2p_failures(facts: Sequence[DeviceFacts]) -> list[str]:
+    """quality="high": every pair of one host's CUDA ranks on distinct GPUs is peer-accessible
+    both ways."""
     cuda = [f for f in facts if f.device_type == "cuda" and f.device_index is not None]
     no_p2p = []
     for a in cuda:
@@ -252,9 +267,16 @@ def quality_failures(tier: str | None, facts: Sequence[DeviceFacts], topology: T
             if a.rank < b.rank and a.hostname == b.hostname and a.device_index != b.device_index:
                 if not (a.peer_access.get(b.device_index) and b.peer_access.get(a.device_index)):
                     no_p2p.append(f"{a.rank}<->{b.rank}")
-    if no_p2p:
-        failures.append(f"P2P: every GPU pair must be peer-accessible, observed no peer access "
-                        f"between ranks {', '.join(no_p2p)}")
+    if not no_p2p:
+        return []
+    return [f"P2P: every GPU pair must be peer-accessible, observed no peer access "
+            f"between ranks {', '.join(no_p2p)}"]
+
+
+def _high_topology_failures(topology: Topology) -> list[str]:
+    """quality="high": Ulysses over all :data:`HIGH_WORLD_SIZE` ranks, no ring, no tensor
+    parallelism."""
+    failures = []
     if topology.ulysses_degree != HIGH_WORLD_SIZE:
         failures.append(f"Ulysses degree: must be {HIGH_WORLD_SIZE}, observed "
                         f"{topology.ulysses_degree}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -150,22 +150,43 @@ class JobDecoder:
         """
         t0 = time.perf_counter()
         result = DecodeResult()
-        lead = self.env.rank == 0 and mp4_path is not None
         writer: Mp4Writer | None = None
+        if self.env.rank == 0 and mp4_path is not None:
+            writer = self._open_writer(latents, audio_latents, mp4_path, png_path, result, t0)
         failed: list[BaseException] = []  # rank 0's own failures, reported after the decode
-        if lead:
-            try:
-                wave, rate = self._audio(audio_latents)
-                self._sync()
-                result.timings["decode_audio"] = time.perf_counter() - t0
-                height = latents.shape[-2] * self.vae.spatial_compression_ratio
-                width = latents.shape[-1] * self.vae.spatial_compression_ratio
-                writer = Mp4Writer(mp4_path, width=width, height=height, fps=self.fps,
-                                   audio=wave, sample_rate=rate, first_frame_png=png_path,
-                                   encoder=self._encoder)
-            except Exception as e:  # noqa: BLE001 - PyAV raises its own types; never between
-                log.exception("decoding the audio or opening %s failed", mp4_path)  # collectives
-                result.error = _why(e, "decoding the audio or opening the MP4")
+        t1 = self._decode_video(latents, self._sink(writer, failed), writer)
+        t2 = time.perf_counter()
+        result.timings["decode_video"] = t2 - t1
+        if writer is not None:
+            self._close(writer, failed, result, mp4_path)
+            result.timings["mux"] = time.perf_counter() - t2
+        result.timings["after_denoise"] = time.perf_counter() - t0
+        _release_host_memory()
+        return result
+
+    def _open_writer(self, latents: torch.Tensor, audio_latents: torch.Tensor, mp4_path: str,
+                     png_path: str | None, result: DecodeResult, t0: float) -> Mp4Writer | None:
+        """Rank 0, before the decode's collectives: decodes the audio (``decode_audio`` seconds
+        since ``t0``) and opens the MP4 writer; a failure is logged and kept in ``result.error``
+        (None returned), never raised."""
+        try:
+            wave, rate = self._audio(audio_latents)
+            self._sync()
+            result.timings["decode_audio"] = time.perf_counter() - t0
+            height = latents.shape[-2] * self.vae.spatial_compression_ratio
+            width = latents.shape[-1] * self.vae.spatial_compression_ratio
+            return Mp4Writer(mp4_path, width=width, height=height, fps=self.fps,
+                             audio=wave, sample_rate=rate, first_frame_png=png_path,
+                             encoder=self._encoder)
+        except Exception as e:  # noqa: BLE001 - PyAV raises its own types; never between
+            log.exception("decoding the audio or opening %s failed", mp4_path)  # collectives
+            result.error = _why(e, "decoding the audio or opening the MP4")
+            return None
+
+    def _sink(self, writer: Mp4Writer | None,
+              failed: list[BaseException]) -> Callable[[int, torch.Tensor], None]:
+        """The decode's frame sink: each clip's frames to ``writer`` as uint8 (through pinned
+        host memory on CUDA); a failure is appended to ``failed``, and after one none is fed."""
 
         def sink(_start: int, frames: torch.Tensor) -> None:
             # called between two of the decode's collectives: it must not raise
@@ -184,6 +205,13 @@ class JobDecoder:
             except Exception as e:  # noqa: BLE001 - kept, reported after the decode
                 failed.append(e)
 
+        return sink
+
+    def _decode_video(self, latents: torch.Tensor, sink: Callable[[int, torch.Tensor], None],
+                      writer: Mp4Writer | None) -> float:
+        """Every rank: the parallel video decode of ``latents``, its frames to ``sink``; returns
+        when it started (after the latents' denormalisation). On any exception ``writer`` is
+        aborted and the exception raised."""
         try:
             z = latents.float() * self._lat_std + self._lat_mean  # as diffusers' decode step
             t1 = time.perf_counter()
@@ -194,21 +222,20 @@ class JobDecoder:
             if writer is not None:
                 writer.abort()
             raise
-        t2 = time.perf_counter()
-        result.timings["decode_video"] = t2 - t1
-        if writer is not None:
-            try:
-                if failed:
-                    raise failed[0]
-                result.file = writer.close()
-            except Exception as e:  # noqa: BLE001 - this job fails, the server serves on
-                writer.abort()
-                log.exception("writing %s failed", mp4_path)
-                result.error = _why(e, "encoding or writing the video")
-            result.timings["mux"] = time.perf_counter() - t2
-        result.timings["after_denoise"] = time.perf_counter() - t0
-        _release_host_memory()
-        return result
+        return t1
+
+    def _close(self, writer: Mp4Writer, failed: list[BaseException], result: DecodeResult,
+               mp4_path: str) -> None:
+        """Rank 0, after the decode: commits the MP4 into ``result.file``, or, after a failure of
+        the sink or the encoder, aborts it, logs and keeps the failure in ``result.error``."""
+        try:
+            if failed:
+                raise failed[0]
+            result.file = writer.close()
+        except Exception as e:  # noqa: BLE001 - this job fails, the server serves on
+            writer.abort()
+            log.exception("writing %s failed", mp4_path)
+            result.error = _why(e, "encoding or writing the video")
 
 
 def _release_host_memory() -> None:

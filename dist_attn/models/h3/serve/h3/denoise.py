@@ -16,20 +16,13 @@ __all__ = ["DenoiseHook", "ServedDenoise"]
 DenoiseHook = Callable[[int, int], Abort]
 
 
-def _served_denoise_cls() -> type:
-    """The t2va core denoise of diffusers' blocks with our loop, built lazily (diffusers and
-    transformers load on first use)."""
-    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
-    from diffusers.modular_pipelines import SequentialPipelineBlocks
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-        MiniMaxH3NoKeyframeAnchorsStep, MiniMaxH3PrepareLatentsStep, MiniMaxH3PrepareLayoutStep,
-        MiniMaxH3SetTimestepsStep)
-    from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AfterDenoiseStep
+def _served_loop_cls() -> type:
+    """diffusers' t2va denoise loop with a step hook (:class:`ServedDenoiseLoop`), built lazily
+    (diffusers and transformers load on first use)."""
     from diffusers.modular_pipelines.minimax_h3.denoise import (MiniMaxH3DenoiseLoopWrapper,
                                                                 MiniMaxH3LoopDenoiser,
                                                                 MiniMaxH3LoopSchedulerStep)
-    from diffusers.modular_pipelines.modular_pipeline_utils import (ComponentSpec, InputParam,
-                                                                    OutputParam)
+    from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
     class ServedDenoiseLoop(MiniMaxH3DenoiseLoopWrapper):
         """diffusers' loop body (one forward, one scheduler step per modality); after each step
@@ -65,6 +58,20 @@ def _served_denoise_cls() -> type:
             self.set_block_state(state, block_state)
             return components, state
 
+    return ServedDenoiseLoop
+
+
+def _served_denoise_cls() -> type:
+    """The t2va core denoise of diffusers' blocks with our loop (:func:`_served_loop_cls`), built
+    lazily (diffusers and transformers load on first use)."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3NoKeyframeAnchorsStep, MiniMaxH3PrepareLatentsStep, MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3SetTimestepsStep)
+    from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AfterDenoiseStep
+    from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec
+
     class ServedDenoise(SequentialPipelineBlocks):
         """diffusers' t2va core denoise (``MiniMaxH3CoreDenoiseStep``'s blocks) with
         :class:`ServedDenoiseLoop`; declares the VAEs, whose geometry the layout reads."""
@@ -72,7 +79,7 @@ def _served_denoise_cls() -> type:
         model_name = "minimax-h3"
         block_classes = [MiniMaxH3NoKeyframeAnchorsStep, MiniMaxH3PrepareLayoutStep,
                          MiniMaxH3PrepareLatentsStep, MiniMaxH3SetTimestepsStep,
-                         ServedDenoiseLoop, MiniMaxH3AfterDenoiseStep]
+                         _served_loop_cls(), MiniMaxH3AfterDenoiseStep]
         block_names = ["no_keyframe_anchors", "prepare_layout", "prepare_latents",
                        "set_timesteps", "denoise", "after_denoise"]
 

@@ -211,14 +211,28 @@ class Engine:
         first vote that is not NONE, and the result says why. ``text_rows`` replaces the
         stand-in's ``tokens.text_tokens`` (the warm-up's prompt lengths; the same on every rank).
         """
-        cfg, env = self.cfg, self.env
-        dev = env.device
         t_start = time.perf_counter()
-        layout = req.layout(cfg)
+        layout = req.layout(self.cfg)
         if text_rows is not None:
             layout = dataclasses.replace(layout, text=text_rows)
+        video, audio, step_ms, aborted, t_loop = self._denoise(req, layout, abort)
+        t_denoised = time.perf_counter()
+        if self.env.rank != 0:
+            return None
+        return self._result(req, layout, video, audio, step_ms, aborted,
+                            (t_start, t_loop, t_denoised))
+
+    def _denoise(self, req: Request, layout: PackedLayout, abort: Callable[[], Abort]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[float], Abort, float]:
+        """The request's inputs on the device, then the denoise loop: before each step after the
+        first every rank agrees on ``abort``'s vote, then one forward and one scheduler step per
+        modality, synchronised and timed. Returns the final ``video`` and ``audio`` rows, each
+        step's milliseconds, the verdict that stopped the loop (NONE: every step ran) and when
+        the loop started."""
+        env = self.env
+        dev = env.device
         rows = {k: v.to(dev) for k, v in layout.rows().items()}
-        video, audio, text = initial_state(cfg, layout, req.seed, dev, self.text_dtype)
+        video, audio, text = initial_state(self.cfg, layout, req.seed, dev, self.text_dtype)
         video_sched, audio_sched, plan = self._schedules(layout, req.steps)
         self.timer.reset()
         self._sync()
@@ -241,9 +255,15 @@ class Engine:
             step_ms.append((time.perf_counter() - t0) * 1e3)
             if env.rank == 0:
                 log.info("%s step %d/%d %.1f ms", req.request_id, i + 1, req.steps, step_ms[-1])
-        t_denoised = time.perf_counter()
-        if env.rank != 0:
-            return None
+        return video, audio, step_ms, aborted, t_loop
+
+    def _result(self, req: Request, layout: PackedLayout, video: torch.Tensor,
+                audio: torch.Tensor, step_ms: list[float], aborted: Abort,
+                times: tuple[float, float, float]) -> RunResult:
+        """Rank 0's :class:`RunResult` of a finished loop: the checksum and (with an output
+        directory) the latents unless aborted, the phase shares, the padded token count and the
+        run's times (``times``: its start, the loop's start, the loop's end)."""
+        t_start, t_loop, t_denoised = times
         csum, latent = None, None
         if aborted is Abort.NONE:
             csum = latent_checksum(video, audio)
@@ -253,7 +273,7 @@ class Engine:
         denoise_ms = sum(step_ms)
         attn_ms = sum(phases.values())
         a2a_ms = sum(v for k, v in phases.items() if k.startswith("a2a"))
-        world = env.world_size
+        world = self.env.world_size
         from dist_attn.integrations.diffusers import ulysses_handle
 
         handle = ulysses_handle(self.model)  # the bucket the model pads to, as enabled

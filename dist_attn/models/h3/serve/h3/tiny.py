@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -117,12 +117,61 @@ def _tokenizer() -> Any:
                               pad_token="<|endoftext|>", unk_token=None, bos_token=None)
 
 
+def _text_encoder_config(te: dict[str, Any], tok: Any) -> Any:
+    """The tiny Qwen3-VL's config: the text stack of ``te`` over ``tok``'s vocabulary, a one-block
+    vision tower, and ``tok``'s ids of the vision special tokens."""
+    from transformers import Qwen3VLConfig
+
+    ids = {s: tok.convert_tokens_to_ids(s) for s in _SPECIALS}
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=te["hidden_size"],
+                         intermediate_size=te["intermediate_size"],
+                         num_hidden_layers=te["num_hidden_layers"],
+                         num_attention_heads=te["num_attention_heads"],
+                         num_key_value_heads=te["num_key_value_heads"],
+                         head_dim=te["head_dim"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                          "mrope_section": te["mrope_section"],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=te["hidden_size"], patch_size=16,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"])
+
+
+def _builders(spec: dict[str, Any], tok: Any) -> dict[str, Callable[[], Any]]:
+    """Component directory name -> a function that builds it of ``spec`` with random weights (in
+    the order they are seeded)."""
+    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio,
+                           MiniMaxH3Transformer3DModel)
+    from transformers import Qwen3VLForConditionalGeneration
+
+    te_cfg = _text_encoder_config(spec["text_encoder"], tok)
+    v = dict(spec["vae"], block_out_channels=tuple(spec["vae"]["block_out_channels"]))
+    channels = v["latent_channels"]
+    a = spec["audio_vae"]
+    return {
+        "transformer": lambda: MiniMaxH3Transformer3DModel(
+            **dict(spec["transformer"], patch_size=tuple(spec["transformer"]["patch_size"]))),
+        "text_encoder": lambda: Qwen3VLForConditionalGeneration(te_cfg),
+        "vae": lambda: AutoencoderKLMiniMaxH3(**v, latents_mean=(0.0,) * channels,
+                                              latents_std=(1.0,) * channels),
+        "audio_vae": lambda: AutoencoderKLMiniMaxH3Audio(
+            latents_mean=[0.0] * a["latent_channels"], latents_std=[1.0] * a["latent_channels"],
+            **dict(a, decoder_rates=tuple(a["decoder_rates"]),
+                   decoder_kernel_sizes=tuple(a["decoder_kernel_sizes"]),
+                   resblock_kernel_sizes=tuple(a["resblock_kernel_sizes"]),
+                   resblock_dilation_sizes=tuple(tuple(d) for d in
+                                                 a["resblock_dilation_sizes"]))),
+    }
+
+
 def build_tiny_checkpoint(path: str, spec: dict[str, Any] | None = None) -> str:
     """Builds the tiny checkpoint of ``spec`` (default :func:`tiny_spec`) into ``path`` (which
     must not exist) atomically; returns it."""
-    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio,
-                           MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel)
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from diffusers import MiniMaxH3Scheduler
 
     spec = spec or tiny_spec()
     seed = spec["seed"]
@@ -131,42 +180,7 @@ def build_tiny_checkpoint(path: str, spec: dict[str, Any] | None = None) -> str:
     tmp = tempfile.mkdtemp(prefix=".h3-tiny-", dir=parent)
     try:
         tok = _tokenizer()
-        ids = {s: tok.convert_tokens_to_ids(s) for s in _SPECIALS}
-        te = spec["text_encoder"]
-        te_cfg = Qwen3VLConfig(
-            text_config=dict(vocab_size=len(tok), hidden_size=te["hidden_size"],
-                             intermediate_size=te["intermediate_size"],
-                             num_hidden_layers=te["num_hidden_layers"],
-                             num_attention_heads=te["num_attention_heads"],
-                             num_key_value_heads=te["num_key_value_heads"],
-                             head_dim=te["head_dim"],
-                             rope_parameters={"rope_type": "default", "rope_theta": 5e5,
-                                              "mrope_section": te["mrope_section"],
-                                              "mrope_interleaved": True}),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                               out_hidden_size=te["hidden_size"], patch_size=16,
-                               num_position_embeddings=64, deepstack_visual_indexes=[0]),
-            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"])
-        v = dict(spec["vae"], block_out_channels=tuple(spec["vae"]["block_out_channels"]))
-        channels = v["latent_channels"]
-        a = spec["audio_vae"]
-        builders = {
-            "transformer": lambda: MiniMaxH3Transformer3DModel(
-                **dict(spec["transformer"], patch_size=tuple(spec["transformer"]["patch_size"]))),
-            "text_encoder": lambda: Qwen3VLForConditionalGeneration(te_cfg),
-            "vae": lambda: AutoencoderKLMiniMaxH3(**v, latents_mean=(0.0,) * channels,
-                                                  latents_std=(1.0,) * channels),
-            "audio_vae": lambda: AutoencoderKLMiniMaxH3Audio(
-                latents_mean=[0.0] * a["latent_channels"], latents_std=[1.0] * a["latent_channels"],
-                **dict(a, decoder_rates=tuple(a["decoder_rates"]),
-                       decoder_kernel_sizes=tuple(a["decoder_kernel_sizes"]),
-                       resblock_kernel_sizes=tuple(a["resblock_kernel_sizes"]),
-                       resblock_dilation_sizes=tuple(tuple(d) for d in
-                                                     a["resblock_dilation_sizes"]))),
-        }
-        for i, (name, build) in enumerate(builders.items()):
+        for i, (name, build) in enumerate(_builders(spec, tok).items()):
             torch.manual_seed(seed * 1000 + i)  # one seed per component: order-independent
             build().eval().save_pretrained(os.path.join(tmp, name))
         MiniMaxH3Scheduler(shift=12.0).save_pretrained(os.path.join(tmp, "scheduler"))
