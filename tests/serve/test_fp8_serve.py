@@ -140,11 +140,10 @@ def test_launch_refuses_fp8_before_the_model(launcher, capsys):
 
 def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, capsys):
     pytest.importorskip("diffusers")
-    from dist_attn.models.h3.serve.launch import warmup
-    from dist_attn.models.h3.serve.ranks import loop
+    from dist_attn.models.h3.serve.launch import start
 
     events = []
-    real_warm, real_serve = warmup.warm_up, loop.serve
+    real_warm, real_serve = start.warm_up, start.serve
 
     def warm_spy(engine, cfg, **kwargs):
         runs = real_warm(engine, cfg, **kwargs)
@@ -156,8 +155,9 @@ def test_warmup_runs_on_every_rank_before_the_server(launcher, monkeypatch, caps
         events.append(("serve", info["linear_precision"], info["block_linears"]))
         return real_serve(*args, **kwargs)
 
-    monkeypatch.setattr(warmup, "warm_up", warm_spy)
-    monkeypatch.setattr(loop, "serve", serve_spy)
+    # where the rank's start-up looks them up
+    monkeypatch.setattr(start, "warm_up", warm_spy)
+    monkeypatch.setattr(start, "serve", serve_spy)
     assert launcher.main(["--once", "--steps", "1", "--backend", "sdpa", "--set",
                           "runtime.warmup_shapes=[[22, 128, 192], [5, 64, 64]]"]) == 0
     # on the CPU "bf16" (not FP8) linears run in the blocks' float32, and /health says so

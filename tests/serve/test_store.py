@@ -190,7 +190,7 @@ def test_a_store_path_that_is_a_directory_is_one_launch_failure(tmp_path):
     the store's checks: a raw traceback instead of the launch failure a corrupt file gets."""
     from dist_attn.models.h3.serve.config import apply_overrides, load_config
     from dist_attn.models.h3.serve.jobs.store import StoreError
-    from dist_attn.models.h3.serve.launch.cli import _open_store
+    from dist_attn.models.h3.serve.launch.start import _open_store
 
     (tmp_path / "jobs.sqlite3").mkdir()
     with pytest.raises(StoreError) as info:

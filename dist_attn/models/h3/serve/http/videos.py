@@ -138,12 +138,32 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
     """The routes of :mod:`this module <dist_attn.models.h3.serve.http.videos>` over
     ``state.videos``, through ``gate`` (the token and the body limits of ``/v1/generate`` apply
     alike)."""
-    jobs: VideoJobs = state.videos
-    times = state.step_times
-    refused, fail = gate.refused, gate.fail
+    api = _VideoApi(state, gate)
+    return [Route("/v1/videos", api.submit, methods=["POST"]),
+            Route("/v1/videos", api.listing, methods=["GET"]),
+            Route("/v1/videos/{job_id}", api.status, methods=["GET"]),
+            Route("/v1/videos/{job_id}", api.cancel, methods=["DELETE"]),
+            Route("/v1/videos/{job_id}/content", api.content, methods=["GET"])]
 
-    async def submit(request: HttpRequest) -> Response:
-        req = await gate.admit(request, lambda payload: parse_video_request(payload, jobs.rules))
+
+class _VideoApi:
+    """The endpoints of :func:`video_routes`: one method each, over ``state.videos``; store calls
+    run in the thread pool."""
+
+    def __init__(self, state: ServerState, gate: Gate) -> None:
+        self.state, self.gate = state, gate
+        self.jobs: VideoJobs = state.videos
+        self.times = state.step_times
+        self.fail = gate.fail
+
+    async def _view(self, job: JobRecord) -> JSONResponse:
+        """200 with the client's view of ``job``."""
+        return JSONResponse(await run_in_threadpool(job_json, job, self.jobs, self.times))
+
+    async def submit(self, request: HttpRequest) -> Response:
+        jobs, fail = self.jobs, self.fail
+        req = await self.gate.admit(request,
+                                    lambda payload: parse_video_request(payload, jobs.rules))
         if isinstance(req, Response):
             return req
         short = await run_in_threadpool(jobs.space_refusal, req)
@@ -152,76 +172,103 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
         job = await run_in_threadpool(jobs.store.submit, req, max_queued=jobs.max_queued)
         if job is None:
             # when a slot opens (the running job ends), not when the whole backlog is done
-            retry = StepTimes.retry_after(state.slot_s())
+            retry = StepTimes.retry_after(self.state.slot_s())
             return fail(429, f"{jobs.max_queued} video jobs are waiting (jobs.max_queued)",
                         headers={"retry-after": str(retry)})
-        state.jobs.wake()  # the rank-0 loop may be waiting for /v1/generate work
-        state.metrics.video_submitted()
-        body = await run_in_threadpool(job_json, job, jobs, times)
+        self.state.jobs.wake()  # the rank-0 loop may be waiting for /v1/generate work
+        self.state.metrics.video_submitted()
+        body = await run_in_threadpool(job_json, job, jobs, self.times)
         return JSONResponse(body, status_code=202, headers={"location": f"/v1/videos/{job.id}"})
 
-    async def lookup(request: HttpRequest) -> JobRecord | Response:
-        denied = refused(request)
+    async def _lookup(self, request: HttpRequest) -> JobRecord | Response:
+        """The job the path names, after the gate's token check; else the refusal (404)."""
+        denied = self.gate.refused(request)
         if denied:
             return denied
         job_id = request.path_params["job_id"]
-        job = await run_in_threadpool(jobs.store.get, job_id)
+        job = await run_in_threadpool(self.jobs.store.get, job_id)
         if job is None:
-            return fail(404, f"no video job {job_id!r}")
+            return self.fail(404, f"no video job {job_id!r}")
         return job
 
-    async def status(request: HttpRequest) -> Response:
-        job = await lookup(request)
+    async def status(self, request: HttpRequest) -> Response:
+        job = await self._lookup(request)
         if isinstance(job, Response):
             return job
-        return JSONResponse(await run_in_threadpool(job_json, job, jobs, times))
+        return await self._view(job)
 
-    async def content(request: HttpRequest) -> Response:
-        job = await lookup(request)
+    async def content(self, request: HttpRequest) -> Response:
+        job = await self._lookup(request)
         if isinstance(job, Response):
             return job
         variant = request.query_params.get("variant", "video")
         if variant not in ("video", "thumbnail"):
-            return fail(400, f"variant={variant!r} must be 'video' or 'thumbnail'")
+            return self.fail(400, f"variant={variant!r} must be 'video' or 'thumbnail'")
+        path = self._content_path(job, variant)
+        if isinstance(path, Response):
+            return path
+        media = "video/mp4" if variant == "video" else "image/png"
+        return _FileResponse(path, media_type=media, refuse=self.fail, what=f"the {variant}",
+                             filename=f"{job.id}.{'mp4' if variant == 'video' else 'png'}")
+
+    def _content_path(self, job: JobRecord, variant: str) -> str | Response:
+        """The file of ``job``'s ``variant``; else why there is none (409, 410, 404)."""
+        fail = self.fail
         if job.status is not JobStatus.SUCCEEDED:
             why = f": {job.error}" if job.error else ""
             return fail(409, f"video job {job.id} is {job.status.value}{why}; its content exists "
                              "once it succeeded")
         if job.output is None:  # only the retention takes a succeeded job's files
-            kept = state.cfg.jobs
+            kept = self.state.cfg.jobs
             return fail(410, f"the files of video job {job.id} were deleted by the server's "
                              f"retention (jobs.videos_kept={kept.videos_kept} newest, "
                              f"jobs.videos_max_age_s={kept.videos_max_age_s})")
         name = job.output if variant == "video" else job.thumbnail
         if name is None:
             return fail(404, f"video job {job.id} has no {variant}")
-        path = os.path.join(jobs.output_dir, name)
+        path = os.path.join(self.jobs.output_dir, name)
         if not os.path.isfile(path):
             return fail(410, f"the {variant} of video job {job.id} is no longer in the output "
                              "directory")
-        media = "video/mp4" if variant == "video" else "image/png"
-        return _FileResponse(path, media_type=media, refuse=fail, what=f"the {variant}",
-                             filename=f"{job.id}.{'mp4' if variant == 'video' else 'png'}")
+        return path
 
-    async def cancel(request: HttpRequest) -> Response:
-        job = await lookup(request)
+    async def cancel(self, request: HttpRequest) -> Response:
+        job = await self._lookup(request)
         if isinstance(job, Response):
             return job
         if job.status.final:
-            return fail(409, f"video job {job.id} already {job.status.value}; nothing to cancel")
-        after = await run_in_threadpool(jobs.store.request_cancel, job.id)
+            return self.fail(409, f"video job {job.id} already {job.status.value}; nothing to "
+                                  "cancel")
+        after = await run_in_threadpool(self.jobs.store.request_cancel, job.id)
         assert after is not None
         if after.status is JobStatus.RUNNING:
-            jobs.cancels.add(after.id)  # the loop stops it between denoise steps
+            self.jobs.cancels.add(after.id)  # the loop stops it between denoise steps
         elif after.status is JobStatus.CANCELLED:
-            state.metrics.video_finished(JobStatus.CANCELLED.value)
-        return JSONResponse(await run_in_threadpool(job_json, after, jobs, times))
+            self.state.metrics.video_finished(JobStatus.CANCELLED.value)
+        return await self._view(after)
 
-    async def listing(request: HttpRequest) -> Response:
-        denied = refused(request)
+    async def listing(self, request: HttpRequest) -> Response:
+        denied = self.gate.refused(request)
         if denied:
             return denied
-        q = request.query_params
+        query = await self._list_query(request)
+        if isinstance(query, Response):
+            return query
+        limit, wanted, before_seq = query
+        found = await run_in_threadpool(self.jobs.store.list, limit=limit + 1, status=wanted,
+                                        before_seq=before_seq)
+
+        def render() -> list[dict[str, Any]]:
+            return [job_json(j, self.jobs, self.times) for j in found[:limit]]
+
+        return JSONResponse({"object": "list", "data": await run_in_threadpool(render),
+                             "has_more": len(found) > limit})
+
+    async def _list_query(self, request: HttpRequest
+                          ) -> tuple[int, JobStatus | None, int | None] | Response:
+        """``(limit, status, before_seq)`` of ``GET /v1/videos``; else the 400 naming the
+        parameter."""
+        q, fail = request.query_params, self.fail
         raw = q.get("limit", "20")
         limit = _bounded_int(raw, 1, _MAX_LIST)
         if limit is None:
@@ -234,23 +281,9 @@ def video_routes(state: ServerState, gate: Gate) -> list[Route]:
             return fail(400, f"status={which!r} must be one of "
                              f"{[s.value for s in JobStatus]}")
         before = q.get("before")
-        before_seq = None
-        if before is not None:
-            anchor = await run_in_threadpool(jobs.store.get, before)
-            if anchor is None:
-                return fail(400, f"before={before!r} is not a video job id")
-            before_seq = anchor.seq
-        found = await run_in_threadpool(jobs.store.list, limit=limit + 1, status=wanted,
-                                        before_seq=before_seq)
-
-        def render() -> list[dict[str, Any]]:
-            return [job_json(j, jobs, times) for j in found[:limit]]
-
-        return JSONResponse({"object": "list", "data": await run_in_threadpool(render),
-                             "has_more": len(found) > limit})
-
-    return [Route("/v1/videos", submit, methods=["POST"]),
-            Route("/v1/videos", listing, methods=["GET"]),
-            Route("/v1/videos/{job_id}", status, methods=["GET"]),
-            Route("/v1/videos/{job_id}", cancel, methods=["DELETE"]),
-            Route("/v1/videos/{job_id}/content", content, methods=["GET"])]
+        if before is None:
+            return limit, wanted, None
+        anchor = await run_in_threadpool(self.jobs.store.get, before)
+        if anchor is None:
+            return fail(400, f"before={before!r} is not a video job id")
+        return limit, wanted, anchor.seq

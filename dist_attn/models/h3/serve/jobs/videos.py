@@ -140,13 +140,33 @@ def _lone_surrogate(text: str) -> int | None:
 
 def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
     """Validates a decoded JSON body; raises :class:`RequestError` (400, or 413 for a request
-    above a size limit) naming the field, its value and the rule."""
+    above a size limit) naming the field, its value and the rule. The checks run in a fixed
+    order (the body's shape, the prompt, the unsupported inputs, the geometry, steps and seed,
+    the packed rows): the first that fails is the one reported."""
     if not isinstance(payload, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(payload).__name__}")
     unknown = sorted(set(payload) - set(FIELDS))
     if unknown:
         raise RequestError(400, f"unknown field(s) {unknown}; valid: {list(FIELDS)}")
-    prompt = payload.get("prompt")
+    prompt = _checked_prompt(payload.get("prompt"), rules)
+    _refuse_guidance_inputs(payload)
+    if ("height" in payload) != ("width" in payload):
+        raise RequestError(400, "height and width must be given together, or neither")
+    height = _int_field(payload, "height", rules.default_height)
+    width = _int_field(payload, "width", rules.default_width)
+    frames = _int_field(payload, "frames", rules.default_frames)
+    steps = _int_field(payload, "steps", rules.default_steps)
+    seed = payload.get("seed")
+    seed = secrets.randbelow(2**63) if seed is None else _int_field(payload, "seed", 0)
+    _check_geometry(rules, frames=frames, height=height, width=width)
+    _check_steps_and_seed(rules, steps=steps, seed=seed)
+    rows = _checked_rows(rules, prompt, frames=frames, height=height, width=width)
+    return VideoRequest(prompt=prompt, frames=frames, height=height, width=width, steps=steps,
+                        seed=seed, rows=rows)
+
+
+def _checked_prompt(prompt: Any, rules: VideoRules) -> str:
+    """``prompt`` when it is non-empty Unicode text within ``rules.max_prompt_chars``."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError(400, f"prompt={prompt!r} must be a non-empty string")
     if len(prompt) > rules.max_prompt_chars:
@@ -158,8 +178,12 @@ def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
         raise RequestError(400, f"prompt={prompt!r} holds a lone surrogate (U+{code:04X} at "
                                 f"index {surrogate}): it must be Unicode text (a JSON "
                                 "\\uD800-\\uDFFF escape only as half of a pair)")
-    # H3 is guidance-distilled: one forward per step, no unconditional branch, no guidance scale
-    # (its pipeline has neither input). Accepting other values would ignore them silently.
+    return prompt
+
+
+def _refuse_guidance_inputs(payload: dict) -> None:
+    """H3 is guidance-distilled: one forward per step, no unconditional branch, no guidance
+    scale (its pipeline has neither input). Accepting other values would ignore them silently."""
     negative = payload.get("negative_prompt")
     if negative not in (None, ""):
         raise RequestError(400, f"negative_prompt={negative!r} is not supported: MiniMax-H3 is "
@@ -169,14 +193,10 @@ def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
         raise RequestError(400, f"guidance={guidance!r} is not supported: MiniMax-H3 is "
                                 "guidance-distilled (guidance is in its weights); omit it or "
                                 "pass 1")
-    if ("height" in payload) != ("width" in payload):
-        raise RequestError(400, "height and width must be given together, or neither")
-    height = _int_field(payload, "height", rules.default_height)
-    width = _int_field(payload, "width", rules.default_width)
-    frames = _int_field(payload, "frames", rules.default_frames)
-    steps = _int_field(payload, "steps", rules.default_steps)
-    seed = payload.get("seed")
-    seed = secrets.randbelow(2**63) if seed is None else _int_field(payload, "seed", 0)
+
+
+def _check_geometry(rules: VideoRules, *, frames: int, height: int, width: int) -> None:
+    """The canvas (multiple, aspect ratio, pixel count), then the frame count."""
     for name, value in (("height", height), ("width", width)):
         if value <= 0 or value % rules.canvas_multiple:
             raise RequestError(400, f"{name}={value} must be a positive multiple of "
@@ -190,6 +210,9 @@ def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
     reason = rules.frames_ok(frames)
     if reason:
         raise RequestError(400, f"frames={frames} {reason}")
+
+
+def _check_steps_and_seed(rules: VideoRules, *, steps: int, seed: int) -> None:
     if steps <= 0:
         raise RequestError(400, f"steps={steps} must be a positive integer")
     rule = steps_rule(steps, rules.max_steps)
@@ -197,6 +220,11 @@ def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
         raise RequestError(413, f"steps={steps} {rule}")
     if not 0 <= seed < 2**63:
         raise RequestError(400, f"seed={seed} must be in [0, 2**63)")
+
+
+def _checked_rows(rules: VideoRules, prompt: str, *, frames: int, height: int,
+                  width: int) -> int:
+    """The packed rows of the request, within ``rules.max_rows`` (serve.max_tokens)."""
     text = rules.text_rows(prompt)
     if text < 1:
         raise RequestError(400, f"prompt={prompt!r} becomes no text token")
@@ -205,5 +233,4 @@ def parse_video_request(payload: Any, rules: VideoRules) -> VideoRequest:
         raise RequestError(413, f"the request packs {rows['total']} rows ({rows['text']} text + "
                                 f"{rows['audio']} audio + {rows['video']} video), above "
                                 f"serve.max_tokens={rules.max_rows}")
-    return VideoRequest(prompt=prompt, frames=frames, height=height, width=width, steps=steps,
-                        seed=seed, rows=rows["total"])
+    return rows["total"]

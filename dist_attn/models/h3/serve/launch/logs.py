@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Logging for the served DiT: one stderr handler, the rank in every line."""
+"""Logging for the served DiT: one stderr handler, the rank in every line; a launch error's one
+line on rank 0."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-__all__ = ["setup_logging", "count_in_units"]
+__all__ = ["setup_logging", "count_in_units", "rank0_error"]
 
 
 class _RankFilter(logging.Filter):
@@ -40,3 +41,10 @@ def count_in_units(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{unit}"
     return str(n)
+
+
+def rank0_error(rank: int, message: str) -> None:
+    """``launch/serve.py: error: <message>`` on stderr, printed by rank 0 only (every rank reaches
+    the same verdict)."""
+    if rank == 0:
+        print(f"launch/serve.py: error: {message}", file=sys.stderr, flush=True)

@@ -126,6 +126,15 @@ def _agent_preexec() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+def _kill(pids: list[int], sig: signal.Signals) -> None:
+    """``sig`` to each of ``pids``; one already gone is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def supervise(nproc: int, serve_argv: list[str], *,
               max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
     """Runs ``torchrun --standalone --nproc-per-node nproc -m dist_attn.models.h3.serve serve_argv``
@@ -142,13 +151,45 @@ def supervise(nproc: int, serve_argv: list[str], *,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(nproc), "--signals-to-handle", "SIGHUP,SIGQUIT",
            "-m", "dist_attn.models.h3.serve", *serve_argv]
-    agent: subprocess.Popen | None = None
-    stop: list[str] = []  # the signal's name once one arrived
-    undelivered = False
-    ready: str | None = None  # the file rank 0 writes once it serves
-    early: list[int] = []  # the exit status of a launch stopped before it served
+    job = _Supervisor(cmd, max_restarts)
+    signal.signal(signal.SIGTERM, job.forward)
+    signal.signal(signal.SIGINT, job.forward)
+    # here, not at the top: the launch imports this module before it checks the serve extra,
+    # and the ranks' package imports the HTTP app (uvicorn)
+    from dist_attn.models.h3.serve.ranks.lifecycle import READY_ENV
 
-    def deliver() -> bool:
+    with tempfile.TemporaryDirectory(prefix="dist_attn-supervisor-") as tmp:
+        job.ready = os.path.join(tmp, "ready")
+        keeper = PortKeeper(tmp)  # answers the port while no rank 0 serves
+        env = dict(os.environ, **{READY_ENV: job.ready, KEEPER_ENV: keeper.path})
+        try:
+            return job.run(env, keeper)
+        finally:
+            keeper.close()
+
+
+class _Supervisor:
+    """What :func:`supervise`'s loop shares with its SIGTERM/SIGINT handler (:meth:`forward`):
+    the running agent, the stop signal, whether it still waits for the ranks, the file rank 0
+    writes once it serves, and the restarts made."""
+
+    def __init__(self, cmd: list[str], max_restarts: int) -> None:
+        self.cmd, self.max_restarts = cmd, max_restarts
+        self.agent: subprocess.Popen | None = None
+        self.stop: str | None = None  # the signal's name once one arrived
+        self.undelivered = False
+        self.ready: str | None = None  # the file rank 0 writes once it serves
+        self.early: int | None = None  # the exit status of a launch stopped before it served
+        self.restarts: list[float] = []
+
+    def forward(self, signum: int, _frame: Any) -> None:
+        if self.stop is None:
+            self.stop = signal.Signals(signum).name
+        # Before the ranks exist, or accept SIGTERM, the signal waits for them (it was lost at
+        # start-up).
+        self.undelivered = not self.deliver()
+
+    def deliver(self) -> bool:
         """SIGTERM to rank 0 (or every rank when rank 0 is gone); False before the ranks exist
         or while a target still ignores SIGTERM: a rank inherits SIG_IGN from the agent until
         :func:`restore_default_signals` runs, and a SIGTERM sent before that was lost (the job
@@ -156,87 +197,74 @@ def supervise(nproc: int, serve_argv: list[str], *,
         SIGTERM while the ranks started). Before the job serves there is nothing to drain: the
         agent and the ranks are killed at once, quietly (a rank stopped mid start-up left its
         peers failing with tracebacks, and the agent printed its own)."""
-        if agent is not None and not (ready and os.path.exists(ready)):
-            print(f"supervisor: {stop[0]} before the server was up: ending the launch",
+        agent = self.agent
+        if agent is not None and not (self.ready and os.path.exists(self.ready)):
+            print(f"supervisor: {self.stop} before the server was up: ending the launch",
                   file=sys.stderr, flush=True)
-            for pid in [agent.pid, *rank_pids(agent.pid).values()]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            early.append(128 + int(signal.Signals[stop[0]]))
+            _kill([agent.pid, *rank_pids(agent.pid).values()], signal.SIGKILL)
+            self.early = 128 + int(signal.Signals[self.stop])
             return True
         ranks = rank_pids(agent.pid) if agent is not None else {}
         # Rank 0 decides; the others follow its shutdown message.
         targets = [ranks[0]] if 0 in ranks else list(ranks.values())
         if not targets or any(ignores(pid, signal.SIGTERM) for pid in targets):
             return False
-        print(f"supervisor: {stop[0]}: passing it to rank 0 (pid {targets}) to drain",
+        print(f"supervisor: {self.stop}: passing it to rank 0 (pid {targets}) to drain",
               file=sys.stderr, flush=True)
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        _kill(targets, signal.SIGTERM)
         return True
 
-    def forward(signum: int, _frame: Any) -> None:
-        nonlocal undelivered
-        if not stop:
-            stop.append(signal.Signals(signum).name)
-        # Before the ranks exist, or accept SIGTERM, the signal waits for them (it was lost at
-        # start-up).
-        undelivered = not deliver()
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    # here, not at the top: the launch imports this module before it checks the serve extra,
-    # and the ranks' package imports the HTTP app (uvicorn)
-    from dist_attn.models.h3.serve.ranks.lifecycle import READY_ENV
-
-    restarts: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="dist_attn-supervisor-") as tmp:
-        ready = os.path.join(tmp, "ready")
-        keeper = PortKeeper(tmp)  # answers the port while no rank 0 serves
-        env = dict(os.environ, **{READY_ENV: ready, KEEPER_ENV: keeper.path})
+    def run(self, env: dict[str, str], keeper: PortKeeper) -> int:
+        """Starts torchrun, and again after each failure :meth:`_restarts` allows; returns the
+        exit status."""
         why = "starting"
-        try:
-            while True:
-                if stop:  # before the first start, or between a failure and its restart
-                    return 128 + int(signal.Signals[stop[0]])
-                keeper.launched(why)
-                # preexec_fn runs before exec only (no threads exist yet in the child)
-                agent = subprocess.Popen(cmd, preexec_fn=_agent_preexec, env=env)  # noqa: PLW1509
-                while True:
-                    try:
-                        code = agent.wait(timeout=_POLL_S)
-                        break
-                    except subprocess.TimeoutExpired:
-                        if undelivered:
-                            undelivered = not deliver()
-                status = 128 - code if code < 0 else code
-                if early:
-                    return early[0]
-                if status == 0 or stop:
-                    return status
-                if not os.path.exists(ready):
-                    print(f"supervisor: the job exited {status} before it served; not restarted "
-                          "(a launch failure would repeat)", file=sys.stderr, flush=True)
-                    return status
-                os.remove(ready)
-                now = time.monotonic()
-                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
-                if len(restarts) >= max_restarts:
-                    print(f"supervisor: the job exited {status} after it served; "
-                          f"{len(restarts)} restart(s) within {RESTART_WINDOW_S:g} s already "
-                          f"(--max-restarts={max_restarts}): giving up", file=sys.stderr,
-                          flush=True)
-                    return status
-                restarts.append(now)
-                print(f"supervisor: the job exited {status} after it served (a rank died?); "
-                      f"restarting it ({len(restarts)} of at most {max_restarts} restarts "
-                      f"within {RESTART_WINDOW_S:g} s); the job store re-queues the job that "
-                      "was running", file=sys.stderr, flush=True)
-                why = f"restarting: the job exited {status} after it served"
-        finally:
-            keeper.close()
+        while True:
+            if self.stop:  # before the first start, or between a failure and its restart
+                return 128 + int(signal.Signals[self.stop])
+            keeper.launched(why)
+            # preexec_fn runs before exec only (no threads exist yet in the child)
+            self.agent = subprocess.Popen(self.cmd, preexec_fn=_agent_preexec,  # noqa: PLW1509
+                                          env=env)
+            status = self._wait()
+            if self.early is not None:
+                return self.early
+            if status == 0 or self.stop or not self._restarts(status):
+                return status
+            why = f"restarting: the job exited {status} after it served"
+
+    def _wait(self) -> int:
+        """The agent's exit status (128 + N for signal N), delivering a waiting signal as soon as
+        the ranks accept it."""
+        assert self.agent is not None
+        while True:
+            try:
+                code = self.agent.wait(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if self.undelivered:
+                    self.undelivered = not self.deliver()
+        return 128 - code if code < 0 else code
+
+    def _restarts(self, status: int) -> bool:
+        """Whether the job that failed with ``status`` starts again: only after it served, and
+        at most ``max_restarts`` times within :data:`RESTART_WINDOW_S`; says so either way."""
+        assert self.ready is not None
+        if not os.path.exists(self.ready):
+            print(f"supervisor: the job exited {status} before it served; not restarted "
+                  "(a launch failure would repeat)", file=sys.stderr, flush=True)
+            return False
+        os.remove(self.ready)
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if len(self.restarts) >= self.max_restarts:
+            print(f"supervisor: the job exited {status} after it served; "
+                  f"{len(self.restarts)} restart(s) within {RESTART_WINDOW_S:g} s already "
+                  f"(--max-restarts={self.max_restarts}): giving up", file=sys.stderr,
+                  flush=True)
+            return False
+        self.restarts.append(now)
+        print(f"supervisor: the job exited {status} after it served (a rank died?); "
+              f"restarting it ({len(self.restarts)} of at most {self.max_restarts} restarts "
+              f"within {RESTART_WINDOW_S:g} s); the job store re-queues the job that "
+              "was running", file=sys.stderr, flush=True)
+        return True
