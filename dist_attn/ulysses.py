@@ -274,9 +274,9 @@ def _ulysses_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: O
                 qk_q_weight: Optional[torch.Tensor] = None, qk_k_weight: Optional[torch.Tensor] = None,
                 qk_eps: float = 0.0, qk_cos: Optional[torch.Tensor] = None,
                 qk_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-    # valid_len_host, then a QKNormRope's fields, come last (positional callers of the older
-    # schema keep working); valid_len_host replaces valid_len when given: a CPU tensor, a graph
-    # input whose value is read here, at run time
+    # A custom op's schema lists every tensor on its own: the qk_* fields are a QKNormRope's (all
+    # None: no prologue). valid_len_host replaces valid_len when given: a CPU tensor, a graph input
+    # whose value is read here, at run time
     group, mesh = resolve_compile_key(group_key)
     if valid_len_host is not None:
         valid_len = valid_len_host
