@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["Fp8LinearFactory", "HoldsQuantizedTensors", "fp8_buffers_to_parameters", "quantized_names",
-           "register_fp8_linear", "torchao_to_fp8_linear"]
+__all__ = ["Fp8LinearFactory", "HoldsQuantizedTensors", "check_torchao_linears", "fp8_buffers_to_parameters",
+           "quantized_names", "register_fp8_linear", "torchao_to_fp8_linear"]
 
 
 @runtime_checkable
@@ -54,28 +54,49 @@ def quantized_names(module: nn.Module) -> tuple[str, ...]:
     return names if isinstance(names, tuple) else ()
 
 
+def _torchao_linears(root: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of every ``nn.Linear`` under ``root`` whose weight is a torchao FP8 tensor."""
+    return [(name, m) for name, m in root.named_modules()
+            if isinstance(m, nn.Linear) and hasattr(getattr(m, "weight", None), "qdata")]
+
+
+def _unswappable(name: str, module: nn.Linear) -> str | None:
+    """Why the torchao FP8 linear ``module`` cannot become the registered FP8 linear, or None."""
+    w = module.weight
+    if module.bias is not None:
+        return (f"{name}: a torchao FP8 linear with a bias; shard_module makes torchao's FP8 linears "
+                "Fp8Linear, which is bias-free")
+    if w.scale.numel() != w.qdata.shape[0]:
+        return (f"{name}: torchao FP8 weight with scales of shape {tuple(w.scale.shape)}; shard_module "
+                f"takes the per-row recipe (one scale per output channel, {w.qdata.shape[0]})")
+    if not _FP8_LINEAR:
+        return (f"{name}: a torchao FP8 linear, and no FP8 linear module is registered to hold its "
+                "codes as parameters (register_fp8_linear; importing dist_attn.models.h3.fp8 "
+                "registers its Fp8Linear)")
+    return None
+
+
+def check_torchao_linears(root: nn.Module) -> None:
+    """ValueError naming the first torchao FP8 linear under ``root`` that
+    :func:`torchao_to_fp8_linear` could not replace (a bias, scales that are not per row, no FP8
+    linear registered): for a caller that must refuse before it changes anything."""
+    for name, module in _torchao_linears(root):
+        problem = _unswappable(name, module)
+        if problem is not None:
+            raise ValueError(problem)
+
+
 def torchao_to_fp8_linear(root: nn.Module) -> int:
     """Every ``nn.Linear`` whose weight is a torchao FP8 tensor (``qdata``/``scale``) -> the
     registered FP8 linear (:func:`register_fp8_linear`) on the same codes and scales (its
-    ``fast_accum`` from the tensor's ``mm_config``). Returns how many."""
+    ``fast_accum`` from the tensor's ``mm_config``). Returns how many; ValueError (before any
+    swap) as :func:`check_torchao_linears`."""
+    check_torchao_linears(root)
     swaps = []
-    for name, module in root.named_modules():
-        w = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear) and hasattr(w, "qdata"):
-            if not _FP8_LINEAR:
-                raise ValueError(f"{name}: a torchao FP8 linear, and no FP8 linear module is "
-                                 "registered to hold its codes as parameters (register_fp8_linear; "
-                                 "importing dist_attn.models.h3.fp8 registers its Fp8Linear)")
-            if module.bias is not None:
-                raise ValueError(f"{name}: a torchao FP8 linear with a bias; shard_module makes "
-                                 "torchao's FP8 linears Fp8Linear, which is bias-free")
-            if w.scale.numel() != w.qdata.shape[0]:
-                raise ValueError(f"{name}: torchao FP8 weight with scales of shape "
-                                 f"{tuple(w.scale.shape)}; shard_module takes the per-row recipe "
-                                 f"(one scale per output channel, {w.qdata.shape[0]})")
-            mm = getattr(w, "mm_config", None)
-            fast = bool(getattr(mm, "use_fast_accum", False))
-            swaps.append((name, _FP8_LINEAR[0](w.qdata, w.scale, fast_accum=fast)))
+    for name, module in _torchao_linears(root):
+        w = module.weight
+        fast = bool(getattr(getattr(w, "mm_config", None), "use_fast_accum", False))
+        swaps.append((name, _FP8_LINEAR[0](w.qdata, w.scale, fast_accum=fast)))
     for name, new in swaps:
         parent, _, child = name.rpartition(".")
         setattr(root.get_submodule(parent), child, new)

@@ -46,8 +46,9 @@ import torch
 from torch import nn
 
 from dist_attn.distributed import group_size_and_rank
-from dist_attn.weight_codes import (Fp8LinearFactory, HoldsQuantizedTensors, fp8_buffers_to_parameters,
-                                    quantized_names, register_fp8_linear, torchao_to_fp8_linear)
+from dist_attn.weight_codes import (Fp8LinearFactory, HoldsQuantizedTensors, check_torchao_linears,
+                                    fp8_buffers_to_parameters, quantized_names, register_fp8_linear,
+                                    torchao_to_fp8_linear)
 
 __all__ = ["Fp8LinearFactory", "HoldsQuantizedTensors", "ShardedWeights", "is_sharded",
            "meta_parameters", "parameter_bytes", "parameters_on_meta", "quantized_names",
@@ -192,10 +193,12 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
     Raises:
         ValueError: ``units`` is empty, names a missing module, repeats or nests one; the model
             is already sharded; a unit is already compiled; ``prefetch`` is not a non-negative
-            int; a torchao FP8 linear has a bias or non-per-row scales; meta parameters without
+            int; a torchao FP8 linear has a bias or non-per-row scales, or no FP8 linear is registered
+            (:func:`register_fp8_linear`); meta parameters without
             ``materialize`` and ``device``, or left on meta after it.
     """
     names, modules = _checked_units(root, units, prefetch)
+    check_torchao_linears(root)  # those already quantized: refused before any unit is sharded
     meta = meta_parameters(root)
     if meta and (materialize is None or device is None):
         raise ValueError(f"{meta}: pass materialize= and device= to fill them unit by unit")
