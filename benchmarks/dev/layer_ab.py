@@ -27,9 +27,11 @@ __all__ = ["main"]
 _CHILD = r"""
 import json, statistics, sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+import dist_attn
 from dist_attn import ulysses_attention
-S, used, H, D, iters = (int(a) for a in sys.argv[1:6])
-out = {}
+from dist_attn.buffers import default_staging_buffers
+S, used, H, D, iters, warmup = (int(a) for a in sys.argv[1:7])
+out = {"dist_attn": dist_attn.__file__}
 for W in (4, 1):
     if W > 1:
         dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())
@@ -37,8 +39,11 @@ for W in (4, 1):
     q, k, v = (torch.randn((S // W, H, D), generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
     kw = dict(valid_len=used, cu_seqlens_host=[0, S], cu_seqlens=[0, S], max_seqlen=S, backend="sage8",
               overlap_chunks=4 if W > 1 else 1)
-    for _ in range(3):
+    for _ in range(max(warmup, 1)):
         ulysses_attention(q, k, v, **kw)
+    # the fake all-to-alls write nothing: the staging buffers the kernel reads get random values
+    for t in getattr(default_staging_buffers(), "_buffers", {}).values():
+        t.normal_() if t.is_floating_point() else t.zero_()
     torch.cuda.synchronize()
     ms = []
     for _ in range(iters):
@@ -53,14 +58,20 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def _child(tree: str, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    """One child run in ``tree`` (its working directory and the head of ``PYTHONPATH``, so that
+    ``python -c`` imports that tree's dist_attn); SystemExit if it failed or imported another."""
+    root = os.path.abspath(tree)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     res = subprocess.run([sys.executable, "-c", _CHILD, str(args.total), str(args.used), str(args.heads),
-                          str(args.head_dim), str(args.iters)], env=env, capture_output=True, text=True,
-                         timeout=300)
+                          str(args.head_dim), str(args.iters), str(args.warmup)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     if res.returncode or not line:
         raise SystemExit(f"layer_ab: the child for {tree} failed ({res.returncode}):\n{res.stderr[-2000:]}")
-    return json.loads(line[-1][len("RESULT "):])
+    out = json.loads(line[-1][len("RESULT "):])
+    if not os.path.abspath(out.pop("dist_attn")).startswith(root + os.sep):
+        raise SystemExit(f"layer_ab: the child for {tree} imported dist_attn from outside it")
+    return out
 
 
 def main(argv=None) -> int:
