@@ -84,15 +84,12 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
         new = new_name(fullname)
-        if new is None:
+        found = None if new is None else importlib.util.find_spec(new)
+        if found is None:
             return None
         if fullname.rpartition(".")[2] == "__main__":
             # run by runpy, never imported as the new module: the new file under the old name
-            found = importlib.util.find_spec(new)
-            return importlib.util.spec_from_file_location(fullname, found.origin) if found else None
-        found = importlib.util.find_spec(new)
-        if found is None:
-            return None
+            return importlib.util.spec_from_file_location(fullname, found.origin)
         return importlib.machinery.ModuleSpec(fullname, _Alias(fullname, new),
                                               is_package=found.submodule_search_locations is not None)
 

@@ -52,8 +52,9 @@ def _staging(plan, buffers, q4: torch.Tensor) -> dict:
     """``role -> flat staging buffer`` of ``plan``'s sizes in q's dtype and device, from ``buffers``
     (None = the process-wide pool); raises on every rank alike when they cannot be reserved."""
     pool = buffers if buffers is not None else default_staging_buffers()
-    pool.reserve(plan.buffer_sizes(), q4.dtype, q4.device)  # raises on every rank alike
-    return {role: pool.get(role, n, q4.dtype, q4.device) for role, n in plan.buffer_sizes().items()}
+    sizes = plan.buffer_sizes()
+    pool.reserve(sizes, q4.dtype, q4.device)  # raises on every rank alike
+    return {role: pool.get(role, n, q4.dtype, q4.device) for role, n in sizes.items()}
 
 
 def _send_inputs(plan, bufs, q4, k4, v4, prologue, group, asynchronous, phase) -> list:
@@ -63,7 +64,8 @@ def _send_inputs(plan, bufs, q4, k4, v4, prologue, group, asynchronous, phase) -
     for first, stop in plan.pack_runs:
         run = plan.chunks[first:stop]
         with phase("pack"):
-            send, ranges = bufs["in_send"][run[0].in_send[0]:run[-1].in_send[1]], [c.head_ranges for c in run]
+            send = _view(bufs, "in_send", (run[0].in_send[0], run[-1].in_send[1]))  # the run's chunks
+            ranges = [c.head_ranges for c in run]
             if prologue is None:
                 pack_qkv_chunks(q4, k4, v4, send, ranges)
             else:

@@ -80,7 +80,12 @@ def check_torchao_linears(root: nn.Module) -> None:
     """ValueError naming the first torchao FP8 linear under ``root`` that
     :func:`torchao_to_fp8_linear` could not replace (a bias, scales that are not per row, no FP8
     linear registered): for a caller that must refuse before it changes anything."""
-    for name, module in _torchao_linears(root):
+    _refuse_unswappable(_torchao_linears(root))
+
+
+def _refuse_unswappable(linears: list[tuple[str, nn.Linear]]) -> None:
+    """ValueError for the first of ``linears`` that :func:`_unswappable` names."""
+    for name, module in linears:
         problem = _unswappable(name, module)
         if problem is not None:
             raise ValueError(problem)
@@ -91,9 +96,10 @@ def torchao_to_fp8_linear(root: nn.Module) -> int:
     registered FP8 linear (:func:`register_fp8_linear`) on the same codes and scales (its
     ``fast_accum`` from the tensor's ``mm_config``). Returns how many; ValueError (before any
     swap) as :func:`check_torchao_linears`."""
-    check_torchao_linears(root)
+    linears = _torchao_linears(root)
+    _refuse_unswappable(linears)
     swaps = []
-    for name, module in _torchao_linears(root):
+    for name, module in linears:
         w = module.weight
         fast = bool(getattr(getattr(w, "mm_config", None), "use_fast_accum", False))
         swaps.append((name, _FP8_LINEAR[0](w.qdata, w.scale, fast_accum=fast)))

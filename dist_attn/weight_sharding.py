@@ -198,13 +198,15 @@ def shard_module(root: nn.Module, units: Sequence[str], group=None, *, prefetch:
             ``materialize`` and ``device``, or left on meta after it.
     """
     names, modules = _checked_units(root, units, prefetch)
-    check_torchao_linears(root)  # those already quantized: refused before any unit is sharded
     meta = meta_parameters(root)
     if meta and (materialize is None or device is None):
         raise ValueError(f"{meta}: pass materialize= and device= to fill them unit by unit")
     group, world, _ = group_size_and_rank(group)
+    mesh = _fsdp_mesh(group, root, device)
+    if mesh is not None:  # the FP8 linears already quantized: refused before anything changes
+        check_torchao_linears(root)
     root.requires_grad_(False)
-    run = _Sharding(root=root, mesh=_fsdp_mesh(group, root, device), prepare=prepare)
+    run = _Sharding(root=root, mesh=mesh, prepare=prepare)
     run.walk(modules, materialize if meta else None, device)
     total = run.finish_root(names)
     if run.mesh is not None:

@@ -243,10 +243,12 @@ def test_the_modules_hold_what_weight_sharding_takes(monkeypatch):
     with pytest.raises(ValueError, match=r"0: a torchao FP8 linear, and no FP8 linear module is "
                                          r"registered .*register_fp8_linear"):
         wc.torchao_to_fp8_linear(root)
-    # shard_module refuses before it shards or swaps anything: the model is left as it was
+    # with a group to shard over, shard_module refuses before it shards or swaps anything: the
+    # model is left as it was (the mesh stands in for a process group's; fully_shard never runs)
+    monkeypatch.setattr(ws, "_fsdp_mesh", lambda group, root, device: object())
     with pytest.raises(ValueError, match=r"no FP8 linear module is registered"):
         ws.shard_module(root, ["0"])
-    assert type(root[0]) is nn.Linear and not ws.is_sharded(root)
+    assert type(root[0]) is nn.Linear and not ws.is_sharded(root) and root[0].weight.requires_grad
     # a bias is named first, registered module or not (the swap could not take it either way)
     biased = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=True))
     biased[0].weight.qdata, biased[0].weight.scale = codes, scales
